@@ -1,0 +1,41 @@
+# Felix: thin entry points; the work is done by cargo.
+# `make run` builds and starts a broker with safe local defaults; `make test` is what CI runs.
+
+CARGO ?= cargo
+APT_PACKAGES := pkg-config
+
+.PHONY: run build test lint fmt deps bench-micro clean
+
+run: deps
+	$(CARGO) build --release -p felix
+	./target/release/felix broker
+
+build: deps
+	$(CARGO) build --release -p felix
+
+# Everything CI checks: formatting, lints (warnings are errors), then every test.
+test: deps lint
+	$(CARGO) test --workspace --all-targets
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+fmt:
+	$(CARGO) fmt --all
+
+# System packages the build links against; installed only when missing (needs root or sudo).
+deps:
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+		echo "make deps: installing$$missing"; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	fi
+
+# Criterion microbenchmarks of every crate (figures go to docs/performance.md by hand).
+bench-micro:
+	$(CARGO) bench --workspace -- --warm-up-time 1 --measurement-time 3
+
+clean:
+	$(CARGO) clean
