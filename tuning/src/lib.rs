@@ -1,12 +1,35 @@
-//! Felix typed configuration: one struct, layered defaults < file < FELIX_* environment <
-//! command-line flags, with the source of every effective value kept for `felix config`.
-//! A bad value is an error naming the variable and the accepted range.
+//! Felix typed configuration: one struct, layered defaults < config file (TOML) < FELIX_*
+//! environment < command-line flags, with the source of every effective value kept for
+//! `felix config`. A bad value is an error naming the variable, the value, where it came from
+//! and what is accepted; nothing silently falls back.
 //!
-//! API CONTRACT (implementation in progress): the broker and CLI are written against the
-//! names below; keep them.
+//! The crate owns the settings table (`settings.rs`: one entry per setting drives parsing,
+//! validation, [`Config::entries`] and [`reference_markdown`]) and the value syntax
+//! (`values.rs`). It runs once, on the thread that starts the broker or a CLI command, before
+//! any data-plane core starts; it keeps no per-core state and does no IO besides reading the
+//! config file. The broker copies the values it needs to each core.
 
+mod settings;
+mod values;
+
+use std::collections::BTreeMap;
+use std::fmt;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+use settings::{BaseDirs, DefaultValue, Restart, SETTINGS, Setting};
+use values::FieldValue;
+
+/// Every setting's environment variable starts with this; so does [`CONFIG_ENV`].
+const ENV_PREFIX: &str = "FELIX_";
+
+/// Names the config file when `Config::load` is not given one. Not a setting itself.
+pub const CONFIG_ENV: &str = "FELIX_CONFIG";
+
+/// Directory under the data directory holding the development TLS pair.
+const DEV_TLS_DIR: &str = "tls";
+const DEV_CERT_FILE: &str = "dev-cert.pem";
+const DEV_KEY_FILE: &str = "dev-key.pem";
 
 /// Where an effective value came from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,6 +43,17 @@ pub enum Source {
     Flag,
 }
 
+impl fmt::Display for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Source::Default => f.write_str("default"),
+            Source::File(path) => write!(f, "file {}", path.display()),
+            Source::Env(_) => f.write_str("environment"),
+            Source::Flag => f.write_str("command-line flag"),
+        }
+    }
+}
+
 /// One line of `felix config`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Entry {
@@ -30,7 +64,23 @@ pub struct Entry {
     pub source: Source,
 }
 
+/// Where each setting's value came from, by variable name. A setting missing here (a `Config`
+/// built by hand) reports [`Source::Default`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Sources(BTreeMap<&'static str, Source>);
+
+impl Sources {
+    /// The source of the setting named `env` (its environment variable name).
+    pub fn of(&self, env: &str) -> Source {
+        self.0.get(env).cloned().unwrap_or(Source::Default)
+    }
+}
+
 /// Every setting of the broker and of the CLI/client, with its effective value.
+///
+/// Ranges are inclusive. "Restart" means the broker reads the value once at start-up; client
+/// settings are read by each `felix` command. The settings table in `settings.rs` is the
+/// authority; docs/configuration.md is generated from it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
     // ---- broker ----
@@ -38,33 +88,397 @@ pub struct Config {
     pub bind: SocketAddr,
     /// FELIX_METRICS_BIND: Prometheus HTTP address, or `off`. Default 127.0.0.1:9400. Restart.
     pub metrics_bind: Option<SocketAddr>,
-    /// FELIX_DATA_DIR: data directory (logs, dev TLS pair). Default
-    /// `$XDG_DATA_HOME/felix`, else `$HOME/.local/share/felix`, else `./felix-data`.
+    /// FELIX_DATA_DIR: data directory (logs, dev TLS pair), non-empty. Default
+    /// `$XDG_DATA_HOME/felix`, else `$HOME/.local/share/felix`, else `./felix-data`. Restart.
     pub data_dir: PathBuf,
-    /// FELIX_TLS_CERT / FELIX_TLS_KEY: PEM certificate chain and key. Default: unset, the
-    /// broker generates (once) a development pair under `<data_dir>/tls/`.
+    /// FELIX_TLS_CERT / FELIX_TLS_KEY: PEM certificate chain and key, both set or both unset.
+    /// Default: unset, the broker generates (once) a development pair under `<data_dir>/tls/`.
+    /// Restart.
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
-    /// FELIX_REPLAY_RING_MAX_BYTES: per-shard ring bound in payload bytes. Default 64 MiB.
+    /// FELIX_REPLAY_RING_MAX_BYTES: per-shard ring bound in payload bytes, 0..=1 TiB.
+    /// Default 64 MiB. Restart.
     pub replay_ring_max_bytes: u64,
-    /// FELIX_REPLAY_RING_MAX_RECORDS: per-shard ring bound in records. Default 1024.
+    /// FELIX_REPLAY_RING_MAX_RECORDS: per-shard ring bound in records, 0..=16777216.
+    /// Default 1024. Restart.
     pub replay_ring_max_records: u64,
-    /// FELIX_MAX_FRAME_BYTES: largest frame body. Default 16 MiB.
+    /// FELIX_MAX_FRAME_BYTES: largest frame body, 64 KiB..=64 MiB. Default 16 MiB. Restart.
     pub max_frame_bytes: u32,
-    /// FELIX_MAX_BATCH_RECORDS: largest publish batch. Default 4096.
+    /// FELIX_MAX_BATCH_RECORDS: largest publish batch, 1..=65536. Default 4096. Restart.
     pub max_batch_records: u32,
-    /// FELIX_SUBSCRIBER_QUEUE_MAX_BYTES: live backlog per subscription. Default 64 MiB.
+    /// FELIX_SUBSCRIBER_QUEUE_MAX_BYTES: live backlog per subscription, 64 KiB..=16 GiB.
+    /// Default 64 MiB. Restart.
     pub subscriber_queue_max_bytes: u64,
+    /// FELIX_LOG: tracing filter for the broker and the CLI, non-empty. Default `info`.
+    /// Restart.
+    pub log: String,
     // ---- client / CLI ----
     /// FELIX_ADDR: broker address the CLI connects to. Default 127.0.0.1:7400.
     pub addr: SocketAddr,
-    /// FELIX_SERVER_NAME: TLS server name the client verifies. Default `localhost`.
+    /// FELIX_SERVER_NAME: TLS server name the client verifies, non-empty. Default `localhost`.
     pub server_name: String,
     /// FELIX_CA: CA certificate (PEM) the client trusts. Default
-    /// `<data_dir>/tls/dev-cert.pem` (the generated development certificate).
+    /// `<data_dir>/tls/dev-cert.pem` (the generated development certificate); see
+    /// [`Config::ca_path`].
     pub ca: Option<PathBuf>,
-    /// FELIX_INSECURE: skip server certificate verification (development only). Default 0.
+    /// FELIX_INSECURE: skip server certificate verification (development only), 0/1/true/false.
+    /// Default 0.
     pub insecure: bool,
-    /// FELIX_PUBLISH_INFLIGHT_BYTES: client publish budget. Default 4 MiB.
+    /// FELIX_PUBLISH_INFLIGHT_BYTES: client publish budget, 4 KiB..=4 GiB. Default 4 MiB.
     pub publish_inflight_bytes: u64,
+    // ---- bookkeeping ----
+    /// Where each value above came from, for `felix config`.
+    pub sources: Sources,
 }
+
+/// Why a configuration was refused. Every message names what to fix.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// A value its setting does not accept.
+    #[error("{env}={value:?} (from {origin}) is invalid: expected {expected}")]
+    Invalid {
+        env: &'static str,
+        value: String,
+        origin: Source,
+        expected: String,
+    },
+    /// A config-file value of a TOML type no setting takes (array, table, date-time).
+    #[error(
+        "{env} (key `{key}` in config file {}) is a TOML {found}: expected {expected}",
+        path.display()
+    )]
+    FileValueType {
+        env: &'static str,
+        key: String,
+        path: PathBuf,
+        found: &'static str,
+        expected: String,
+    },
+    #[error("unknown setting {name}; `felix config` lists the known ones")]
+    UnknownEnv { name: String },
+    #[error(
+        "unknown setting {name} given as a command-line flag; `felix config` lists the known ones"
+    )]
+    UnknownFlag { name: String },
+    #[error(
+        "unknown key `{key}` in config file {}; keys are the FELIX_* names without FELIX_, \
+         lowercased, and `felix config` lists the known ones",
+        path.display()
+    )]
+    UnknownFileKey { key: String, path: PathBuf },
+    #[error("cannot read config file {}: {error}", path.display())]
+    ReadFile {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+    #[error("config file {} is not valid TOML: {message}", path.display())]
+    ParseFile { path: PathBuf, message: String },
+    #[error(
+        "{set} is set (from {origin}) but {missing} is not: set both (certificate chain and \
+         its key) or neither (the broker then generates a development pair)"
+    )]
+    TlsPairIncomplete {
+        set: &'static str,
+        missing: &'static str,
+        origin: Source,
+    },
+    #[error("environment variable {name} is not valid UTF-8")]
+    NotUnicode { name: String },
+}
+
+impl Config {
+    /// Layers defaults < `file` (else the file named by FELIX_CONFIG in `env`; no file is
+    /// fine) < FELIX_* variables of `env` < `flags`. Each flag is (variable name, raw value),
+    /// so CLI flags map onto the same settings; a later flag wins over an earlier one.
+    /// Variables of `env` outside FELIX_* are ignored except `XDG_DATA_HOME` and `HOME`, which
+    /// give the default data directory.
+    pub fn load(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+        flags: &[(&str, String)],
+    ) -> Result<Config, ConfigError> {
+        let mut dirs = BaseDirs::default();
+        let mut config_env = None;
+        let mut felix_env = BTreeMap::new();
+        for (name, value) in env {
+            match name.as_str() {
+                CONFIG_ENV => config_env = Some(value),
+                "XDG_DATA_HOME" => dirs.xdg_data_home = Some(value),
+                "HOME" => dirs.home = Some(value),
+                _ if name.starts_with(ENV_PREFIX) => match setting_named(&name) {
+                    Some(setting) => {
+                        felix_env.insert(setting.env, value);
+                    }
+                    None => return Err(ConfigError::UnknownEnv { name }),
+                },
+                _ => {}
+            }
+        }
+        if let Some((name, _)) = flags.iter().find(|(name, _)| setting_named(name).is_none()) {
+            return Err(ConfigError::UnknownFlag {
+                name: (*name).to_owned(),
+            });
+        }
+        let file_path = match file {
+            Some(path) => Some(path.to_path_buf()),
+            None => config_env
+                .filter(|path| !path.is_empty())
+                .map(PathBuf::from),
+        };
+        let file = match file_path {
+            Some(path) => Some(read_file(path)?),
+            None => None,
+        };
+        let layers = Layers {
+            dirs,
+            file,
+            env: felix_env,
+            flags,
+        };
+        let config = settings::build(&layers)?;
+        config.check_tls_pair()?;
+        Ok(config)
+    }
+
+    /// [`Config::load`] with this process's environment.
+    pub fn from_process(
+        file: Option<&Path>,
+        flags: &[(&str, String)],
+    ) -> Result<Config, ConfigError> {
+        let mut env = Vec::new();
+        // vars_os, not vars: std::env::vars panics on a non-UTF-8 variable, and variables
+        // Felix does not read may hold any bytes.
+        for (name, value) in std::env::vars_os() {
+            let Ok(name) = name.into_string() else {
+                continue;
+            };
+            match value.into_string() {
+                Ok(value) => env.push((name, value)),
+                Err(_)
+                    if name.starts_with(ENV_PREFIX)
+                        || name == "HOME"
+                        || name == "XDG_DATA_HOME" =>
+                {
+                    return Err(ConfigError::NotUnicode { name });
+                }
+                Err(_) => {}
+            }
+        }
+        Self::load(file, env, flags)
+    }
+
+    /// Every setting in table order, with its effective value rendered as it would be written
+    /// in the environment (empty: unset) and where it came from.
+    pub fn entries(&self) -> Vec<Entry> {
+        settings::render_values(self)
+            .into_iter()
+            .map(|(env, value)| Entry {
+                env,
+                value,
+                source: self.sources.of(env),
+            })
+            .collect()
+    }
+
+    /// The text of `felix config`: one aligned `NAME  VALUE  SOURCE` line per setting.
+    pub fn render_table(&self) -> String {
+        let mut rows = vec![["NAME".to_owned(), "VALUE".to_owned(), "SOURCE".to_owned()]];
+        rows.extend(self.entries().into_iter().map(|entry| {
+            let value = if entry.value.is_empty() {
+                "(unset)".to_owned()
+            } else {
+                entry.value
+            };
+            [entry.env.to_owned(), value, entry.source.to_string()]
+        }));
+        let name_width = rows
+            .iter()
+            .map(|row| row[0].chars().count())
+            .max()
+            .unwrap_or(0);
+        let value_width = rows
+            .iter()
+            .map(|row| row[1].chars().count())
+            .max()
+            .unwrap_or(0);
+        let mut out = String::new();
+        for [name, value, source] in rows {
+            out.push_str(&format!(
+                "{name:<name_width$}  {value:<value_width$}  {source}\n"
+            ));
+        }
+        out
+    }
+
+    /// The CA certificate the client trusts: FELIX_CA, else the development certificate.
+    pub fn ca_path(&self) -> PathBuf {
+        self.ca.clone().unwrap_or_else(|| self.dev_cert_path())
+    }
+
+    /// `<data_dir>/tls/dev-cert.pem`: where the broker writes its development certificate.
+    pub fn dev_cert_path(&self) -> PathBuf {
+        self.data_dir.join(DEV_TLS_DIR).join(DEV_CERT_FILE)
+    }
+
+    /// `<data_dir>/tls/dev-key.pem`: where the broker writes its development key.
+    pub fn dev_key_path(&self) -> PathBuf {
+        self.data_dir.join(DEV_TLS_DIR).join(DEV_KEY_FILE)
+    }
+
+    fn check_tls_pair(&self) -> Result<(), ConfigError> {
+        let cert = settings::by_field::tls_cert.env;
+        let key = settings::by_field::tls_key.env;
+        let (set, missing) = match (&self.tls_cert, &self.tls_key) {
+            (Some(_), None) => (cert, key),
+            (None, Some(_)) => (key, cert),
+            _ => return Ok(()),
+        };
+        Err(ConfigError::TlsPairIncomplete {
+            set,
+            missing,
+            origin: self.sources.of(set),
+        })
+    }
+}
+
+/// The configuration reference (a Markdown table, one row per setting), generated from the
+/// settings table. docs/configuration.md embeds it verbatim; a test keeps the two equal.
+pub fn reference_markdown() -> String {
+    let mut out = String::from(
+        "<!-- Generated by felix_tuning::reference_markdown() from tuning/src/settings.rs; \
+         edit the table there, not this text. -->\n\
+         | Variable | File key | Default | Accepted | Restart needed | Description |\n\
+         |---|---|---|---|---|---|\n",
+    );
+    for setting in SETTINGS {
+        let default = match setting.default {
+            DefaultValue::Fixed("") => "unset".to_owned(),
+            DefaultValue::Fixed(raw) => format!("`{raw}`"),
+            DefaultValue::Derived { doc, .. } => doc.to_owned(),
+        };
+        let restart = match setting.restart {
+            Restart::Broker => "yes",
+            Restart::PerCommand => "no, read by each command",
+        };
+        let cells = [
+            format!("`{}`", setting.env),
+            format!("`{}`", setting.file_key()),
+            default,
+            setting.kind.accepts(),
+            restart.to_owned(),
+            setting.doc.to_owned(),
+        ];
+        let cells: Vec<String> = cells.iter().map(|cell| cell.replace('|', "\\|")).collect();
+        out.push_str(&format!("| {} |\n", cells.join(" | ")));
+    }
+    out
+}
+
+/// The setting whose variable is `name`.
+fn setting_named(name: &str) -> Option<&'static Setting> {
+    SETTINGS.iter().find(|setting| setting.env == name)
+}
+
+/// The values a config file gives, by variable name.
+#[derive(Debug)]
+struct FileValues {
+    path: PathBuf,
+    values: BTreeMap<&'static str, String>,
+}
+
+fn read_file(path: PathBuf) -> Result<FileValues, ConfigError> {
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(error) => return Err(ConfigError::ReadFile { path, error }),
+    };
+    let table = match text.parse::<toml::Table>() {
+        Ok(table) => table,
+        Err(error) => {
+            return Err(ConfigError::ParseFile {
+                path,
+                message: error.to_string(),
+            });
+        }
+    };
+    let mut values = BTreeMap::new();
+    for (key, value) in table {
+        let Some(setting) = SETTINGS.iter().find(|setting| setting.file_key() == key) else {
+            return Err(ConfigError::UnknownFileKey { key, path });
+        };
+        // Scalars become the text they would have in the environment; `64MiB` has to be a
+        // TOML string, 67108864 may be an integer, `insecure = true` a boolean.
+        let raw = match value {
+            toml::Value::String(text) => text,
+            toml::Value::Integer(number) => number.to_string(),
+            toml::Value::Float(number) => number.to_string(),
+            toml::Value::Boolean(flag) => flag.to_string(),
+            other => {
+                return Err(ConfigError::FileValueType {
+                    env: setting.env,
+                    key,
+                    path,
+                    found: other.type_str(),
+                    expected: setting.expected(),
+                });
+            }
+        };
+        values.insert(setting.env, raw);
+    }
+    Ok(FileValues { path, values })
+}
+
+/// The layers a value can come from, lowest first: default, file, environment, flags.
+struct Layers<'a> {
+    dirs: BaseDirs,
+    file: Option<FileValues>,
+    env: BTreeMap<&'static str, String>,
+    flags: &'a [(&'a str, String)],
+}
+
+impl Layers<'_> {
+    /// The typed value of `setting` from the highest layer that sets it; records its source.
+    fn resolve<T: FieldValue>(
+        &self,
+        setting: &Setting,
+        sources: &mut Sources,
+    ) -> Result<T, ConfigError> {
+        let (raw, source) = self.raw(setting);
+        let Some(value) = T::parse(setting.kind, &raw) else {
+            return Err(ConfigError::Invalid {
+                env: setting.env,
+                value: raw,
+                origin: source,
+                expected: setting.expected(),
+            });
+        };
+        sources.0.insert(setting.env, source);
+        Ok(value)
+    }
+
+    fn raw(&self, setting: &Setting) -> (String, Source) {
+        if let Some((_, raw)) = self
+            .flags
+            .iter()
+            .rev()
+            .find(|(name, _)| *name == setting.env)
+        {
+            return (raw.clone(), Source::Flag);
+        }
+        if let Some(raw) = self.env.get(setting.env) {
+            return (raw.clone(), Source::Env(setting.env.to_owned()));
+        }
+        if let Some(file) = &self.file
+            && let Some(raw) = file.values.get(setting.env)
+        {
+            return (raw.clone(), Source::File(file.path.clone()));
+        }
+        let raw = match setting.default {
+            DefaultValue::Fixed(raw) => raw.to_owned(),
+            DefaultValue::Derived { compute, .. } => compute(&self.dirs),
+        };
+        (raw, Source::Default)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,297 @@
+//! THE table of settings. Parsing, validation, `felix config` (`Config::entries`) and the
+//! reference in docs/configuration.md all read it, so a new setting is one entry in the
+//! `settings!` invocation below (plus its field in `Config`; the compiler refuses a field
+//! without an entry and an entry without a field).
+
+use crate::values::{FieldValue, GIB, KIB, Kind, MIB, TIB};
+use crate::{Config, ConfigError, Layers, Sources};
+
+// ---- bounds (inclusive) ----
+// These catch mistakes (wrong unit, extra digits) rather than tune anything: each is far from
+// where a sane deployment sits, and the reason is given so a change can be argued with.
+
+/// No machine Felix targets has 1 TiB of memory for one shard's ring.
+const REPLAY_RING_MAX_BYTES_MAX: u64 = TIB;
+/// 2^24 records per shard, times tens of shards, is far beyond any replay window.
+const REPLAY_RING_MAX_RECORDS_MAX: u64 = 1 << 24;
+/// Below 64 KiB a frame could not carry an ordinary batch plus its headers.
+const MAX_FRAME_BYTES_MIN: u64 = 64 * KIB;
+/// A connection may buffer one whole frame: 64 MiB bounds that per-connection memory.
+const MAX_FRAME_BYTES_MAX: u64 = 64 * MIB;
+/// A batch holds at least one record.
+const MAX_BATCH_RECORDS_MIN: u64 = 1;
+/// 2^16 records is 1024 times the reference fast path (batches of 64).
+const MAX_BATCH_RECORDS_MAX: u64 = 1 << 16;
+/// A subscription's backlog must hold at least one frame of the smallest allowed size.
+const SUBSCRIBER_QUEUE_MAX_BYTES_MIN: u64 = MAX_FRAME_BYTES_MIN;
+/// 16 GiB for one subscription's live backlog exceeds any broker's memory budget.
+const SUBSCRIBER_QUEUE_MAX_BYTES_MAX: u64 = 16 * GIB;
+/// One page: less could not keep even one small publish in flight.
+const PUBLISH_INFLIGHT_BYTES_MIN: u64 = 4 * KIB;
+/// More than 4 GiB in flight from one client would only queue inside the broker.
+const PUBLISH_INFLIGHT_BYTES_MAX: u64 = 4 * GIB;
+
+// The u32 fields must be able to hold their whole accepted range.
+const _: () = assert!(MAX_FRAME_BYTES_MAX <= u32::MAX as u64);
+const _: () = assert!(MAX_BATCH_RECORDS_MAX <= u32::MAX as u64);
+const _: () = assert!(MAX_FRAME_BYTES_MIN <= MAX_FRAME_BYTES_MAX);
+const _: () = assert!(SUBSCRIBER_QUEUE_MAX_BYTES_MIN >= MAX_FRAME_BYTES_MIN);
+
+/// One setting's description; the field it fills is bound by the `settings!` macro.
+#[derive(Debug)]
+pub(crate) struct Setting {
+    /// Environment variable name; the file key and flag name derive from it.
+    pub(crate) env: &'static str,
+    pub(crate) kind: Kind,
+    pub(crate) default: DefaultValue,
+    pub(crate) restart: Restart,
+    /// One or two sentences for the reference.
+    pub(crate) doc: &'static str,
+}
+
+impl Setting {
+    /// The key in the config file: the variable name without `FELIX_`, lowercased.
+    pub(crate) fn file_key(&self) -> String {
+        self.env
+            .strip_prefix(crate::ENV_PREFIX)
+            .unwrap_or(self.env)
+            .to_ascii_lowercase()
+    }
+
+    /// The tail of an invalid-value message: what is accepted, with examples.
+    pub(crate) fn expected(&self) -> String {
+        let accepts = self.kind.accepts();
+        let examples = match self.default {
+            DefaultValue::Fixed(raw) => self.kind.examples(raw),
+            DefaultValue::Derived { .. } => None,
+        };
+        match examples {
+            Some(examples) => format!("{accepts}, such as {examples}"),
+            None => accepts,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum DefaultValue {
+    /// Raw text parsed by the setting's kind like any other value; empty means unset.
+    Fixed(&'static str),
+    /// Computed from the environment given to `Config::load`; `doc` says how.
+    Derived {
+        compute: fn(&BaseDirs) -> String,
+        doc: &'static str,
+    },
+}
+
+/// When a changed value takes effect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Restart {
+    /// Read once when the broker starts: restart it to apply a change.
+    Broker,
+    /// Read by each `felix` client command: the next command uses the new value.
+    PerCommand,
+}
+
+/// The environment variables the derived defaults look at.
+#[derive(Debug, Default)]
+pub(crate) struct BaseDirs {
+    pub(crate) xdg_data_home: Option<String>,
+    pub(crate) home: Option<String>,
+}
+
+/// `$XDG_DATA_HOME/felix`, else `$HOME/.local/share/felix`, else `./felix-data`. The XDG
+/// base-directory spec says to ignore an empty or relative `XDG_DATA_HOME`.
+fn default_data_dir(dirs: &BaseDirs) -> String {
+    if let Some(xdg) = dirs
+        .xdg_data_home
+        .as_deref()
+        .filter(|xdg| xdg.starts_with('/'))
+    {
+        return format!("{}/felix", xdg.trim_end_matches('/'));
+    }
+    if let Some(home) = dirs.home.as_deref().filter(|home| !home.is_empty()) {
+        return format!("{}/.local/share/felix", home.trim_end_matches('/'));
+    }
+    "./felix-data".to_owned()
+}
+
+macro_rules! settings {
+    (@render $config:ident, $field:ident) => {
+        FieldValue::render(&$config.$field, by_field::$field.kind)
+    };
+    (@render $config:ident, $field:ident, $render:expr) => {
+        ($render)($config)
+    };
+    ($(
+        $field:ident {
+            env: $env:literal,
+            kind: $kind:expr,
+            default: $default:expr,
+            restart: $restart:expr,
+            doc: $doc:literal,
+            $(render: $render:expr,)?
+        }
+    )*) => {
+        /// One constant per setting, named after the `Config` field it fills.
+        #[allow(non_upper_case_globals)]
+        pub(crate) mod by_field {
+            use super::*;
+            $(
+                pub(crate) const $field: Setting = Setting {
+                    env: $env,
+                    kind: $kind,
+                    default: $default,
+                    restart: $restart,
+                    doc: $doc,
+                };
+            )*
+        }
+
+        /// Every setting, in `felix config` and reference order.
+        pub(crate) static SETTINGS: &[Setting] = &[$(by_field::$field),*];
+
+        /// Resolves every field through the layers, recording where each value came from.
+        pub(crate) fn build(layers: &Layers<'_>) -> Result<Config, ConfigError> {
+            let mut sources = Sources::default();
+            $( let $field = layers.resolve(&by_field::$field, &mut sources)?; )*
+            Ok(Config { $($field,)* sources })
+        }
+
+        /// Every setting's effective value as it would be written in the environment.
+        pub(crate) fn render_values(config: &Config) -> Vec<(&'static str, String)> {
+            vec![$( (by_field::$field.env, settings!(@render config, $field $(, $render)?)) ),*]
+        }
+    };
+}
+
+use DefaultValue::{Derived, Fixed};
+
+settings! {
+    // ---- broker ----
+    bind {
+        env: "FELIX_BIND",
+        kind: Kind::Addr,
+        default: Fixed("127.0.0.1:7400"),
+        restart: Restart::Broker,
+        doc: "QUIC (UDP) address the broker listens on.",
+    }
+    metrics_bind {
+        env: "FELIX_METRICS_BIND",
+        kind: Kind::AddrOrOff,
+        default: Fixed("127.0.0.1:9400"),
+        restart: Restart::Broker,
+        doc: "HTTP address of the Prometheus `/metrics` endpoint, or `off` for none.",
+    }
+    data_dir {
+        env: "FELIX_DATA_DIR",
+        kind: Kind::Path,
+        default: Derived {
+            compute: default_data_dir,
+            doc: "`$XDG_DATA_HOME/felix`, else `$HOME/.local/share/felix`, else `./felix-data`",
+        },
+        restart: Restart::Broker,
+        doc: "Data directory: durable stream logs and the development TLS pair (`tls/`). \
+              The CLI reads it to find the development certificate.",
+    }
+    tls_cert {
+        env: "FELIX_TLS_CERT",
+        kind: Kind::OptionalPath,
+        default: Fixed(""),
+        restart: Restart::Broker,
+        doc: "PEM certificate chain the broker presents. Set together with FELIX_TLS_KEY, or \
+              leave both unset and the broker generates (once) a development pair under \
+              `<data_dir>/tls/`.",
+    }
+    tls_key {
+        env: "FELIX_TLS_KEY",
+        kind: Kind::OptionalPath,
+        default: Fixed(""),
+        restart: Restart::Broker,
+        doc: "PEM private key of FELIX_TLS_CERT. Set both or neither.",
+    }
+    replay_ring_max_bytes {
+        env: "FELIX_REPLAY_RING_MAX_BYTES",
+        kind: Kind::Size { min: 0, max: REPLAY_RING_MAX_BYTES_MAX },
+        default: Fixed("64MiB"),
+        restart: Restart::Broker,
+        doc: "Per-shard bound of an in-memory stream's replay ring, in payload bytes; \
+              the oldest records leave first.",
+    }
+    replay_ring_max_records {
+        env: "FELIX_REPLAY_RING_MAX_RECORDS",
+        kind: Kind::Count { min: 0, max: REPLAY_RING_MAX_RECORDS_MAX },
+        default: Fixed("1024"),
+        restart: Restart::Broker,
+        doc: "Per-shard bound of an in-memory stream's replay ring, in records.",
+    }
+    max_frame_bytes {
+        env: "FELIX_MAX_FRAME_BYTES",
+        kind: Kind::Size { min: MAX_FRAME_BYTES_MIN, max: MAX_FRAME_BYTES_MAX },
+        default: Fixed("16MiB"),
+        restart: Restart::Broker,
+        doc: "Largest frame body on a connection, in bytes.",
+    }
+    max_batch_records {
+        env: "FELIX_MAX_BATCH_RECORDS",
+        kind: Kind::Count { min: MAX_BATCH_RECORDS_MIN, max: MAX_BATCH_RECORDS_MAX },
+        default: Fixed("4096"),
+        restart: Restart::Broker,
+        doc: "Most records in one publish batch.",
+    }
+    subscriber_queue_max_bytes {
+        env: "FELIX_SUBSCRIBER_QUEUE_MAX_BYTES",
+        kind: Kind::Size {
+            min: SUBSCRIBER_QUEUE_MAX_BYTES_MIN,
+            max: SUBSCRIBER_QUEUE_MAX_BYTES_MAX,
+        },
+        default: Fixed("64MiB"),
+        restart: Restart::Broker,
+        doc: "Live backlog the broker holds for one subscription, in bytes.",
+    }
+    log {
+        env: "FELIX_LOG",
+        kind: Kind::Text { what: "a non-empty tracing filter" },
+        default: Fixed("info"),
+        restart: Restart::Broker,
+        doc: "Log filter (tracing `EnvFilter` syntax, e.g. `info,felix_broker=debug`), for \
+              the broker and the CLI.",
+    }
+    // ---- client / CLI ----
+    addr {
+        env: "FELIX_ADDR",
+        kind: Kind::Addr,
+        default: Fixed("127.0.0.1:7400"),
+        restart: Restart::PerCommand,
+        doc: "Broker address the CLI connects to.",
+    }
+    server_name {
+        env: "FELIX_SERVER_NAME",
+        kind: Kind::Text { what: "a non-empty TLS server name" },
+        default: Fixed("localhost"),
+        restart: Restart::PerCommand,
+        doc: "TLS server name the client verifies the broker's certificate against.",
+    }
+    ca {
+        env: "FELIX_CA",
+        kind: Kind::OptionalPath,
+        default: Fixed(""),
+        restart: Restart::PerCommand,
+        doc: "CA certificate (PEM) the client trusts. Unset: `<data_dir>/tls/dev-cert.pem`, \
+              the broker's generated development certificate.",
+        render: |config: &Config| config.ca_path().display().to_string(),
+    }
+    insecure {
+        env: "FELIX_INSECURE",
+        kind: Kind::Bool,
+        default: Fixed("0"),
+        restart: Restart::PerCommand,
+        doc: "Skip verification of the broker's certificate. Development only.",
+    }
+    publish_inflight_bytes {
+        env: "FELIX_PUBLISH_INFLIGHT_BYTES",
+        kind: Kind::Size { min: PUBLISH_INFLIGHT_BYTES_MIN, max: PUBLISH_INFLIGHT_BYTES_MAX },
+        default: Fixed("4MiB"),
+        restart: Restart::PerCommand,
+        doc: "Client publish budget: payload bytes sent and not yet acknowledged.",
+    }
+}

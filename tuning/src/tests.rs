@@ -1,0 +1,561 @@
+use std::io::Write as _;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use crate::settings::SETTINGS;
+use crate::values::{Kind, format_size, parse_size};
+use crate::{Config, ConfigError, Entry, Source, reference_markdown};
+
+fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    pairs
+        .iter()
+        .map(|(name, value)| ((*name).to_owned(), (*value).to_owned()))
+        .collect()
+}
+
+fn load_env(pairs: &[(&str, &str)]) -> Result<Config, ConfigError> {
+    Config::load(None, env(pairs), &[])
+}
+
+fn config_file(text: &str) -> tempfile::NamedTempFile {
+    let mut file = tempfile::NamedTempFile::new().expect("create temp config file");
+    file.write_all(text.as_bytes())
+        .expect("write temp config file");
+    file
+}
+
+fn entry(config: &Config, env: &str) -> Entry {
+    config
+        .entries()
+        .into_iter()
+        .find(|entry| entry.env == env)
+        .unwrap_or_else(|| panic!("no entry for {env}"))
+}
+
+fn addr(text: &str) -> SocketAddr {
+    text.parse().expect("test address")
+}
+
+/// Values each kind must refuse, including one just past each bound.
+fn bad_values(kind: Kind) -> Vec<String> {
+    let fixed: &[&str] = match kind {
+        Kind::Size { .. } => &["abc", "", "12XiB", "1.5MiB", "-1", "64mib", "MiB"],
+        Kind::Count { .. } => &["abc", "", "1KiB", "-1", "1.5"],
+        Kind::Bool => &["yes", "2", "", "on"],
+        Kind::Addr => &["abc", "", "localhost:7400", "127.0.0.1"],
+        Kind::AddrOrOff => &["on", "", "127.0.0.1"],
+        Kind::Path => &["", "a\0b"],
+        Kind::OptionalPath => &["a\0b"],
+        Kind::Text { .. } => &["", "   "],
+    };
+    let mut values: Vec<String> = fixed.iter().map(|value| (*value).to_owned()).collect();
+    if let Kind::Size { min, max } | Kind::Count { min, max } = kind {
+        values.push((max + 1).to_string());
+        if min > 0 {
+            values.push((min - 1).to_string());
+        }
+    }
+    values
+}
+
+#[test]
+fn defaults_are_the_documented_values() {
+    // With no file, no FELIX_* variables and no flags, every field has its documented default.
+    let config = load_env(&[("HOME", "/home/ada"), ("PATH", "/usr/bin")]).expect("defaults load");
+    assert_eq!(config.bind, addr("127.0.0.1:7400"));
+    assert_eq!(config.metrics_bind, Some(addr("127.0.0.1:9400")));
+    assert_eq!(
+        config.data_dir,
+        PathBuf::from("/home/ada/.local/share/felix")
+    );
+    assert_eq!(config.tls_cert, None);
+    assert_eq!(config.tls_key, None);
+    assert_eq!(config.replay_ring_max_bytes, 64 << 20);
+    assert_eq!(config.replay_ring_max_records, 1024);
+    assert_eq!(config.max_frame_bytes, 16 << 20);
+    assert_eq!(config.max_batch_records, 4096);
+    assert_eq!(config.subscriber_queue_max_bytes, 64 << 20);
+    assert_eq!(config.log, "info");
+    assert_eq!(config.addr, addr("127.0.0.1:7400"));
+    assert_eq!(config.server_name, "localhost");
+    assert_eq!(config.ca, None);
+    assert!(!config.insecure);
+    assert_eq!(config.publish_inflight_bytes, 4 << 20);
+    let entries = config.entries();
+    assert_eq!(entries.len(), SETTINGS.len());
+    assert!(entries.iter().all(|entry| entry.source == Source::Default));
+    assert_eq!(entry(&config, "FELIX_REPLAY_RING_MAX_BYTES").value, "64MiB");
+    assert_eq!(entry(&config, "FELIX_METRICS_BIND").value, "127.0.0.1:9400");
+    assert_eq!(entry(&config, "FELIX_TLS_CERT").value, "");
+    assert_eq!(entry(&config, "FELIX_INSECURE").value, "0");
+}
+
+#[test]
+fn tls_paths_derive_from_the_data_dir() {
+    // The development pair and the default CA live under <data_dir>/tls/; FELIX_CA overrides.
+    let config = load_env(&[("FELIX_DATA_DIR", "/var/lib/felix")]).expect("load");
+    assert_eq!(
+        config.dev_cert_path(),
+        Path::new("/var/lib/felix/tls/dev-cert.pem")
+    );
+    assert_eq!(
+        config.dev_key_path(),
+        Path::new("/var/lib/felix/tls/dev-key.pem")
+    );
+    assert_eq!(config.ca_path(), config.dev_cert_path());
+    assert_eq!(
+        entry(&config, "FELIX_CA").value,
+        "/var/lib/felix/tls/dev-cert.pem"
+    );
+    let config = load_env(&[("FELIX_CA", "/etc/felix/ca.pem")]).expect("load");
+    assert_eq!(config.ca_path(), Path::new("/etc/felix/ca.pem"));
+    assert_eq!(entry(&config, "FELIX_CA").value, "/etc/felix/ca.pem");
+}
+
+#[test]
+fn data_dir_default_follows_xdg_then_home_then_cwd() {
+    // The default data directory comes from the env given to load, in XDG order.
+    let both = load_env(&[("XDG_DATA_HOME", "/xdg/"), ("HOME", "/home/ada")]).expect("load");
+    assert_eq!(both.data_dir, Path::new("/xdg/felix"));
+    let relative_xdg = load_env(&[("XDG_DATA_HOME", "rel"), ("HOME", "/home/ada")]).expect("load");
+    assert_eq!(
+        relative_xdg.data_dir,
+        Path::new("/home/ada/.local/share/felix")
+    );
+    let neither = load_env(&[("HOME", "")]).expect("load");
+    assert_eq!(neither.data_dir, Path::new("./felix-data"));
+    assert_eq!(entry(&neither, "FELIX_DATA_DIR").source, Source::Default);
+}
+
+#[test]
+fn each_layer_overrides_the_one_below() {
+    // file beats default, environment beats file, a flag beats the environment, and entries
+    // report each value's source.
+    let file = config_file(
+        "bind = \"0.0.0.0:7500\"\n\
+         replay_ring_max_bytes = \"1MiB\"\n\
+         max_batch_records = 64\n\
+         insecure = true\n\
+         server_name = \"broker.example\"\n",
+    );
+    let path = file.path();
+    let env_vars = env(&[
+        ("FELIX_REPLAY_RING_MAX_BYTES", "2MiB"),
+        ("FELIX_MAX_BATCH_RECORDS", "128"),
+    ]);
+    let flags = [("FELIX_MAX_BATCH_RECORDS", "256".to_owned())];
+    let config = Config::load(Some(path), env_vars, &flags).expect("layers load");
+
+    assert_eq!(config.bind, addr("0.0.0.0:7500"));
+    assert_eq!(config.replay_ring_max_bytes, 2 << 20);
+    assert_eq!(config.max_batch_records, 256);
+    assert!(config.insecure);
+    assert_eq!(config.server_name, "broker.example");
+    assert_eq!(config.log, "info");
+
+    let file_source = Source::File(path.to_path_buf());
+    assert_eq!(entry(&config, "FELIX_BIND").source, file_source);
+    assert_eq!(entry(&config, "FELIX_SERVER_NAME").source, file_source);
+    assert_eq!(
+        entry(&config, "FELIX_REPLAY_RING_MAX_BYTES"),
+        Entry {
+            env: "FELIX_REPLAY_RING_MAX_BYTES",
+            value: "2MiB".to_owned(),
+            source: Source::Env("FELIX_REPLAY_RING_MAX_BYTES".to_owned()),
+        }
+    );
+    assert_eq!(
+        entry(&config, "FELIX_MAX_BATCH_RECORDS").source,
+        Source::Flag
+    );
+    assert_eq!(entry(&config, "FELIX_MAX_BATCH_RECORDS").value, "256");
+    assert_eq!(entry(&config, "FELIX_INSECURE").value, "1");
+    assert_eq!(entry(&config, "FELIX_LOG").source, Source::Default);
+}
+
+#[test]
+fn later_flag_wins() {
+    // Two flags for one setting: the last one given applies.
+    let flags = [
+        ("FELIX_LOG", "debug".to_owned()),
+        ("FELIX_LOG", "warn".to_owned()),
+    ];
+    let config = Config::load(None, Vec::new(), &flags).expect("load");
+    assert_eq!(config.log, "warn");
+}
+
+#[test]
+fn felix_config_names_the_file_unless_one_is_given() {
+    // FELIX_CONFIG supplies the file path; an explicit path takes precedence over it.
+    let from_env = config_file("log = \"debug\"\n");
+    let explicit = config_file("log = \"trace\"\n");
+    let env_path = from_env.path().to_str().expect("utf-8 temp path");
+    let config = load_env(&[("FELIX_CONFIG", env_path)]).expect("load");
+    assert_eq!(config.log, "debug");
+    assert_eq!(
+        entry(&config, "FELIX_LOG").source,
+        Source::File(from_env.path().to_path_buf())
+    );
+    let config = Config::load(
+        Some(explicit.path()),
+        env(&[("FELIX_CONFIG", env_path)]),
+        &[],
+    )
+    .expect("load");
+    assert_eq!(config.log, "trace");
+    let config = load_env(&[("FELIX_CONFIG", "")]).expect("empty FELIX_CONFIG means no file");
+    assert_eq!(config.log, "info");
+}
+
+#[test]
+fn empty_optional_path_unsets_a_lower_layer() {
+    // FELIX_TLS_CERT= and FELIX_TLS_KEY= in the environment clear a pair set in the file.
+    let file =
+        config_file("tls_cert = \"/etc/felix/cert.pem\"\ntls_key = \"/etc/felix/key.pem\"\n");
+    let config = Config::load(Some(file.path()), Vec::new(), &[]).expect("load");
+    assert_eq!(config.tls_cert, Some(PathBuf::from("/etc/felix/cert.pem")));
+    let cleared = env(&[("FELIX_TLS_CERT", ""), ("FELIX_TLS_KEY", "")]);
+    let config = Config::load(Some(file.path()), cleared, &[]).expect("load");
+    assert_eq!(config.tls_cert, None);
+    assert_eq!(config.tls_key, None);
+}
+
+#[test]
+fn every_setting_rejects_bad_values_naming_its_variable() {
+    // Each setting refuses garbage and out-of-range values with a message naming the variable,
+    // the value, the environment as source, and what is accepted.
+    for setting in SETTINGS {
+        let bad = bad_values(setting.kind);
+        assert!(!bad.is_empty(), "{} has no bad value to test", setting.env);
+        for value in bad {
+            let error = load_env(&[(setting.env, &value)])
+                .expect_err(&format!("{}={value:?} must be refused", setting.env));
+            assert!(
+                matches!(&error, ConfigError::Invalid { env, .. } if *env == setting.env),
+                "{}={value:?}: {error:?}",
+                setting.env
+            );
+            let message = error.to_string();
+            let quoted = format!(
+                "{}={value:?} (from environment) is invalid: expected ",
+                setting.env
+            );
+            assert!(message.starts_with(&quoted), "{message}");
+            assert!(message.contains(&setting.kind.accepts()), "{message}");
+        }
+    }
+}
+
+#[test]
+fn numeric_bounds_are_inclusive() {
+    // The minimum and maximum of every numeric setting are accepted.
+    for setting in SETTINGS {
+        if let Kind::Size { min, max } | Kind::Count { min, max } = setting.kind {
+            for value in [min, max] {
+                let config = load_env(&[(setting.env, &value.to_string())])
+                    .unwrap_or_else(|error| panic!("{}={value}: {error}", setting.env));
+                let rendered = entry(&config, setting.env).value;
+                let expected = match setting.kind {
+                    Kind::Size { .. } => format_size(value),
+                    _ => value.to_string(),
+                };
+                assert_eq!(rendered, expected);
+            }
+        }
+    }
+}
+
+#[test]
+fn invalid_value_message_matches_the_documented_form() {
+    // The message has the exact shape operators see.
+    let error = load_env(&[("FELIX_REPLAY_RING_MAX_BYTES", "abc")]).expect_err("abc is no size");
+    assert_eq!(
+        error.to_string(),
+        "FELIX_REPLAY_RING_MAX_BYTES=\"abc\" (from environment) is invalid: expected a byte size \
+         from 0 to 1TiB, such as 67108864 or 64MiB"
+    );
+}
+
+#[test]
+fn invalid_values_from_file_and_flag_name_their_source() {
+    // A bad file value names the file; a bad flag value says it came from a flag.
+    let file = config_file("max_frame_bytes = 1024\n");
+    let error = Config::load(Some(file.path()), Vec::new(), &[]).expect_err("too small");
+    let message = error.to_string();
+    assert!(
+        message.starts_with("FELIX_MAX_FRAME_BYTES=\"1024\" (from file "),
+        "{message}"
+    );
+    assert!(
+        message.contains(&file.path().display().to_string()),
+        "{message}"
+    );
+    assert!(message.contains("from 64KiB to 64MiB"), "{message}");
+
+    let flags = [("FELIX_METRICS_BIND", "nowhere".to_owned())];
+    let error = Config::load(None, Vec::new(), &flags).expect_err("not an address");
+    assert!(
+        error
+            .to_string()
+            .starts_with("FELIX_METRICS_BIND=\"nowhere\" (from command-line flag)"),
+        "{error}"
+    );
+}
+
+#[test]
+fn file_value_of_wrong_toml_type_is_refused() {
+    // An array or table where a scalar belongs names the variable, key, file and TOML type.
+    let file = config_file("server_name = [\"a\", \"b\"]\n");
+    let error = Config::load(Some(file.path()), Vec::new(), &[]).expect_err("array");
+    let message = error.to_string();
+    assert!(
+        message.starts_with("FELIX_SERVER_NAME (key `server_name` in config file "),
+        "{message}"
+    );
+    assert!(message.contains("is a TOML array"), "{message}");
+}
+
+#[test]
+fn unknown_felix_variable_is_refused() {
+    // A misspelt FELIX_* variable stops loading and is named; FELIX_CONFIG and non-FELIX
+    // variables are not settings and pass.
+    let error = load_env(&[("FELIX_REPLAY_RING_MAX_BYTE", "1")]).expect_err("typo");
+    assert!(
+        matches!(&error, ConfigError::UnknownEnv { name } if name == "FELIX_REPLAY_RING_MAX_BYTE")
+    );
+    assert_eq!(
+        error.to_string(),
+        "unknown setting FELIX_REPLAY_RING_MAX_BYTE; `felix config` lists the known ones"
+    );
+    load_env(&[("FELIX_CONFIG", ""), ("RUST_LOG", "x"), ("FELIXIR", "y")]).expect("not settings");
+}
+
+#[test]
+fn unknown_file_key_is_refused() {
+    // A key matching no setting names the key and the file.
+    let file = config_file("bind = \"127.0.0.1:7400\"\nreplay_ring_bytes = \"1MiB\"\n");
+    let error = Config::load(Some(file.path()), Vec::new(), &[]).expect_err("unknown key");
+    assert!(
+        matches!(&error, ConfigError::UnknownFileKey { key, .. } if key == "replay_ring_bytes")
+    );
+    let message = error.to_string();
+    assert!(message.contains("`replay_ring_bytes`"), "{message}");
+    assert!(
+        message.contains(&file.path().display().to_string()),
+        "{message}"
+    );
+    // Variable names are not file keys.
+    let file = config_file("FELIX_BIND = \"127.0.0.1:7400\"\n");
+    let error = Config::load(Some(file.path()), Vec::new(), &[]).expect_err("env name as key");
+    assert!(matches!(error, ConfigError::UnknownFileKey { .. }));
+}
+
+#[test]
+fn unknown_flag_is_refused() {
+    // The CLI mapping a flag to a name that is no setting is an error, not ignored.
+    let flags = [("FELIX_NOPE", "1".to_owned())];
+    let error = Config::load(None, Vec::new(), &flags).expect_err("unknown flag");
+    assert!(matches!(&error, ConfigError::UnknownFlag { name } if name == "FELIX_NOPE"));
+}
+
+#[test]
+fn missing_or_broken_file_is_named() {
+    // A named file that cannot be read or is not TOML stops loading, naming the file.
+    let dir = tempfile::tempdir().expect("temp dir");
+    let missing = dir.path().join("absent.toml");
+    let error = Config::load(Some(&missing), Vec::new(), &[]).expect_err("missing file");
+    assert!(matches!(error, ConfigError::ReadFile { .. }));
+    assert!(
+        error.to_string().contains(&missing.display().to_string()),
+        "{error}"
+    );
+
+    let broken = config_file("bind = \n");
+    let error = Config::load(Some(broken.path()), Vec::new(), &[]).expect_err("bad TOML");
+    assert!(matches!(error, ConfigError::ParseFile { .. }));
+    assert!(
+        error
+            .to_string()
+            .contains(&broken.path().display().to_string()),
+        "{error}"
+    );
+}
+
+#[test]
+fn size_suffixes_parse() {
+    // Sizes take plain bytes or KiB/MiB/GiB/TiB; anything else, and overflow, is refused.
+    let cases: [(&str, Option<u64>); 14] = [
+        ("0", Some(0)),
+        ("67108864", Some(64 << 20)),
+        ("64MiB", Some(64 << 20)),
+        ("64 MiB", Some(64 << 20)),
+        (" 4KiB ", Some(4096)),
+        ("3GiB", Some(3 << 30)),
+        ("1TiB", Some(1 << 40)),
+        ("16777215TiB", Some(16_777_215 << 40)),
+        ("16777216TiB", None),
+        ("18446744073709551616", None),
+        ("64MB", None),
+        ("64mib", None),
+        ("MiB", None),
+        ("+5", None),
+    ];
+    for (text, expected) in cases {
+        assert_eq!(parse_size(text), expected, "{text:?}");
+    }
+}
+
+#[test]
+fn sizes_render_with_the_largest_exact_suffix() {
+    // Rendering picks the largest exact suffix and parses back to the same number.
+    for (bytes, text) in [
+        (0, "0"),
+        (1000, "1000"),
+        (4096, "4KiB"),
+        (64 << 20, "64MiB"),
+        (1 << 40, "1TiB"),
+        (1536 << 10, "1536KiB"),
+    ] {
+        assert_eq!(format_size(bytes), text);
+        assert_eq!(parse_size(text), Some(bytes));
+    }
+}
+
+#[test]
+fn booleans_accept_0_1_true_false() {
+    // The four documented spellings, from the environment and as a TOML boolean.
+    for (text, expected) in [("1", true), ("true", true), ("0", false), ("false", false)] {
+        assert_eq!(
+            load_env(&[("FELIX_INSECURE", text)])
+                .expect("load")
+                .insecure,
+            expected
+        );
+    }
+    let file = config_file("insecure = false\n");
+    let config = Config::load(Some(file.path()), env(&[]), &[]).expect("load");
+    assert!(!config.insecure);
+}
+
+#[test]
+fn metrics_bind_accepts_off() {
+    // `off` disables the metrics endpoint and renders back as `off`.
+    let config = load_env(&[("FELIX_METRICS_BIND", "off")]).expect("load");
+    assert_eq!(config.metrics_bind, None);
+    assert_eq!(entry(&config, "FELIX_METRICS_BIND").value, "off");
+    let config = load_env(&[("FELIX_METRICS_BIND", "[::1]:9500")]).expect("load");
+    assert_eq!(config.metrics_bind, Some(addr("[::1]:9500")));
+}
+
+#[test]
+fn tls_cert_and_key_come_as_a_pair() {
+    // One of FELIX_TLS_CERT / FELIX_TLS_KEY without the other is refused, naming both; both
+    // or neither load, whichever layers they come from.
+    let error = load_env(&[("FELIX_TLS_CERT", "/c.pem")]).expect_err("cert alone");
+    assert!(matches!(
+        &error,
+        ConfigError::TlsPairIncomplete {
+            set: "FELIX_TLS_CERT",
+            missing: "FELIX_TLS_KEY",
+            ..
+        }
+    ));
+    let message = error.to_string();
+    assert!(
+        message.starts_with("FELIX_TLS_CERT is set (from environment) but FELIX_TLS_KEY is not"),
+        "{message}"
+    );
+
+    let flags = [("FELIX_TLS_KEY", "/k.pem".to_owned())];
+    let error = Config::load(None, Vec::new(), &flags).expect_err("key alone");
+    assert!(matches!(
+        error,
+        ConfigError::TlsPairIncomplete {
+            set: "FELIX_TLS_KEY",
+            missing: "FELIX_TLS_CERT",
+            origin: Source::Flag
+        }
+    ));
+
+    let file = config_file("tls_cert = \"/c.pem\"\n");
+    let config = Config::load(Some(file.path()), env(&[("FELIX_TLS_KEY", "/k.pem")]), &[])
+        .expect("cert from file, key from environment");
+    assert_eq!(config.tls_cert, Some(PathBuf::from("/c.pem")));
+    assert_eq!(config.tls_key, Some(PathBuf::from("/k.pem")));
+}
+
+#[test]
+fn render_table_aligns_columns() {
+    // `felix config` text: a header, one line per setting, VALUE and SOURCE columns aligned.
+    let config = load_env(&[("FELIX_LOG", "debug")]).expect("load");
+    let table = config.render_table();
+    let lines: Vec<&str> = table.lines().collect();
+    assert_eq!(lines.len(), SETTINGS.len() + 1);
+    assert!(lines[0].starts_with("NAME "), "{}", lines[0]);
+    let value_column = lines[0].find("VALUE").expect("VALUE header");
+    let source_column = lines[0].find("SOURCE").expect("SOURCE header");
+    for (line, setting) in lines[1..].iter().zip(SETTINGS) {
+        assert!(line.starts_with(setting.env), "{line}");
+        assert_eq!(line.as_bytes()[value_column - 1], b' ', "{line}");
+        assert_ne!(line.as_bytes()[value_column], b' ', "{line}");
+        assert_ne!(line.as_bytes()[source_column], b' ', "{line}");
+    }
+    let log_line = lines
+        .iter()
+        .find(|line| line.starts_with("FELIX_LOG "))
+        .expect("log line");
+    assert!(log_line.ends_with("environment"), "{log_line}");
+    let cert_line = lines
+        .iter()
+        .find(|line| line.starts_with("FELIX_TLS_CERT "))
+        .expect("cert");
+    assert!(cert_line.contains("(unset)"), "{cert_line}");
+}
+
+#[test]
+fn every_default_parses_through_its_own_setting() {
+    // The table's defaults are valid values of their kinds (and each kind fits its field).
+    let config = load_env(&[]).expect("defaults load");
+    for entry in config.entries() {
+        load_env(&[(entry.env, &entry.value)]).unwrap_or_else(|error| {
+            panic!("rendered default of {} does not parse: {error}", entry.env)
+        });
+    }
+}
+
+#[test]
+fn reference_lists_every_setting_once() {
+    // The generated reference has one row per setting, with its file key.
+    let reference = reference_markdown();
+    for setting in SETTINGS {
+        let row = format!("| `{}` | `{}` |", setting.env, setting.file_key());
+        assert_eq!(reference.matches(&row).count(), 1, "{row}");
+    }
+    assert_eq!(reference.lines().count(), SETTINGS.len() + 3);
+}
+
+#[test]
+fn docs_contain_the_generated_reference_verbatim() {
+    // docs/configuration.md embeds reference_markdown() unchanged, so the doc cannot drift
+    // from the settings table. Regenerate with `cargo run -p felix-tuning --example reference`.
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/configuration.md");
+    let doc = std::fs::read_to_string(path).expect("read docs/configuration.md");
+    assert!(
+        doc.contains(&reference_markdown()),
+        "docs/configuration.md is out of date with the settings table; paste the output of \
+         `cargo run -p felix-tuning --example reference` over its reference section"
+    );
+}
+
+#[test]
+fn docs_config_file_example_loads() {
+    // The TOML example in docs/configuration.md is a valid config file.
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/configuration.md");
+    let doc = std::fs::read_to_string(path).expect("read docs/configuration.md");
+    let start = doc.find("```toml\n").expect("a toml example") + "```toml\n".len();
+    let end = start + doc[start..].find("```").expect("end of the toml example");
+    let file = config_file(&doc[start..end]);
+    let config = Config::load(Some(file.path()), Vec::new(), &[]).expect("doc example loads");
+    assert_eq!(config.replay_ring_max_bytes, 256 << 20);
+    assert_eq!(config.metrics_bind, None);
+}
