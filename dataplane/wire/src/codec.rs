@@ -1,18 +1,123 @@
-//! Encoder and streaming decoder. TO BE IMPLEMENTED (see docs/wire-protocol.md).
+//! Encoder and streaming decoder of protocol v1. The byte layout is specified, field by field,
+//! in `docs/wire-protocol.md`; every integer is little-endian.
+//!
+//! The decoder is the attack surface: it reads each length and count, checks it against a limit
+//! and against the bytes actually present, and only then slices or allocates. Keys and payloads
+//! come out as `Bytes` slices of the received frame (zero-copy). The encoder trusts its input
+//! (it comes from our own code) but asserts the few hard format bounds it cannot represent.
 
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 
-use crate::{AckMode, Frame, Limits, WireError};
+use crate::{
+    Ack, AckMode, CreateStream, DeliveredRecord, Delivery, ErrorCode, ErrorFrame, FRAME_HEADER_LEN,
+    Frame, FrameType, HashKind, Hello, HelloOk, Limits, MAX_CLIENT_NAME_BYTES, MAX_CORES,
+    MAX_ERROR_MESSAGE_BYTES, MAX_LISTED_STREAMS, Publish, Record, ShardAck, ShardInfo,
+    ShardSelection, StartPosition, StreamInfo, StreamKind, StreamRoute, StreamSummary, Subscribe,
+    Subscribed, WireError,
+};
+
+// Field sizes of the layout (bytes).
+const REQUEST_ID_LEN: usize = 8;
+/// u16 length before every string and key.
+const SHORT_LEN_LEN: usize = 2;
+/// u32 length before every payload, u32 count before every list.
+const LONG_LEN_LEN: usize = 4;
+/// `Limits` in `HelloOk`: u32 frame, u32 batch, u32 payload, u16 key, u16 name, u32 shards.
+const LIMITS_LEN: usize = 20;
+
+// Smallest encoding of one list item: `count * min <= remaining` is checked before any list is
+// allocated, so a hostile count costs nothing.
+const CORE_PORT_LEN: usize = 2;
+/// name (empty) + kind + shard_count + hash + core-list count.
+const ROUTE_MIN_LEN: usize = SHORT_LEN_LEN + 1 + 4 + 1 + LONG_LEN_LEN;
+/// shard + core + oldest_offset + next_offset.
+const SHARD_INFO_LEN: usize = 4 + 2 + 8 + 8;
+/// name (empty) + kind + shard_count.
+const SUMMARY_MIN_LEN: usize = SHORT_LEN_LEN + 1 + 4;
+/// Key length + payload length; the key and payload bytes follow.
+pub const PUBLISH_RECORD_OVERHEAD: usize = SHORT_LEN_LEN + LONG_LEN_LEN;
+/// shard + first_offset + count.
+const SHARD_ACK_LEN: usize = 4 + 8 + 4;
+const SHARD_LEN: usize = 4;
+/// shard + offset.
+const SHARD_OFFSET_LEN: usize = 4 + 8;
+/// shard + offset + timestamp_us + key length + payload length.
+const DELIVERED_RECORD_OVERHEAD: usize = 4 + 8 + 8 + SHORT_LEN_LEN + LONG_LEN_LEN;
+
+// Tags of the two enums with data in `Subscribe`.
+const SHARDS_ALL: u8 = 0;
+const SHARDS_LIST: u8 = 1;
+const FROM_LATEST: u8 = 0;
+const FROM_EARLIEST: u8 = 1;
+const FROM_OFFSETS: u8 = 2;
+
+// ---------------------------------------------------------------------------------------------
+// Encoder
+// ---------------------------------------------------------------------------------------------
 
 /// Appends the encoding of `frame` (header + body) to `buf`.
+///
+/// A `Hello::client_name` over [`MAX_CLIENT_NAME_BYTES`] and an `ErrorFrame::message` over
+/// [`MAX_ERROR_MESSAGE_BYTES`] are truncated at a character boundary. Nothing else is checked
+/// against [`Limits`]: call [`validate`] first when the frame holds untrusted sizes.
+///
+/// # Panics
+/// If a string or key is longer than 65,535 bytes, a payload or the body longer than
+/// `u32::MAX` bytes, or a list longer than `u32::MAX` items: the format cannot express them.
 pub fn encode(frame: &Frame, buf: &mut BytesMut) {
-    let _ = (frame, buf);
-    unreachable!("codec not implemented yet")
+    if let Frame::Publish(publish) = frame {
+        // One code path for the publisher's fast path and the generic encoder, so the two
+        // always produce the same bytes.
+        let records_len = publish
+            .records
+            .iter()
+            .map(|r| encoded_record_len(r.key.len(), r.payload.len()))
+            .sum();
+        encode_publish_header(
+            publish.request_id,
+            publish.ack,
+            &publish.stream,
+            list_len(publish.records.len()),
+            records_len,
+            buf,
+        );
+        for record in &publish.records {
+            encode_record(&record.key, &record.payload, buf);
+        }
+        return;
+    }
+    let body_len = body_len(frame);
+    buf.reserve(FRAME_HEADER_LEN + body_len);
+    let start = buf.len();
+    put_header(buf, frame.frame_type(), body_len);
+    put_body(frame, buf);
+    // Paired with `body_len`: the header announced exactly what was written.
+    assert_eq!(
+        buf.len() - start,
+        FRAME_HEADER_LEN + body_len,
+        "encoded body length mismatch"
+    );
+}
+
+/// Length in bytes of `frame`'s encoding, header included.
+#[must_use]
+pub fn encoded_len(frame: &Frame) -> usize {
+    FRAME_HEADER_LEN + body_len(frame)
+}
+
+/// Length of one record in its `Publish` encoding (what [`encode_record`] writes).
+#[must_use]
+pub fn encoded_record_len(key_len: usize, payload_len: usize) -> usize {
+    PUBLISH_RECORD_OVERHEAD + key_len + payload_len
 }
 
 /// Fast path for publishers: appends a `Publish` frame header and the fixed part of its body
 /// for `record_count` records whose encoded record bytes total `records_len` (as produced by
-/// [`encode_record`]). The caller appends exactly those records next.
+/// [`encode_record`], see [`encoded_record_len`]). The caller appends exactly those records
+/// next; capacity for them is reserved here.
+///
+/// # Panics
+/// If `stream` is longer than 65,535 bytes or the body longer than `u32::MAX` bytes.
 pub fn encode_publish_header(
     request_id: u64,
     ack: AckMode,
@@ -21,15 +126,441 @@ pub fn encode_publish_header(
     records_len: usize,
     buf: &mut BytesMut,
 ) {
-    let _ = (request_id, ack, stream, record_count, records_len, buf);
-    unreachable!("codec not implemented yet")
+    let body_len = REQUEST_ID_LEN + 1 + str_len(stream) + LONG_LEN_LEN + records_len;
+    buf.reserve(FRAME_HEADER_LEN + body_len);
+    put_header(buf, FrameType::Publish, body_len);
+    buf.put_u64_le(request_id);
+    buf.put_u8(ack as u8);
+    put_str(buf, stream);
+    buf.put_u32_le(record_count);
 }
 
 /// Appends one record (key, payload) in its `Publish` encoding; returns the bytes written.
+///
+/// # Panics
+/// If `key` is longer than 65,535 bytes or `payload` longer than `u32::MAX` bytes.
 pub fn encode_record(key: &[u8], payload: &[u8], buf: &mut BytesMut) -> usize {
-    let _ = (key, payload, buf);
-    unreachable!("codec not implemented yet")
+    let len = encoded_record_len(key.len(), payload.len());
+    buf.reserve(len);
+    put_key(buf, key);
+    put_payload(buf, payload);
+    len
 }
+
+fn put_header(buf: &mut BytesMut, frame_type: FrameType, body_len: usize) {
+    let body_len = u32::try_from(body_len);
+    assert!(body_len.is_ok(), "a frame body is at most u32::MAX bytes");
+    buf.put_u32_le(body_len.unwrap_or(u32::MAX));
+    buf.put_u8(frame_type as u8);
+    // Flags: none defined in v1.
+    buf.put_u8(0);
+}
+
+fn put_body(frame: &Frame, buf: &mut BytesMut) {
+    match frame {
+        Frame::Hello(hello) => {
+            buf.put_u16_le(hello.min_version);
+            buf.put_u16_le(hello.max_version);
+            buf.put_u64_le(hello.features);
+            put_str(
+                buf,
+                truncate_utf8(&hello.client_name, MAX_CLIENT_NAME_BYTES),
+            );
+        }
+        Frame::HelloOk(ok) => {
+            buf.put_u16_le(ok.version);
+            buf.put_u64_le(ok.features);
+            put_limits(buf, &ok.limits);
+            put_count(buf, ok.core_ports.len());
+            for port in &ok.core_ports {
+                buf.put_u16_le(*port);
+            }
+            put_count(buf, ok.shard_map.len());
+            for route in &ok.shard_map {
+                put_str(buf, &route.name);
+                buf.put_u8(route.kind as u8);
+                buf.put_u32_le(route.shard_count);
+                buf.put_u8(route.hash as u8);
+                put_count(buf, route.shard_cores.len());
+                for core in &route.shard_cores {
+                    buf.put_u16_le(*core);
+                }
+            }
+        }
+        Frame::CreateStream(create) => {
+            buf.put_u64_le(create.request_id);
+            put_str(buf, &create.name);
+            buf.put_u32_le(create.shard_count);
+            buf.put_u8(create.kind as u8);
+        }
+        Frame::DescribeStream { request_id, name } | Frame::DeleteStream { request_id, name } => {
+            buf.put_u64_le(*request_id);
+            put_str(buf, name);
+        }
+        Frame::ListStreams { request_id } | Frame::Done { request_id } => {
+            buf.put_u64_le(*request_id);
+        }
+        Frame::StreamInfo(info) => {
+            buf.put_u64_le(info.request_id);
+            put_str(buf, &info.name);
+            buf.put_u8(info.kind as u8);
+            buf.put_u8(info.hash as u8);
+            put_count(buf, info.shards.len());
+            for shard in &info.shards {
+                buf.put_u32_le(shard.shard);
+                buf.put_u16_le(shard.core);
+                buf.put_u64_le(shard.oldest_offset);
+                buf.put_u64_le(shard.next_offset);
+            }
+        }
+        Frame::StreamList {
+            request_id,
+            streams,
+        } => {
+            buf.put_u64_le(*request_id);
+            put_count(buf, streams.len());
+            for stream in streams {
+                put_str(buf, &stream.name);
+                buf.put_u8(stream.kind as u8);
+                buf.put_u32_le(stream.shard_count);
+            }
+        }
+        Frame::Publish(publish) => {
+            buf.put_u64_le(publish.request_id);
+            buf.put_u8(publish.ack as u8);
+            put_str(buf, &publish.stream);
+            put_count(buf, publish.records.len());
+            for record in &publish.records {
+                encode_record(&record.key, &record.payload, buf);
+            }
+        }
+        Frame::Ack(ack) => {
+            buf.put_u64_le(ack.request_id);
+            put_count(buf, ack.shards.len());
+            for shard in &ack.shards {
+                buf.put_u32_le(shard.shard);
+                buf.put_u64_le(shard.first_offset);
+                buf.put_u32_le(shard.count);
+            }
+        }
+        Frame::Subscribe(subscribe) => {
+            buf.put_u64_le(subscribe.request_id);
+            put_str(buf, &subscribe.stream);
+            match &subscribe.shards {
+                ShardSelection::All => buf.put_u8(SHARDS_ALL),
+                ShardSelection::List(shards) => {
+                    buf.put_u8(SHARDS_LIST);
+                    put_count(buf, shards.len());
+                    for shard in shards {
+                        buf.put_u32_le(*shard);
+                    }
+                }
+            }
+            match &subscribe.from {
+                StartPosition::Latest => buf.put_u8(FROM_LATEST),
+                StartPosition::Earliest => buf.put_u8(FROM_EARLIEST),
+                StartPosition::Offsets(offsets) => {
+                    buf.put_u8(FROM_OFFSETS);
+                    put_shard_offsets(buf, offsets);
+                }
+            }
+        }
+        Frame::Subscribed(subscribed) => {
+            buf.put_u64_le(subscribed.request_id);
+            put_shard_offsets(buf, &subscribed.shards);
+        }
+        Frame::Delivery(delivery) => {
+            put_count(buf, delivery.records.len());
+            for record in &delivery.records {
+                buf.put_u32_le(record.shard);
+                buf.put_u64_le(record.offset);
+                buf.put_u64_le(record.timestamp_us);
+                put_key(buf, &record.key);
+                put_payload(buf, &record.payload);
+            }
+        }
+        Frame::Error(error) => {
+            buf.put_u64_le(error.request_id);
+            buf.put_u16_le(error.code as u16);
+            buf.put_u64_le(error.detail);
+            put_str(buf, truncate_utf8(&error.message, MAX_ERROR_MESSAGE_BYTES));
+        }
+    }
+}
+
+/// Body length of `frame`'s encoding; must agree with `put_body` byte for byte.
+fn body_len(frame: &Frame) -> usize {
+    match frame {
+        Frame::Hello(hello) => {
+            2 + 2 + 8 + str_len(truncate_utf8(&hello.client_name, MAX_CLIENT_NAME_BYTES))
+        }
+        Frame::HelloOk(ok) => {
+            let routes: usize = ok
+                .shard_map
+                .iter()
+                .map(|r| ROUTE_MIN_LEN + r.name.len() + CORE_PORT_LEN * r.shard_cores.len())
+                .sum();
+            2 + 8
+                + LIMITS_LEN
+                + LONG_LEN_LEN
+                + CORE_PORT_LEN * ok.core_ports.len()
+                + LONG_LEN_LEN
+                + routes
+        }
+        Frame::CreateStream(create) => REQUEST_ID_LEN + str_len(&create.name) + 4 + 1,
+        Frame::DescribeStream { name, .. } | Frame::DeleteStream { name, .. } => {
+            REQUEST_ID_LEN + str_len(name)
+        }
+        Frame::ListStreams { .. } | Frame::Done { .. } => REQUEST_ID_LEN,
+        Frame::StreamInfo(info) => {
+            REQUEST_ID_LEN
+                + str_len(&info.name)
+                + 1
+                + 1
+                + LONG_LEN_LEN
+                + SHARD_INFO_LEN * info.shards.len()
+        }
+        Frame::StreamList { streams, .. } => {
+            let items: usize = streams.iter().map(|s| SUMMARY_MIN_LEN + s.name.len()).sum();
+            REQUEST_ID_LEN + LONG_LEN_LEN + items
+        }
+        Frame::Publish(publish) => {
+            let records: usize = publish
+                .records
+                .iter()
+                .map(|r| encoded_record_len(r.key.len(), r.payload.len()))
+                .sum();
+            REQUEST_ID_LEN + 1 + str_len(&publish.stream) + LONG_LEN_LEN + records
+        }
+        Frame::Ack(ack) => REQUEST_ID_LEN + LONG_LEN_LEN + SHARD_ACK_LEN * ack.shards.len(),
+        Frame::Subscribe(subscribe) => {
+            let shards = match &subscribe.shards {
+                ShardSelection::All => 0,
+                ShardSelection::List(shards) => LONG_LEN_LEN + SHARD_LEN * shards.len(),
+            };
+            let from = match &subscribe.from {
+                StartPosition::Latest | StartPosition::Earliest => 0,
+                StartPosition::Offsets(offsets) => LONG_LEN_LEN + SHARD_OFFSET_LEN * offsets.len(),
+            };
+            REQUEST_ID_LEN + str_len(&subscribe.stream) + 1 + shards + 1 + from
+        }
+        Frame::Subscribed(subscribed) => {
+            REQUEST_ID_LEN + LONG_LEN_LEN + SHARD_OFFSET_LEN * subscribed.shards.len()
+        }
+        Frame::Delivery(delivery) => {
+            let records: usize = delivery
+                .records
+                .iter()
+                .map(|r| DELIVERED_RECORD_OVERHEAD + r.key.len() + r.payload.len())
+                .sum();
+            LONG_LEN_LEN + records
+        }
+        Frame::Error(error) => {
+            REQUEST_ID_LEN + 2 + 8 + str_len(truncate_utf8(&error.message, MAX_ERROR_MESSAGE_BYTES))
+        }
+    }
+}
+
+fn str_len(s: &str) -> usize {
+    SHORT_LEN_LEN + s.len()
+}
+
+/// The longest prefix of `s` of at most `max` bytes that ends on a character boundary.
+fn truncate_utf8(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    // Index 0 is always a boundary, so this stops; UTF-8 characters are at most 4 bytes.
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+fn put_str(buf: &mut BytesMut, s: &str) {
+    put_key(buf, s.as_bytes());
+}
+
+fn put_key(buf: &mut BytesMut, key: &[u8]) {
+    let len = u16::try_from(key.len());
+    assert!(
+        len.is_ok(),
+        "strings and keys are at most 65,535 bytes on the wire"
+    );
+    buf.put_u16_le(len.unwrap_or(u16::MAX));
+    buf.put_slice(key);
+}
+
+fn put_payload(buf: &mut BytesMut, payload: &[u8]) {
+    let len = u32::try_from(payload.len());
+    assert!(
+        len.is_ok(),
+        "payloads are at most u32::MAX bytes on the wire"
+    );
+    buf.put_u32_le(len.unwrap_or(u32::MAX));
+    buf.put_slice(payload);
+}
+
+fn list_len(len: usize) -> u32 {
+    let len = u32::try_from(len);
+    assert!(len.is_ok(), "lists hold at most u32::MAX items on the wire");
+    len.unwrap_or(u32::MAX)
+}
+
+fn put_count(buf: &mut BytesMut, len: usize) {
+    buf.put_u32_le(list_len(len));
+}
+
+fn put_limits(buf: &mut BytesMut, limits: &Limits) {
+    buf.put_u32_le(limits.max_frame_bytes);
+    buf.put_u32_le(limits.max_batch_records);
+    buf.put_u32_le(limits.max_payload_bytes);
+    buf.put_u16_le(limits.max_key_bytes);
+    buf.put_u16_le(limits.max_name_bytes);
+    buf.put_u32_le(limits.max_shards);
+}
+
+fn put_shard_offsets(buf: &mut BytesMut, shards: &[(u32, u64)]) {
+    put_count(buf, shards.len());
+    for (shard, offset) in shards {
+        buf.put_u32_le(*shard);
+        buf.put_u64_le(*offset);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation (the decoder's limits, applied to a frame before it is sent)
+// ---------------------------------------------------------------------------------------------
+
+/// Checks `frame` against what a peer's [`Decoder`] with `limits` accepts: the body size, every
+/// name, key and payload length and every list count. `Ok` means the peer decodes
+/// `encode(frame)` back into an equal frame (after the encoder's truncation of a long client
+/// name or error message); `Err` is the error that decoder would report first.
+///
+/// Use it on frames whose sizes come from users (a client's publish), so a bad frame is refused
+/// locally instead of costing the whole QUIC stream.
+pub fn validate(frame: &Frame, limits: &Limits) -> Result<(), WireError> {
+    let body_len = body_len(frame);
+    if body_len > limits.max_frame_bytes as usize {
+        return Err(WireError::FrameTooLarge {
+            len: body_len as u64,
+            max: limits.max_frame_bytes,
+        });
+    }
+    let name_max = usize::from(limits.max_name_bytes);
+    match frame {
+        Frame::Hello(_) | Frame::ListStreams { .. } | Frame::Done { .. } | Frame::Error(_) => {
+            Ok(())
+        }
+        Frame::HelloOk(ok) => {
+            check_count("core port count", ok.core_ports.len(), MAX_CORES)?;
+            check_count("stream count", ok.shard_map.len(), MAX_LISTED_STREAMS)?;
+            for route in &ok.shard_map {
+                check_len("stream name length", route.name.len(), name_max)?;
+                check_count("shard count", route.shard_cores.len(), limits.max_shards)?;
+                check_route_cores(route.shard_count, route.shard_cores.len())?;
+            }
+            Ok(())
+        }
+        Frame::CreateStream(CreateStream { name, .. })
+        | Frame::DescribeStream { name, .. }
+        | Frame::DeleteStream { name, .. } => check_len("stream name length", name.len(), name_max),
+        Frame::StreamInfo(info) => {
+            check_len("stream name length", info.name.len(), name_max)?;
+            check_count("shard count", info.shards.len(), limits.max_shards)
+        }
+        Frame::StreamList { streams, .. } => {
+            check_count("stream count", streams.len(), MAX_LISTED_STREAMS)?;
+            for stream in streams {
+                check_len("stream name length", stream.name.len(), name_max)?;
+            }
+            Ok(())
+        }
+        Frame::Publish(publish) => {
+            check_len("stream name length", publish.stream.len(), name_max)?;
+            check_count(
+                "record count",
+                publish.records.len(),
+                limits.max_batch_records,
+            )?;
+            for record in &publish.records {
+                check_record(limits, record.key.len(), record.payload.len())?;
+            }
+            Ok(())
+        }
+        Frame::Ack(ack) => check_count("shard count", ack.shards.len(), limits.max_shards),
+        Frame::Subscribe(subscribe) => {
+            check_len("stream name length", subscribe.stream.len(), name_max)?;
+            if let ShardSelection::List(shards) = &subscribe.shards {
+                check_count("shard count", shards.len(), limits.max_shards)?;
+            }
+            if let StartPosition::Offsets(offsets) = &subscribe.from {
+                check_count("shard count", offsets.len(), limits.max_shards)?;
+            }
+            Ok(())
+        }
+        Frame::Subscribed(subscribed) => {
+            check_count("shard count", subscribed.shards.len(), limits.max_shards)
+        }
+        Frame::Delivery(delivery) => {
+            check_count(
+                "record count",
+                delivery.records.len(),
+                limits.max_batch_records,
+            )?;
+            for record in &delivery.records {
+                check_record(limits, record.key.len(), record.payload.len())?;
+            }
+            Ok(())
+        }
+    }
+}
+
+fn check_len(what: &'static str, len: usize, max: usize) -> Result<(), WireError> {
+    if len > max {
+        return Err(WireError::LimitExceeded {
+            what,
+            value: len as u64,
+            max: max as u64,
+        });
+    }
+    Ok(())
+}
+
+fn check_count(what: &'static str, count: usize, max: u32) -> Result<(), WireError> {
+    check_len(what, count, max as usize)
+}
+
+fn check_record(limits: &Limits, key_len: usize, payload_len: usize) -> Result<(), WireError> {
+    check_len("key length", key_len, usize::from(limits.max_key_bytes))?;
+    check_len(
+        "payload length",
+        payload_len,
+        limits.max_payload_bytes as usize,
+    )
+}
+
+fn check_route_cores(shard_count: u32, cores: usize) -> Result<(), WireError> {
+    if cores != shard_count as usize {
+        return Err(malformed(
+            FrameType::HelloOk,
+            format!("route lists {cores} shard cores for {shard_count} shards"),
+        ));
+    }
+    Ok(())
+}
+
+fn malformed(frame: FrameType, reason: String) -> WireError {
+    WireError::Malformed {
+        frame: frame.name(),
+        reason,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decoder
+// ---------------------------------------------------------------------------------------------
 
 /// Streaming decoder: feed it bytes as they arrive, take whole frames out.
 #[derive(Debug, Clone)]
@@ -52,14 +583,723 @@ impl Decoder {
     /// bytes are needed (nothing consumed). Payloads and keys are zero-copy slices of `buf`.
     /// An error means the stream is unusable: the caller answers with an `Error` frame and
     /// closes it.
+    ///
+    /// The header is judged as soon as its 6 bytes are present, before the body arrives, in
+    /// this order: body length over `max_frame_bytes` (`FrameTooLarge`), unknown frame type
+    /// (`UnknownFrameType`), non-zero flags (`Malformed`). A header error consumes nothing; a
+    /// body error consumes the frame.
     pub fn decode(&self, buf: &mut BytesMut) -> Result<Option<Frame>, WireError> {
-        let _ = buf;
-        unreachable!("codec not implemented yet")
+        let Some(header) = buf.first_chunk::<FRAME_HEADER_LEN>() else {
+            return Ok(None);
+        };
+        let body_len = u32::from_le_bytes([header[0], header[1], header[2], header[3]]);
+        let type_code = header[4];
+        let flags = header[5];
+        if body_len > self.limits.max_frame_bytes {
+            return Err(WireError::FrameTooLarge {
+                len: u64::from(body_len),
+                max: self.limits.max_frame_bytes,
+            });
+        }
+        let frame_type =
+            FrameType::from_u8(type_code).ok_or(WireError::UnknownFrameType(type_code))?;
+        if flags != 0 {
+            return Err(malformed(
+                frame_type,
+                format!("flags 0x{flags:02x} (v1 defines none)"),
+            ));
+        }
+        // body_len <= max_frame_bytes <= u32::MAX, which fits usize on every target we build.
+        let frame_len = FRAME_HEADER_LEN + body_len as usize;
+        if buf.len() < frame_len {
+            return Ok(None);
+        }
+        let mut frame = buf.split_to(frame_len);
+        frame.advance(FRAME_HEADER_LEN);
+        let body = frame.freeze();
+        self.decode_frame(frame_type, &body).map(Some)
     }
 
     /// Decodes exactly one frame body of type `frame_type` (header already removed).
     pub fn decode_body(&self, frame_type: u8, body: Bytes) -> Result<Frame, WireError> {
-        let _ = (frame_type, body);
-        unreachable!("codec not implemented yet")
+        let frame_type =
+            FrameType::from_u8(frame_type).ok_or(WireError::UnknownFrameType(frame_type))?;
+        if body.len() > self.limits.max_frame_bytes as usize {
+            return Err(WireError::FrameTooLarge {
+                len: body.len() as u64,
+                max: self.limits.max_frame_bytes,
+            });
+        }
+        self.decode_frame(frame_type, &body)
+    }
+
+    fn decode_frame(&self, frame_type: FrameType, body: &Bytes) -> Result<Frame, WireError> {
+        let mut r = Reader {
+            body,
+            pos: 0,
+            frame: frame_type,
+            limits: &self.limits,
+        };
+        let frame = match frame_type {
+            FrameType::Hello => Frame::Hello(Hello {
+                min_version: r.u16("min_version")?,
+                max_version: r.u16("max_version")?,
+                features: r.u64("features")?,
+                client_name: r.string("client name length", MAX_CLIENT_NAME_BYTES)?,
+            }),
+            FrameType::HelloOk => Frame::HelloOk(r.hello_ok()?),
+            FrameType::CreateStream => Frame::CreateStream(CreateStream {
+                request_id: r.u64("request_id")?,
+                name: r.name()?,
+                shard_count: r.u32("shard_count")?,
+                kind: r.stream_kind()?,
+            }),
+            FrameType::DescribeStream => Frame::DescribeStream {
+                request_id: r.u64("request_id")?,
+                name: r.name()?,
+            },
+            FrameType::ListStreams => Frame::ListStreams {
+                request_id: r.u64("request_id")?,
+            },
+            FrameType::DeleteStream => Frame::DeleteStream {
+                request_id: r.u64("request_id")?,
+                name: r.name()?,
+            },
+            FrameType::StreamInfo => Frame::StreamInfo(r.stream_info()?),
+            FrameType::StreamList => r.stream_list()?,
+            FrameType::Done => Frame::Done {
+                request_id: r.u64("request_id")?,
+            },
+            FrameType::Publish => Frame::Publish(r.publish()?),
+            FrameType::Ack => Frame::Ack(r.ack()?),
+            FrameType::Subscribe => Frame::Subscribe(r.subscribe()?),
+            FrameType::Subscribed => Frame::Subscribed(Subscribed {
+                request_id: r.u64("request_id")?,
+                shards: r.shard_offsets()?,
+            }),
+            FrameType::Delivery => Frame::Delivery(r.delivery()?),
+            FrameType::Error => Frame::Error(r.error()?),
+        };
+        r.finish()?;
+        Ok(frame)
+    }
+}
+
+/// A cursor over one frame body. Every read checks the bytes remaining first.
+struct Reader<'a> {
+    body: &'a Bytes,
+    pos: usize,
+    frame: FrameType,
+    limits: &'a Limits,
+}
+
+impl Reader<'_> {
+    fn remaining(&self) -> usize {
+        self.body.len() - self.pos
+    }
+
+    fn malformed(&self, reason: String) -> WireError {
+        malformed(self.frame, reason)
+    }
+
+    /// The next `len` bytes as a range of `body`, or Malformed if fewer remain.
+    fn take(&mut self, len: usize, what: &str) -> Result<std::ops::Range<usize>, WireError> {
+        if len > self.remaining() {
+            return Err(self.malformed(format!(
+                "{what}: needs {len} bytes, {} remain",
+                self.remaining()
+            )));
+        }
+        let range = self.pos..self.pos + len;
+        self.pos += len;
+        Ok(range)
+    }
+
+    fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N], WireError> {
+        let range = self.take(N, what)?;
+        <[u8; N]>::try_from(&self.body[range])
+            .map_err(|_| self.malformed(format!("{what}: short read")))
+    }
+
+    fn u8(&mut self, what: &str) -> Result<u8, WireError> {
+        Ok(self.array::<1>(what)?[0])
+    }
+
+    fn u16(&mut self, what: &str) -> Result<u16, WireError> {
+        self.array(what).map(u16::from_le_bytes)
+    }
+
+    fn u32(&mut self, what: &str) -> Result<u32, WireError> {
+        self.array(what).map(u32::from_le_bytes)
+    }
+
+    fn u64(&mut self, what: &str) -> Result<u64, WireError> {
+        self.array(what).map(u64::from_le_bytes)
+    }
+
+    /// A u16-length-prefixed UTF-8 string of at most `max` bytes.
+    fn string(&mut self, what: &'static str, max: usize) -> Result<String, WireError> {
+        let len = usize::from(self.u16(what)?);
+        check_len(what, len, max)?;
+        let range = self.take(len, what)?;
+        match std::str::from_utf8(&self.body[range]) {
+            Ok(s) => Ok(s.to_owned()),
+            Err(e) => Err(self.malformed(format!("{what}: invalid UTF-8 ({e})"))),
+        }
+    }
+
+    fn name(&mut self) -> Result<String, WireError> {
+        self.string(
+            "stream name length",
+            usize::from(self.limits.max_name_bytes),
+        )
+    }
+
+    /// A u16-length-prefixed key, as a zero-copy slice.
+    fn key(&mut self) -> Result<Bytes, WireError> {
+        let len = usize::from(self.u16("key length")?);
+        check_len("key length", len, usize::from(self.limits.max_key_bytes))?;
+        let range = self.take(len, "key")?;
+        Ok(self.body.slice(range))
+    }
+
+    /// A u32-length-prefixed payload, as a zero-copy slice.
+    fn payload(&mut self) -> Result<Bytes, WireError> {
+        let len = self.u32("payload length")? as usize;
+        check_len(
+            "payload length",
+            len,
+            self.limits.max_payload_bytes as usize,
+        )?;
+        let range = self.take(len, "payload")?;
+        Ok(self.body.slice(range))
+    }
+
+    /// A u32 list count, checked against `max` and against the bytes remaining (each item
+    /// takes at least `min_item_len` bytes) before the caller allocates for it.
+    fn count(
+        &mut self,
+        what: &'static str,
+        max: u32,
+        min_item_len: usize,
+    ) -> Result<usize, WireError> {
+        let count = self.u32(what)?;
+        check_count(what, count as usize, max)?;
+        let needed = u64::from(count) * min_item_len as u64;
+        if needed > self.remaining() as u64 {
+            return Err(self.malformed(format!(
+                "{what} {count} needs at least {needed} bytes, {} remain",
+                self.remaining()
+            )));
+        }
+        Ok(count as usize)
+    }
+
+    fn stream_kind(&mut self) -> Result<StreamKind, WireError> {
+        let code = self.u8("stream kind")?;
+        StreamKind::from_u8(code)
+            .ok_or_else(|| self.malformed(format!("unknown stream kind {code}")))
+    }
+
+    fn hash_kind(&mut self) -> Result<HashKind, WireError> {
+        let code = self.u8("hash kind")?;
+        HashKind::from_u8(code).ok_or_else(|| self.malformed(format!("unknown hash kind {code}")))
+    }
+
+    fn finish(&self) -> Result<(), WireError> {
+        if self.remaining() != 0 {
+            return Err(self.malformed(format!("{} trailing bytes", self.remaining())));
+        }
+        Ok(())
+    }
+
+    fn hello_ok(&mut self) -> Result<HelloOk, WireError> {
+        let version = self.u16("version")?;
+        let features = self.u64("features")?;
+        let limits = Limits {
+            max_frame_bytes: self.u32("max_frame_bytes")?,
+            max_batch_records: self.u32("max_batch_records")?,
+            max_payload_bytes: self.u32("max_payload_bytes")?,
+            max_key_bytes: self.u16("max_key_bytes")?,
+            max_name_bytes: self.u16("max_name_bytes")?,
+            max_shards: self.u32("max_shards")?,
+        };
+        let count = self.count("core port count", MAX_CORES, CORE_PORT_LEN)?;
+        let mut core_ports = Vec::with_capacity(count);
+        for _ in 0..count {
+            core_ports.push(self.u16("core port")?);
+        }
+        let count = self.count("stream count", MAX_LISTED_STREAMS, ROUTE_MIN_LEN)?;
+        let mut shard_map = Vec::with_capacity(count);
+        for _ in 0..count {
+            let name = self.name()?;
+            let kind = self.stream_kind()?;
+            let shard_count = self.u32("shard_count")?;
+            let hash = self.hash_kind()?;
+            let cores = self.count("shard count", self.limits.max_shards, CORE_PORT_LEN)?;
+            check_route_cores(shard_count, cores)?;
+            let mut shard_cores = Vec::with_capacity(cores);
+            for _ in 0..cores {
+                shard_cores.push(self.u16("shard core")?);
+            }
+            shard_map.push(StreamRoute {
+                name,
+                kind,
+                shard_count,
+                hash,
+                shard_cores,
+            });
+        }
+        Ok(HelloOk {
+            version,
+            features,
+            limits,
+            core_ports,
+            shard_map,
+        })
+    }
+
+    fn stream_info(&mut self) -> Result<StreamInfo, WireError> {
+        let request_id = self.u64("request_id")?;
+        let name = self.name()?;
+        let kind = self.stream_kind()?;
+        let hash = self.hash_kind()?;
+        let count = self.count("shard count", self.limits.max_shards, SHARD_INFO_LEN)?;
+        let mut shards = Vec::with_capacity(count);
+        for _ in 0..count {
+            shards.push(ShardInfo {
+                shard: self.u32("shard")?,
+                core: self.u16("core")?,
+                oldest_offset: self.u64("oldest_offset")?,
+                next_offset: self.u64("next_offset")?,
+            });
+        }
+        Ok(StreamInfo {
+            request_id,
+            name,
+            kind,
+            hash,
+            shards,
+        })
+    }
+
+    fn stream_list(&mut self) -> Result<Frame, WireError> {
+        let request_id = self.u64("request_id")?;
+        let count = self.count("stream count", MAX_LISTED_STREAMS, SUMMARY_MIN_LEN)?;
+        let mut streams = Vec::with_capacity(count);
+        for _ in 0..count {
+            streams.push(StreamSummary {
+                name: self.name()?,
+                kind: self.stream_kind()?,
+                shard_count: self.u32("shard_count")?,
+            });
+        }
+        Ok(Frame::StreamList {
+            request_id,
+            streams,
+        })
+    }
+
+    fn publish(&mut self) -> Result<Publish, WireError> {
+        let request_id = self.u64("request_id")?;
+        let code = self.u8("ack mode")?;
+        let ack = AckMode::from_u8(code)
+            .ok_or_else(|| self.malformed(format!("unknown ack mode {code}")))?;
+        let stream = self.name()?;
+        let count = self.count(
+            "record count",
+            self.limits.max_batch_records,
+            PUBLISH_RECORD_OVERHEAD,
+        )?;
+        let mut records = Vec::with_capacity(count);
+        for _ in 0..count {
+            records.push(Record {
+                key: self.key()?,
+                payload: self.payload()?,
+            });
+        }
+        Ok(Publish {
+            request_id,
+            ack,
+            stream,
+            records,
+        })
+    }
+
+    fn ack(&mut self) -> Result<Ack, WireError> {
+        let request_id = self.u64("request_id")?;
+        let count = self.count("shard count", self.limits.max_shards, SHARD_ACK_LEN)?;
+        let mut shards = Vec::with_capacity(count);
+        for _ in 0..count {
+            shards.push(ShardAck {
+                shard: self.u32("shard")?,
+                first_offset: self.u64("first_offset")?,
+                count: self.u32("count")?,
+            });
+        }
+        Ok(Ack { request_id, shards })
+    }
+
+    fn shard_offsets(&mut self) -> Result<Vec<(u32, u64)>, WireError> {
+        let count = self.count("shard count", self.limits.max_shards, SHARD_OFFSET_LEN)?;
+        let mut shards = Vec::with_capacity(count);
+        for _ in 0..count {
+            shards.push((self.u32("shard")?, self.u64("offset")?));
+        }
+        Ok(shards)
+    }
+
+    fn subscribe(&mut self) -> Result<Subscribe, WireError> {
+        let request_id = self.u64("request_id")?;
+        let stream = self.name()?;
+        let shards = match self.u8("shard selection")? {
+            SHARDS_ALL => ShardSelection::All,
+            SHARDS_LIST => {
+                let count = self.count("shard count", self.limits.max_shards, SHARD_LEN)?;
+                let mut shards = Vec::with_capacity(count);
+                for _ in 0..count {
+                    shards.push(self.u32("shard")?);
+                }
+                ShardSelection::List(shards)
+            }
+            tag => return Err(self.malformed(format!("unknown shard selection {tag}"))),
+        };
+        let from = match self.u8("start position")? {
+            FROM_LATEST => StartPosition::Latest,
+            FROM_EARLIEST => StartPosition::Earliest,
+            FROM_OFFSETS => StartPosition::Offsets(self.shard_offsets()?),
+            tag => return Err(self.malformed(format!("unknown start position {tag}"))),
+        };
+        Ok(Subscribe {
+            request_id,
+            stream,
+            shards,
+            from,
+        })
+    }
+
+    fn delivery(&mut self) -> Result<Delivery, WireError> {
+        let count = self.count(
+            "record count",
+            self.limits.max_batch_records,
+            DELIVERED_RECORD_OVERHEAD,
+        )?;
+        let mut records = Vec::with_capacity(count);
+        for _ in 0..count {
+            records.push(DeliveredRecord {
+                shard: self.u32("shard")?,
+                offset: self.u64("offset")?,
+                timestamp_us: self.u64("timestamp_us")?,
+                key: self.key()?,
+                payload: self.payload()?,
+            });
+        }
+        Ok(Delivery { records })
+    }
+
+    fn error(&mut self) -> Result<ErrorFrame, WireError> {
+        let request_id = self.u64("request_id")?;
+        let code = self.u16("error code")?;
+        let code = ErrorCode::from_u16(code)
+            .ok_or_else(|| self.malformed(format!("unknown error code {code}")))?;
+        Ok(ErrorFrame {
+            request_id,
+            code,
+            detail: self.u64("detail")?,
+            message: self.string("error message length", MAX_ERROR_MESSAGE_BYTES)?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decoder() -> Decoder {
+        Decoder::new(Limits::DEFAULT)
+    }
+
+    fn header(body_len: u32, frame_type: u8, flags: u8) -> BytesMut {
+        let mut buf = BytesMut::new();
+        buf.put_u32_le(body_len);
+        buf.put_u8(frame_type);
+        buf.put_u8(flags);
+        buf
+    }
+
+    // A header announcing a body over max_frame_bytes fails at once, with no body present.
+    #[test]
+    fn oversized_length_fails_before_the_body_arrives() {
+        let max = Limits::DEFAULT.max_frame_bytes;
+        let mut buf = header(max + 1, FrameType::Publish as u8, 0);
+        let err = decoder().decode(&mut buf).unwrap_err();
+        assert_eq!(
+            err,
+            WireError::FrameTooLarge {
+                len: u64::from(max) + 1,
+                max
+            }
+        );
+        assert_eq!(err.code(), ErrorCode::FrameTooLarge);
+        let mut buf = header(u32::MAX, FrameType::Delivery as u8, 0);
+        assert_eq!(
+            decoder().decode(&mut buf).unwrap_err().code(),
+            ErrorCode::FrameTooLarge
+        );
+    }
+
+    // A body of exactly max_frame_bytes is acceptable: the header alone waits for more bytes.
+    #[test]
+    fn length_at_the_limit_waits_for_the_body() {
+        let mut buf = header(Limits::DEFAULT.max_frame_bytes, FrameType::Publish as u8, 0);
+        assert_eq!(decoder().decode(&mut buf), Ok(None));
+        assert_eq!(buf.len(), FRAME_HEADER_LEN);
+    }
+
+    // Unknown frame types and non-zero flags are refused from the header alone.
+    #[test]
+    fn bad_type_and_flags_fail_from_the_header() {
+        let mut buf = header(8, 0x7e, 0);
+        assert_eq!(
+            decoder().decode(&mut buf),
+            Err(WireError::UnknownFrameType(0x7e))
+        );
+        let mut buf = header(8, FrameType::Done as u8, 1);
+        assert_eq!(
+            decoder().decode(&mut buf).unwrap_err().code(),
+            ErrorCode::Malformed
+        );
+        assert_eq!(
+            decoder().decode_body(0, Bytes::new()),
+            Err(WireError::UnknownFrameType(0))
+        );
+    }
+
+    // Two frames back to back come out one at a time, and a partial third waits.
+    #[test]
+    fn frames_come_out_one_at_a_time() {
+        let mut buf = BytesMut::new();
+        encode(&Frame::Done { request_id: 1 }, &mut buf);
+        encode(&Frame::ListStreams { request_id: 2 }, &mut buf);
+        encode(&Frame::Done { request_id: 3 }, &mut buf);
+        buf.truncate(buf.len() - 1);
+        let d = decoder();
+        assert_eq!(d.decode(&mut buf), Ok(Some(Frame::Done { request_id: 1 })));
+        assert_eq!(
+            d.decode(&mut buf),
+            Ok(Some(Frame::ListStreams { request_id: 2 }))
+        );
+        assert_eq!(d.decode(&mut buf), Ok(None));
+        assert_eq!(buf.len(), FRAME_HEADER_LEN + REQUEST_ID_LEN - 1);
+    }
+
+    // Keys and payloads of a decoded publish point into the received buffer (no copy).
+    #[test]
+    fn decoded_payloads_are_slices_of_the_frame() {
+        let mut buf = BytesMut::new();
+        let frame = Frame::Publish(Publish {
+            request_id: 9,
+            ack: AckMode::Acked,
+            stream: "s".into(),
+            records: vec![Record {
+                key: Bytes::from_static(b"key"),
+                payload: Bytes::from(vec![7u8; 100]),
+            }],
+        });
+        encode(&frame, &mut buf);
+        let range = buf.as_ptr_range();
+        let Ok(Some(Frame::Publish(publish))) = decoder().decode(&mut buf) else {
+            panic!("expected a publish");
+        };
+        let payload = publish.records[0].payload.as_ptr_range();
+        assert!(range.start <= payload.start && payload.end <= range.end);
+    }
+
+    // Long client names and error messages are truncated on a character boundary.
+    #[test]
+    fn encoder_truncates_client_name_and_message_on_char_boundaries() {
+        let message = "é".repeat(MAX_ERROR_MESSAGE_BYTES); // 2 bytes per character
+        let frame = Frame::Error(ErrorFrame {
+            request_id: 1,
+            code: ErrorCode::Internal,
+            detail: 0,
+            message: format!("x{message}"),
+        });
+        let mut buf = BytesMut::new();
+        encode(&frame, &mut buf);
+        assert_eq!(buf.len(), encoded_len(&frame));
+        let Ok(Some(Frame::Error(error))) = decoder().decode(&mut buf) else {
+            panic!("expected an error frame");
+        };
+        // "x" + 511 "é" = 1023 bytes: the 512th "é" would cross the 1024-byte limit.
+        assert_eq!(error.message.len(), MAX_ERROR_MESSAGE_BYTES - 1);
+        let hello = Frame::Hello(Hello {
+            min_version: 1,
+            max_version: 1,
+            features: 0,
+            client_name: "€".repeat(100), // 3 bytes per character
+        });
+        let mut buf = BytesMut::new();
+        encode(&hello, &mut buf);
+        let Ok(Some(Frame::Hello(hello))) = decoder().decode(&mut buf) else {
+            panic!("expected a hello");
+        };
+        assert_eq!(hello.client_name, "€".repeat(85));
+    }
+
+    // Limit boundaries: exactly at a limit decodes, one over is LimitExceeded, both in the
+    // decoder and in `validate`.
+    #[test]
+    fn limits_are_inclusive() {
+        let limits = Limits {
+            max_key_bytes: 4,
+            max_payload_bytes: 8,
+            max_name_bytes: 3,
+            max_batch_records: 2,
+            ..Limits::DEFAULT
+        };
+        let d = Decoder::new(limits);
+        let publish = |stream: &str, key: usize, payload: usize, n: usize| {
+            Frame::Publish(Publish {
+                request_id: 1,
+                ack: AckMode::Acked,
+                stream: stream.into(),
+                records: vec![
+                    Record {
+                        key: Bytes::from(vec![b'k'; key]),
+                        payload: Bytes::from(vec![b'p'; payload]),
+                    };
+                    n
+                ],
+            })
+        };
+        let roundtrip = |frame: &Frame| {
+            let mut buf = BytesMut::new();
+            encode(frame, &mut buf);
+            d.decode(&mut buf).map(|f| f.expect("whole frame"))
+        };
+        let ok = publish("abc", 4, 8, 2);
+        assert_eq!(validate(&ok, &limits), Ok(()));
+        assert_eq!(roundtrip(&ok), Ok(ok));
+        for bad in [
+            publish("abcd", 4, 8, 2),
+            publish("abc", 5, 8, 2),
+            publish("abc", 4, 9, 2),
+            publish("abc", 4, 8, 3),
+        ] {
+            let err = roundtrip(&bad).unwrap_err();
+            assert_eq!(err.code(), ErrorCode::LimitExceeded, "{err}");
+            assert_eq!(validate(&bad, &limits), Err(err));
+        }
+    }
+
+    // Every enum byte outside its defined values is Malformed.
+    #[test]
+    fn unknown_enum_values_are_malformed() {
+        let d = decoder();
+        let mut create = BytesMut::new();
+        create.put_u64_le(1);
+        create.put_u16_le(1);
+        create.put_slice(b"s");
+        create.put_u32_le(1);
+        create.put_u8(2); // stream kind 2 does not exist
+        let err = d
+            .decode_body(FrameType::CreateStream as u8, create.freeze())
+            .unwrap_err();
+        assert_eq!(err.code(), ErrorCode::Malformed);
+
+        let mut error = BytesMut::new();
+        error.put_u64_le(1);
+        error.put_u16_le(7); // error code 7 does not exist
+        error.put_u64_le(0);
+        error.put_u16_le(0);
+        let err = d
+            .decode_body(FrameType::Error as u8, error.freeze())
+            .unwrap_err();
+        assert_eq!(err.code(), ErrorCode::Malformed);
+
+        for (selection, position) in [(2u8, 0u8), (0, 3)] {
+            let mut subscribe = BytesMut::new();
+            subscribe.put_u64_le(1);
+            subscribe.put_u16_le(1);
+            subscribe.put_slice(b"s");
+            subscribe.put_u8(selection);
+            subscribe.put_u8(position);
+            let err = d
+                .decode_body(FrameType::Subscribe as u8, subscribe.freeze())
+                .unwrap_err();
+            assert_eq!(err.code(), ErrorCode::Malformed);
+        }
+
+        let mut publish = BytesMut::new();
+        encode_publish_header(1, AckMode::Acked, "s", 0, 0, &mut publish);
+        publish[FRAME_HEADER_LEN + REQUEST_ID_LEN] = 2; // ack mode 2 does not exist
+        let err = d.decode(&mut publish).unwrap_err();
+        assert_eq!(err.code(), ErrorCode::Malformed);
+    }
+
+    // Trailing bytes after a complete body are Malformed.
+    #[test]
+    fn trailing_bytes_are_malformed() {
+        let mut body = BytesMut::new();
+        body.put_u64_le(5);
+        body.put_u8(0);
+        let err = decoder()
+            .decode_body(FrameType::Done as u8, body.freeze())
+            .unwrap_err();
+        assert_eq!(err.code(), ErrorCode::Malformed);
+        assert!(err.to_string().contains("1 trailing bytes"), "{err}");
+    }
+
+    // Invalid UTF-8 in a stream name is Malformed.
+    #[test]
+    fn invalid_utf8_is_malformed() {
+        let mut body = BytesMut::new();
+        body.put_u64_le(5);
+        body.put_u16_le(2);
+        body.put_slice(&[0xc3, 0x28]);
+        let err = decoder()
+            .decode_body(FrameType::DescribeStream as u8, body.freeze())
+            .unwrap_err();
+        assert_eq!(err.code(), ErrorCode::Malformed);
+    }
+
+    // A route whose core list disagrees with its shard count is Malformed, in both directions.
+    #[test]
+    fn route_core_list_must_match_shard_count() {
+        let frame = Frame::HelloOk(HelloOk {
+            version: 1,
+            features: 0,
+            limits: Limits::DEFAULT,
+            core_ports: vec![7400],
+            shard_map: vec![StreamRoute {
+                name: "s".into(),
+                kind: StreamKind::InMemory,
+                shard_count: 2,
+                hash: HashKind::Fnv1a64Mod,
+                shard_cores: vec![0],
+            }],
+        });
+        let err = validate(&frame, &Limits::DEFAULT).unwrap_err();
+        assert_eq!(err.code(), ErrorCode::Malformed);
+        let mut buf = BytesMut::new();
+        encode(&frame, &mut buf);
+        assert_eq!(decoder().decode(&mut buf), Err(err));
+    }
+
+    // Frame type codes round-trip through from_u8, and nothing else decodes to a type.
+    #[test]
+    fn frame_type_codes_are_exhaustive() {
+        for code in 0..=u8::MAX {
+            match FrameType::from_u8(code) {
+                Some(t) => assert_eq!(t as u8, code),
+                None => assert!(!FrameType::ALL.iter().any(|t| *t as u8 == code)),
+            }
+        }
+        assert!(
+            FrameType::ALL
+                .iter()
+                .all(|t| FrameType::from_u8(*t as u8) == Some(*t))
+        );
     }
 }

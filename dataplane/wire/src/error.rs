@@ -62,7 +62,9 @@ impl ErrorCode {
 
     #[must_use]
     pub fn from_u16(value: u16) -> Option<ErrorCode> {
-        ErrorCode::ALL.into_iter().find(|code| *code as u16 == value)
+        ErrorCode::ALL
+            .into_iter()
+            .find(|code| *code as u16 == value)
     }
 
     /// Stable snake_case name, used in metrics labels and logs.
@@ -99,7 +101,11 @@ pub enum WireError {
     #[error("malformed {frame} frame: {reason}")]
     Malformed { frame: &'static str, reason: String },
     #[error("{what} of {value} exceeds the limit of {max}")]
-    LimitExceeded { what: &'static str, value: u64, max: u64 },
+    LimitExceeded {
+        what: &'static str,
+        value: u64,
+        max: u64,
+    },
 }
 
 impl WireError {

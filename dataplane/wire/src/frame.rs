@@ -26,12 +26,90 @@ pub enum FrameType {
     Error = 0x7f,
 }
 
+impl FrameType {
+    /// Every frame type of protocol v1, in code order.
+    pub const ALL: [FrameType; 15] = [
+        FrameType::Hello,
+        FrameType::HelloOk,
+        FrameType::CreateStream,
+        FrameType::DescribeStream,
+        FrameType::ListStreams,
+        FrameType::DeleteStream,
+        FrameType::StreamInfo,
+        FrameType::StreamList,
+        FrameType::Done,
+        FrameType::Publish,
+        FrameType::Ack,
+        FrameType::Subscribe,
+        FrameType::Subscribed,
+        FrameType::Delivery,
+        FrameType::Error,
+    ];
+
+    /// The frame type with code `value`, or `None` if v1 has no such type.
+    #[must_use]
+    pub fn from_u8(value: u8) -> Option<FrameType> {
+        Some(match value {
+            0x01 => FrameType::Hello,
+            0x02 => FrameType::HelloOk,
+            0x10 => FrameType::CreateStream,
+            0x11 => FrameType::DescribeStream,
+            0x12 => FrameType::ListStreams,
+            0x13 => FrameType::DeleteStream,
+            0x14 => FrameType::StreamInfo,
+            0x15 => FrameType::StreamList,
+            0x16 => FrameType::Done,
+            0x20 => FrameType::Publish,
+            0x21 => FrameType::Ack,
+            0x30 => FrameType::Subscribe,
+            0x31 => FrameType::Subscribed,
+            0x32 => FrameType::Delivery,
+            0x7f => FrameType::Error,
+            _ => return None,
+        })
+    }
+
+    /// Stable snake_case name, used in error messages, logs and metrics labels.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            FrameType::Hello => "hello",
+            FrameType::HelloOk => "hello_ok",
+            FrameType::CreateStream => "create_stream",
+            FrameType::DescribeStream => "describe_stream",
+            FrameType::ListStreams => "list_streams",
+            FrameType::DeleteStream => "delete_stream",
+            FrameType::StreamInfo => "stream_info",
+            FrameType::StreamList => "stream_list",
+            FrameType::Done => "done",
+            FrameType::Publish => "publish",
+            FrameType::Ack => "ack",
+            FrameType::Subscribe => "subscribe",
+            FrameType::Subscribed => "subscribed",
+            FrameType::Delivery => "delivery",
+            FrameType::Error => "error",
+        }
+    }
+}
+
 /// Kind of a stream: no log (replay ring only) or an append-only log.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum StreamKind {
     InMemory = 0,
     Durable = 1,
+}
+
+impl StreamKind {
+    /// The kind with wire code `value`, or `None` for an unknown code.
+    #[must_use]
+    pub fn from_u8(value: u8) -> Option<StreamKind> {
+        match value {
+            0 => Some(StreamKind::InMemory),
+            1 => Some(StreamKind::Durable),
+            _ => None,
+        }
+    }
 }
 
 /// Key -> shard hash function identifier carried in stream descriptions.
@@ -42,6 +120,17 @@ pub enum HashKind {
     Fnv1a64Mod = 1,
 }
 
+impl HashKind {
+    /// The hash with wire code `value`, or `None` for an unknown code.
+    #[must_use]
+    pub fn from_u8(value: u8) -> Option<HashKind> {
+        match value {
+            1 => Some(HashKind::Fnv1a64Mod),
+            _ => None,
+        }
+    }
+}
+
 /// Whether the publisher wants an answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
@@ -50,6 +139,18 @@ pub enum AckMode {
     Acked = 0,
     /// No answer, ever (errors included); the request id should be 0.
     FireAndForget = 1,
+}
+
+impl AckMode {
+    /// The mode with wire code `value`, or `None` for an unknown code.
+    #[must_use]
+    pub fn from_u8(value: u8) -> Option<AckMode> {
+        match value {
+            0 => Some(AckMode::Acked),
+            1 => Some(AckMode::FireAndForget),
+            _ => None,
+        }
+    }
 }
 
 /// Server limits announced in `HelloOk`; the decoder enforces the same values.
@@ -260,17 +361,75 @@ pub enum Frame {
     Hello(Hello),
     HelloOk(HelloOk),
     CreateStream(CreateStream),
-    DescribeStream { request_id: u64, name: String },
-    ListStreams { request_id: u64 },
-    DeleteStream { request_id: u64, name: String },
+    DescribeStream {
+        request_id: u64,
+        name: String,
+    },
+    ListStreams {
+        request_id: u64,
+    },
+    DeleteStream {
+        request_id: u64,
+        name: String,
+    },
     StreamInfo(StreamInfo),
-    StreamList { request_id: u64, streams: Vec<StreamSummary> },
+    StreamList {
+        request_id: u64,
+        streams: Vec<StreamSummary>,
+    },
     /// Success answer without a body (e.g. to `DeleteStream`).
-    Done { request_id: u64 },
+    Done {
+        request_id: u64,
+    },
     Publish(Publish),
     Ack(Ack),
     Subscribe(Subscribe),
     Subscribed(Subscribed),
     Delivery(Delivery),
     Error(ErrorFrame),
+}
+
+impl Frame {
+    /// The type code this frame is encoded with.
+    #[must_use]
+    pub fn frame_type(&self) -> FrameType {
+        match self {
+            Frame::Hello(_) => FrameType::Hello,
+            Frame::HelloOk(_) => FrameType::HelloOk,
+            Frame::CreateStream(_) => FrameType::CreateStream,
+            Frame::DescribeStream { .. } => FrameType::DescribeStream,
+            Frame::ListStreams { .. } => FrameType::ListStreams,
+            Frame::DeleteStream { .. } => FrameType::DeleteStream,
+            Frame::StreamInfo(_) => FrameType::StreamInfo,
+            Frame::StreamList { .. } => FrameType::StreamList,
+            Frame::Done { .. } => FrameType::Done,
+            Frame::Publish(_) => FrameType::Publish,
+            Frame::Ack(_) => FrameType::Ack,
+            Frame::Subscribe(_) => FrameType::Subscribe,
+            Frame::Subscribed(_) => FrameType::Subscribed,
+            Frame::Delivery(_) => FrameType::Delivery,
+            Frame::Error(_) => FrameType::Error,
+        }
+    }
+
+    /// The request id a frame carries, or `None` for `Hello`, `HelloOk` and `Delivery`,
+    /// which have none.
+    #[must_use]
+    pub fn request_id(&self) -> Option<u64> {
+        match self {
+            Frame::Hello(_) | Frame::HelloOk(_) | Frame::Delivery(_) => None,
+            Frame::CreateStream(f) => Some(f.request_id),
+            Frame::DescribeStream { request_id, .. }
+            | Frame::ListStreams { request_id }
+            | Frame::DeleteStream { request_id, .. }
+            | Frame::StreamList { request_id, .. }
+            | Frame::Done { request_id } => Some(*request_id),
+            Frame::StreamInfo(f) => Some(f.request_id),
+            Frame::Publish(f) => Some(f.request_id),
+            Frame::Ack(f) => Some(f.request_id),
+            Frame::Subscribe(f) => Some(f.request_id),
+            Frame::Subscribed(f) => Some(f.request_id),
+            Frame::Error(f) => Some(f.request_id),
+        }
+    }
 }

@@ -3,13 +3,22 @@
 //! broker and every client.
 //!
 //! Sans-IO: this crate touches no socket, file, thread or clock. It runs on whichever core
-//! calls it. The byte layout is specified in `docs/wire-protocol.md`.
+//! calls it (the broker's per-core loops, client tasks); it holds no state across calls except
+//! the [`Decoder`]'s limits. The byte layout is specified in `docs/wire-protocol.md`.
+//!
+//! No `unsafe`: every length read from the network is checked against the bytes present and
+//! a limit before it is used, and every list count before anything is allocated for it.
+
+#![forbid(unsafe_code)]
 
 mod codec;
 mod error;
 mod frame;
 
-pub use codec::{Decoder, encode, encode_publish_header, encode_record};
+pub use codec::{
+    Decoder, PUBLISH_RECORD_OVERHEAD, encode, encode_publish_header, encode_record, encoded_len,
+    encoded_record_len, validate,
+};
 pub use error::{ErrorCode, WireError};
 pub use frame::*;
 
@@ -19,6 +28,20 @@ pub const PROTOCOL_VERSION: u16 = 1;
 pub const ALPN: &[u8] = b"felix/1";
 /// Frame header: u32 body length (little-endian), u8 frame type, u8 flags.
 pub const FRAME_HEADER_LEN: usize = 6;
+
+/// Longest `Hello::client_name` in UTF-8 bytes: room for "name/version (platform)"; the
+/// encoder truncates longer names at a character boundary, the decoder refuses them.
+pub const MAX_CLIENT_NAME_BYTES: usize = 255;
+/// Longest `ErrorFrame::message` in UTF-8 bytes: room for a sentence and a list of resume
+/// positions; the encoder truncates longer messages at a character boundary, the decoder
+/// refuses them.
+pub const MAX_ERROR_MESSAGE_BYTES: usize = 1024;
+/// Most entries in `HelloOk::core_ports`: an order of magnitude above the largest VM we target
+/// (80 vCPUs), small enough that the list stays a few KiB.
+pub const MAX_CORES: u32 = 1024;
+/// Most streams in a `StreamList` or a `HelloOk` shard map. A v1 broker with more streams than
+/// this cannot list them all in one frame (paging is not part of v1).
+pub const MAX_LISTED_STREAMS: u32 = 65_536;
 
 /// FNV-1a 64-bit hash of `key` (offset basis 0xcbf29ce484222325, prime 0x100000001b3).
 #[must_use]
