@@ -23,8 +23,8 @@ pub enum ErrorCode {
     /// The requested position is older than what the shard still holds;
     /// `detail` carries the oldest offset still held.
     TooOld = 20,
-    /// A subscriber fell too far behind live delivery; `detail` carries the next offset
-    /// it would have received, so it can resume from there.
+    /// A subscriber fell too far behind live delivery and was ended; `detail` is 0 and the
+    /// message lists `shard:next_offset` resume positions.
     SubscriberLagged = 21,
     /// The core's ingress queue or byte budget is full
     /// (message: "publish ingress byte budget exhausted").

@@ -1,0 +1,63 @@
+//! The engine's one error type and the messages it carries.
+
+use felix_wire::{ErrorCode, ErrorFrame};
+
+/// Longest message an [`EngineError`] carries: the limit of an `Error` frame's text
+/// (`felix_wire::ErrorFrame::message`, "at most 1024 bytes"). Longer messages are cut at a
+/// character boundary.
+pub const ERROR_MESSAGE_MAX_BYTES: usize = 1024;
+
+/// Why a request failed; becomes an `Error` frame on the wire.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{code:?}: {message}")]
+pub struct EngineError {
+    pub code: ErrorCode,
+    /// Code-specific detail (oldest offset held for `TooOld`), else 0.
+    pub detail: u64,
+    pub message: String,
+}
+
+impl EngineError {
+    /// The wire form, answering request `request_id`.
+    #[must_use]
+    pub fn to_frame(&self, request_id: u64) -> ErrorFrame {
+        ErrorFrame {
+            request_id,
+            code: self.code,
+            detail: self.detail,
+            message: self.message.clone(),
+        }
+    }
+
+    /// An error whose message is cut to [`ERROR_MESSAGE_MAX_BYTES`].
+    #[must_use]
+    pub(crate) fn new(code: ErrorCode, detail: u64, mut message: String) -> EngineError {
+        if message.len() > ERROR_MESSAGE_MAX_BYTES {
+            let mut end = ERROR_MESSAGE_MAX_BYTES;
+            while !message.is_char_boundary(end) {
+                end -= 1;
+            }
+            message.truncate(end);
+        }
+        assert!(message.len() <= ERROR_MESSAGE_MAX_BYTES);
+        EngineError {
+            code,
+            detail,
+            message,
+        }
+    }
+
+    #[must_use]
+    pub(crate) fn invalid(message: String) -> EngineError {
+        EngineError::new(ErrorCode::InvalidArgument, 0, message)
+    }
+
+    #[must_use]
+    pub(crate) fn stream_not_found(name: &str) -> EngineError {
+        EngineError::new(
+            ErrorCode::StreamNotFound,
+            0,
+            format!("stream {name:?} does not exist"),
+        )
+    }
+}

@@ -1,0 +1,926 @@
+//! Behaviour of the shard engine through its public API (SPEC sections 2-4, in-memory
+//! streams). Deterministic: time is a number the test passes in.
+
+use bytes::Bytes;
+use felix_engine::{
+    ERROR_MESSAGE_MAX_BYTES, Engine, EngineConfig, EngineError, EngineEvent, SubscriptionId,
+};
+use felix_wire::{
+    DeliveredRecord, ErrorCode, HashKind, Record, ShardAck, ShardSelection, StartPosition,
+    StreamKind, shard_for_key,
+};
+
+const NOW_US: u64 = 1_700_000_000_000_000;
+
+fn config(ring_max_records: usize, ring_max_bytes: u64, queue_max_bytes: u64) -> EngineConfig {
+    EngineConfig {
+        ring_max_records,
+        ring_max_bytes,
+        subscriber_queue_max_bytes: queue_max_bytes,
+        ..EngineConfig::default()
+    }
+}
+
+fn record(key: &[u8], payload: &[u8]) -> Record {
+    Record {
+        key: Bytes::copy_from_slice(key),
+        payload: Bytes::copy_from_slice(payload),
+    }
+}
+
+/// The `n`-th key (in a fixed sequence) that routes to `shard` of a `shard_count` stream.
+fn key_for_shard(shard: u32, shard_count: u32, n: usize) -> Vec<u8> {
+    (0u64..)
+        .map(|i| format!("key-{i}").into_bytes())
+        .filter(|key| shard_for_key(key, shard_count) == shard)
+        .nth(n)
+        .expect("the key sequence is unbounded")
+}
+
+/// Publishes one record with `payload` to `shard`, returning its offset.
+fn publish_to(engine: &mut Engine, stream: &str, shard: u32, payload: &[u8]) -> u64 {
+    let shard_count = engine.shard_count(stream).expect("stream exists");
+    let key = key_for_shard(shard, shard_count, 0);
+    let acks = engine
+        .publish(NOW_US, stream, vec![record(&key, payload)])
+        .expect("publish succeeds");
+    assert_eq!(acks.len(), 1);
+    assert_eq!(acks[0].shard, shard);
+    acks[0].first_offset
+}
+
+fn drain(engine: &mut Engine, id: SubscriptionId) -> Vec<DeliveredRecord> {
+    let mut all = Vec::new();
+    loop {
+        let batch = engine.poll_delivery(id, 7, 1 << 20);
+        if batch.is_empty() {
+            return all;
+        }
+        all.extend(batch);
+    }
+}
+
+fn events(engine: &mut Engine) -> Vec<EngineEvent> {
+    std::iter::from_fn(|| engine.poll_event()).collect()
+}
+
+fn offsets_of(records: &[DeliveredRecord], shard: u32) -> Vec<u64> {
+    records
+        .iter()
+        .filter(|r| r.shard == shard)
+        .map(|r| r.offset)
+        .collect()
+}
+
+fn list(shards: &[u32]) -> ShardSelection {
+    ShardSelection::List(shards.to_vec())
+}
+
+fn code(result: Result<impl std::fmt::Debug, EngineError>) -> ErrorCode {
+    result.expect_err("the call is refused").code
+}
+
+#[test]
+fn create_stream_checks_name_shard_count_kind_and_existence() {
+    // Proves the documented name rules, shard-count bounds, durable refusal and StreamExists.
+    let mut engine = Engine::new(EngineConfig {
+        max_shards: 8,
+        max_name_bytes: 10,
+        ..EngineConfig::default()
+    });
+    let created = engine
+        .create_stream("a.B_9-z", 3, StreamKind::InMemory)
+        .expect("valid stream");
+    assert_eq!(created.name, "a.B_9-z");
+    assert_eq!(created.kind, StreamKind::InMemory);
+    assert_eq!(created.hash, HashKind::Fnv1a64Mod);
+    assert_eq!(created.shards.len(), 3);
+    for (index, shard) in created.shards.iter().enumerate() {
+        assert_eq!(shard.shard as usize, index);
+        assert_eq!((shard.oldest_offset, shard.next_offset), (0, 0));
+    }
+    for bad in ["", "has space", "slash/", "é", "elevenbytes"] {
+        let error = engine
+            .create_stream(bad, 1, StreamKind::InMemory)
+            .expect_err("bad name");
+        assert_eq!(error.code, ErrorCode::InvalidArgument, "{bad:?}");
+        assert!(
+            error.message.contains("[A-Za-z0-9._-]"),
+            "{}",
+            error.message
+        );
+    }
+    assert!(
+        engine
+            .create_stream("tenbytes10", 8, StreamKind::InMemory)
+            .is_ok()
+    );
+    for shards in [0, 9] {
+        let error = engine
+            .create_stream("s", shards, StreamKind::InMemory)
+            .expect_err("bad shard count");
+        assert_eq!(error.code, ErrorCode::InvalidArgument);
+        assert!(error.message.contains("1 to 8 shards"), "{}", error.message);
+    }
+    let durable = engine
+        .create_stream("d", 1, StreamKind::Durable)
+        .expect_err("durable refused");
+    assert_eq!(durable.code, ErrorCode::InvalidArgument);
+    assert_eq!(
+        durable.message,
+        "durable streams are not available in this build yet"
+    );
+    assert_eq!(
+        code(engine.create_stream("a.B_9-z", 3, StreamKind::InMemory)),
+        ErrorCode::StreamExists
+    );
+    assert_eq!(
+        engine.list_streams(),
+        vec![
+            ("a.B_9-z".to_owned(), StreamKind::InMemory, 3),
+            ("tenbytes10".to_owned(), StreamKind::InMemory, 8),
+        ]
+    );
+    engine.assert_invariants();
+}
+
+#[test]
+fn unknown_streams_are_not_found() {
+    // Proves every stream-addressed call answers StreamNotFound for a missing stream.
+    let mut engine = Engine::new(EngineConfig::default());
+    assert_eq!(code(engine.describe_stream("x")), ErrorCode::StreamNotFound);
+    assert_eq!(code(engine.delete_stream("x")), ErrorCode::StreamNotFound);
+    assert_eq!(
+        code(engine.publish(NOW_US, "x", vec![record(b"k", b"v")])),
+        ErrorCode::StreamNotFound
+    );
+    let error = engine
+        .subscribe("x", &ShardSelection::All, &StartPosition::Latest)
+        .expect_err("no stream");
+    assert_eq!(error.code, ErrorCode::StreamNotFound);
+    assert_eq!(error.message, "stream \"x\" does not exist");
+    assert!(engine.list_streams().is_empty());
+}
+
+#[test]
+fn list_streams_is_sorted_by_name() {
+    // Proves list_streams returns every stream sorted by name whatever the creation order.
+    let mut engine = Engine::new(EngineConfig::default());
+    for name in ["m", "b", "z", "a"] {
+        engine
+            .create_stream(name, 2, StreamKind::InMemory)
+            .expect("create");
+    }
+    let names: Vec<String> = engine.list_streams().into_iter().map(|s| s.0).collect();
+    assert_eq!(names, ["a", "b", "m", "z"]);
+}
+
+#[test]
+fn publish_gives_dense_offsets_in_batch_order_and_acks_by_ascending_shard() {
+    // Proves offsets are dense per shard from 0, in batch order, acked once per shard touched.
+    let mut engine = Engine::new(EngineConfig::default());
+    engine
+        .create_stream("s", 4, StreamKind::InMemory)
+        .expect("create");
+    let id = engine
+        .subscribe("s", &ShardSelection::All, &StartPosition::Latest)
+        .expect("subscribe")
+        .id;
+    // Batch: shard 3, shard 1, shard 3, shard 1, shard 3 (batch order interleaves shards).
+    let batch: Vec<Record> = [(3, 0), (1, 0), (3, 1), (1, 1), (3, 2)]
+        .iter()
+        .map(|&(shard, n)| {
+            record(
+                &key_for_shard(shard, 4, n),
+                format!("{shard}/{n}").as_bytes(),
+            )
+        })
+        .collect();
+    let acks = engine.publish(NOW_US, "s", batch.clone()).expect("publish");
+    assert_eq!(
+        acks,
+        vec![
+            ShardAck {
+                shard: 1,
+                first_offset: 0,
+                count: 2
+            },
+            ShardAck {
+                shard: 3,
+                first_offset: 0,
+                count: 3
+            },
+        ]
+    );
+    let acks = engine.publish(NOW_US + 1, "s", batch).expect("publish");
+    assert_eq!(
+        acks[0],
+        ShardAck {
+            shard: 1,
+            first_offset: 2,
+            count: 2
+        }
+    );
+    assert_eq!(
+        acks[1],
+        ShardAck {
+            shard: 3,
+            first_offset: 3,
+            count: 3
+        }
+    );
+
+    let delivered = drain(&mut engine, id);
+    assert_eq!(offsets_of(&delivered, 3), [0, 1, 2, 3, 4, 5]);
+    assert_eq!(offsets_of(&delivered, 1), [0, 1, 2, 3]);
+    let shard3: Vec<&[u8]> = delivered
+        .iter()
+        .filter(|r| r.shard == 3)
+        .map(|r| &r.payload[..])
+        .collect();
+    assert_eq!(
+        shard3,
+        [&b"3/0"[..], b"3/1", b"3/2", b"3/0", b"3/1", b"3/2"]
+    );
+    assert!(delivered[..5].iter().all(|r| r.timestamp_us == NOW_US));
+    assert!(delivered[5..].iter().all(|r| r.timestamp_us == NOW_US + 1));
+    let counters = engine.counters();
+    assert_eq!(counters.records_appended, 10);
+    assert_eq!(counters.payload_bytes_appended, 30);
+    assert_eq!(counters.records_delivered, 10);
+    assert_eq!(counters.subscriptions_active, 1);
+    engine.assert_invariants();
+}
+
+#[test]
+fn key_routing_is_the_documented_fnv1a_hash() {
+    // Proves records land on shard_for_key(key, count), the function the client uses, and
+    // on the documented FNV-1a value computed independently for a few keys.
+    let mut engine = Engine::new(EngineConfig::default());
+    engine
+        .create_stream("s", 48, StreamKind::InMemory)
+        .expect("create");
+    let id = engine
+        .subscribe("s", &ShardSelection::All, &StartPosition::Latest)
+        .expect("subscribe")
+        .id;
+    // fnv1a_64("a") = 0xaf63dc4c8601ec8c -> 28 of 48; "foobar" -> 24; "order-17" -> 46.
+    for (key, shard) in [(&b"a"[..], 28), (b"foobar", 24), (b"order-17", 46)] {
+        let acks = engine
+            .publish(NOW_US, "s", vec![record(key, b"")])
+            .expect("publish");
+        assert_eq!(acks[0].shard, shard);
+    }
+    let keys: Vec<Vec<u8>> = (0u32..500).map(|i| i.to_le_bytes().repeat(4)).collect();
+    let batch = keys.iter().map(|key| record(key, b"p")).collect();
+    engine.publish(NOW_US, "s", batch).expect("publish");
+    let delivered = drain(&mut engine, id);
+    assert_eq!(delivered.len(), 503);
+    for r in &delivered {
+        assert_eq!(r.shard, shard_for_key(&r.key, 48));
+    }
+}
+
+#[test]
+fn refused_publish_changes_nothing() {
+    // Proves an empty batch and an unknown stream are refused all-or-nothing.
+    let mut engine = Engine::new(EngineConfig::default());
+    engine
+        .create_stream("s", 2, StreamKind::InMemory)
+        .expect("create");
+    let id = engine
+        .subscribe("s", &ShardSelection::All, &StartPosition::Latest)
+        .expect("subscribe")
+        .id;
+    engine
+        .publish(NOW_US, "s", vec![record(b"k", b"v")])
+        .expect("publish");
+    let _ = events(&mut engine);
+    let before = (engine.describe_stream("s"), engine.counters());
+    let error = engine.publish(NOW_US, "s", Vec::new()).expect_err("empty");
+    assert_eq!(error.code, ErrorCode::InvalidArgument);
+    assert_eq!(
+        code(engine.publish(NOW_US, "t", vec![record(b"k", b"v")])),
+        ErrorCode::StreamNotFound
+    );
+    assert_eq!((engine.describe_stream("s"), engine.counters()), before);
+    assert!(events(&mut engine).is_empty());
+    assert_eq!(drain(&mut engine, id).len(), 1);
+    engine.assert_invariants();
+}
+
+#[test]
+fn ring_evicts_oldest_first_by_count() {
+    // Proves the ring keeps the newest ring_max_records records and Earliest starts there.
+    let mut engine = Engine::new(config(4, 1 << 20, 1 << 20));
+    engine
+        .create_stream("s", 1, StreamKind::InMemory)
+        .expect("create");
+    for i in 0..10u8 {
+        publish_to(&mut engine, "s", 0, &[i; 3]);
+    }
+    let shard = engine.describe_stream("s").expect("describe").shards[0];
+    assert_eq!((shard.oldest_offset, shard.next_offset), (6, 10));
+    assert_eq!((shard.ring_records, shard.ring_bytes), (4, 12));
+    let sub = engine
+        .subscribe("s", &ShardSelection::All, &StartPosition::Earliest)
+        .expect("subscribe");
+    assert_eq!(sub.start, vec![(0, 6)]);
+    let delivered = drain(&mut engine, sub.id);
+    assert_eq!(offsets_of(&delivered, 0), [6, 7, 8, 9]);
+    assert_eq!(delivered[0].payload, Bytes::from_static(&[6; 3]));
+    engine.assert_invariants();
+}
+
+#[test]
+fn ring_evicts_oldest_first_by_bytes() {
+    // Proves the byte bound evicts as many old records as needed to fit the newest.
+    let mut engine = Engine::new(config(100, 10, 1 << 20));
+    engine
+        .create_stream("s", 1, StreamKind::InMemory)
+        .expect("create");
+    for len in [4usize, 4, 2] {
+        publish_to(&mut engine, "s", 0, &vec![1; len]);
+    }
+    let shard = engine.describe_stream("s").expect("describe").shards[0];
+    assert_eq!(
+        (shard.oldest_offset, shard.ring_records, shard.ring_bytes),
+        (0, 3, 10)
+    );
+    // 9 bytes: evicts offsets 0 and 1 (4 + 4), keeps 2 (2 bytes) -> 11 > 10, so evicts 2 too.
+    publish_to(&mut engine, "s", 0, &[2; 9]);
+    let shard = engine.describe_stream("s").expect("describe").shards[0];
+    assert_eq!((shard.oldest_offset, shard.next_offset), (3, 4));
+    assert_eq!((shard.ring_records, shard.ring_bytes), (1, 9));
+    publish_to(&mut engine, "s", 0, &[3; 1]);
+    let shard = engine.describe_stream("s").expect("describe").shards[0];
+    assert_eq!(
+        (shard.oldest_offset, shard.ring_records, shard.ring_bytes),
+        (3, 2, 10)
+    );
+    engine.assert_invariants();
+}
+
+#[test]
+fn oversized_record_empties_the_ring_but_gets_its_offset_and_is_delivered_live() {
+    // Proves a record over ring_max_bytes is not kept (nor anything older) yet is delivered.
+    let mut engine = Engine::new(config(100, 10, 1 << 20));
+    engine
+        .create_stream("s", 1, StreamKind::InMemory)
+        .expect("create");
+    publish_to(&mut engine, "s", 0, b"abc");
+    let id = engine
+        .subscribe("s", &ShardSelection::All, &StartPosition::Latest)
+        .expect("subscribe")
+        .id;
+    assert_eq!(publish_to(&mut engine, "s", 0, &[7; 11]), 1);
+    let shard = engine.describe_stream("s").expect("describe").shards[0];
+    assert_eq!((shard.oldest_offset, shard.next_offset), (2, 2));
+    assert_eq!((shard.ring_records, shard.ring_bytes), (0, 0));
+    assert_eq!(publish_to(&mut engine, "s", 0, b"x"), 2);
+    let delivered = drain(&mut engine, id);
+    assert_eq!(offsets_of(&delivered, 0), [1, 2]);
+    assert_eq!(delivered[0].payload.len(), 11);
+    let error = engine
+        .subscribe(
+            "s",
+            &ShardSelection::All,
+            &StartPosition::Offsets(vec![(0, 1)]),
+        )
+        .expect_err("offset 1 was never held");
+    assert_eq!((error.code, error.detail), (ErrorCode::TooOld, 2));
+    engine.assert_invariants();
+}
+
+#[test]
+fn live_delivery_works_without_a_ring() {
+    // Proves ring_max_records = 0 or ring_max_bytes = 0 disables replay but not live delivery.
+    for cfg in [config(0, 1 << 20, 1 << 20), config(1024, 0, 1 << 20)] {
+        let mut engine = Engine::new(cfg);
+        engine
+            .create_stream("s", 3, StreamKind::InMemory)
+            .expect("create");
+        let sub = engine
+            .subscribe("s", &ShardSelection::All, &StartPosition::Earliest)
+            .expect("subscribe");
+        assert_eq!(sub.start, vec![(0, 0), (1, 0), (2, 0)]);
+        let batch = (0..30u32).map(|i| record(&i.to_le_bytes(), b"")).collect();
+        engine.publish(NOW_US, "s", batch).expect("publish");
+        assert_eq!(drain(&mut engine, sub.id).len(), 30);
+        for shard in engine.describe_stream("s").expect("describe").shards {
+            assert_eq!(shard.oldest_offset, shard.next_offset);
+            assert_eq!(shard.ring_records, 0);
+        }
+        let error = engine
+            .subscribe("s", &list(&[0]), &StartPosition::Offsets(vec![(0, 0)]))
+            .expect_err("nothing held");
+        assert_eq!(error.code, ErrorCode::TooOld);
+        engine.assert_invariants();
+    }
+}
+
+#[test]
+fn resume_inside_the_ring_catches_up_then_goes_live() {
+    // Proves a start offset inside the ring replays from exactly there, then live records follow.
+    let mut engine = Engine::new(config(8, 1 << 20, 1 << 20));
+    engine
+        .create_stream("s", 2, StreamKind::InMemory)
+        .expect("create");
+    for i in 0..12u8 {
+        publish_to(&mut engine, "s", 1, &[i]);
+        publish_to(&mut engine, "s", 0, &[100 + i]);
+    }
+    let sub = engine
+        .subscribe(
+            "s",
+            &ShardSelection::All,
+            &StartPosition::Offsets(vec![(1, 9)]),
+        )
+        .expect("subscribe");
+    assert_eq!(sub.start, vec![(0, 12), (1, 9)]);
+    assert_eq!(engine.queued_records(sub.id), Some(3));
+    assert_eq!(events(&mut engine), [EngineEvent::DeliveryReady(sub.id)]);
+    publish_to(&mut engine, "s", 1, &[12]);
+    publish_to(&mut engine, "s", 0, &[112]);
+    let delivered = drain(&mut engine, sub.id);
+    assert_eq!(offsets_of(&delivered, 1), [9, 10, 11, 12]);
+    assert_eq!(offsets_of(&delivered, 0), [12]);
+    let payloads: Vec<u8> = delivered
+        .iter()
+        .filter(|r| r.shard == 1)
+        .map(|r| r.payload[0])
+        .collect();
+    assert_eq!(payloads, [9, 10, 11, 12]);
+    engine.assert_invariants();
+}
+
+#[test]
+fn too_old_names_the_shard_and_carries_the_oldest_offset() {
+    // Proves a position older than the ring is TooOld with detail = oldest offset held.
+    let mut engine = Engine::new(config(5, 1 << 20, 1 << 20));
+    engine
+        .create_stream("s", 2, StreamKind::InMemory)
+        .expect("create");
+    for i in 0..15u8 {
+        publish_to(&mut engine, "s", 1, &[i]);
+    }
+    let error = engine
+        .subscribe(
+            "s",
+            &ShardSelection::All,
+            &StartPosition::Offsets(vec![(1, 3)]),
+        )
+        .expect_err("too old");
+    assert_eq!(error.code, ErrorCode::TooOld);
+    assert_eq!(error.detail, 10);
+    assert_eq!(
+        error.message,
+        "offset 3 of shard 1 is older than the oldest record still held (10)"
+    );
+    let frame = error.to_frame(42);
+    assert_eq!(
+        (frame.request_id, frame.code, frame.detail),
+        (42, ErrorCode::TooOld, 10)
+    );
+    let ok = engine
+        .subscribe(
+            "s",
+            &ShardSelection::All,
+            &StartPosition::Offsets(vec![(1, 10)]),
+        )
+        .expect("oldest held is fine");
+    assert_eq!(drain(&mut engine, ok.id).len(), 5);
+    assert_eq!(engine.counters().subscriptions_active, 1);
+}
+
+#[test]
+fn offset_beyond_next_is_refused_and_next_is_accepted() {
+    // Proves start offsets above next_offset are InvalidArgument and next_offset means "live".
+    let mut engine = Engine::new(EngineConfig::default());
+    engine
+        .create_stream("s", 1, StreamKind::InMemory)
+        .expect("create");
+    for i in 0..3u8 {
+        publish_to(&mut engine, "s", 0, &[i]);
+    }
+    let error = engine
+        .subscribe(
+            "s",
+            &ShardSelection::All,
+            &StartPosition::Offsets(vec![(0, 4)]),
+        )
+        .expect_err("beyond next");
+    assert_eq!(error.code, ErrorCode::InvalidArgument);
+    assert!(
+        error.message.contains("offset 4 of shard 0"),
+        "{}",
+        error.message
+    );
+    let sub = engine
+        .subscribe(
+            "s",
+            &ShardSelection::All,
+            &StartPosition::Offsets(vec![(0, 3)]),
+        )
+        .expect("next offset");
+    assert_eq!(sub.start, vec![(0, 3)]);
+    assert_eq!(engine.queued_records(sub.id), Some(0));
+    assert!(events(&mut engine).is_empty());
+    assert_eq!(engine.counters().subscriptions_active, 1);
+}
+
+#[test]
+fn latest_earliest_and_offsets_start_where_documented() {
+    // Proves Latest starts at next_offset, Earliest at the oldest held, Offsets per shard with
+    // unlisted selected shards at latest.
+    let mut engine = Engine::new(config(3, 1 << 20, 1 << 20));
+    engine
+        .create_stream("s", 3, StreamKind::InMemory)
+        .expect("create");
+    for i in 0..5u8 {
+        publish_to(&mut engine, "s", 0, &[i]);
+        publish_to(&mut engine, "s", 2, &[i]);
+    }
+    publish_to(&mut engine, "s", 1, b"x");
+    let latest = engine
+        .subscribe("s", &ShardSelection::All, &StartPosition::Latest)
+        .expect("latest");
+    assert_eq!(latest.start, vec![(0, 5), (1, 1), (2, 5)]);
+    assert_eq!(engine.queued_records(latest.id), Some(0));
+    let earliest = engine
+        .subscribe("s", &list(&[2, 0]), &StartPosition::Earliest)
+        .expect("earliest");
+    assert_eq!(earliest.start, vec![(0, 2), (2, 2)]);
+    let offsets = engine
+        .subscribe(
+            "s",
+            &list(&[0, 1, 2]),
+            &StartPosition::Offsets(vec![(2, 4)]),
+        )
+        .expect("offsets");
+    assert_eq!(offsets.start, vec![(0, 5), (1, 1), (2, 4)]);
+    let earliest_records = drain(&mut engine, earliest.id);
+    assert_eq!(offsets_of(&earliest_records, 0), [2, 3, 4]);
+    assert_eq!(offsets_of(&earliest_records, 2), [2, 3, 4]);
+    assert_eq!(offsets_of(&earliest_records, 1), Vec::<u64>::new());
+    assert_eq!(offsets_of(&drain(&mut engine, offsets.id), 2), [4]);
+
+    publish_to(&mut engine, "s", 1, b"y");
+    assert_eq!(offsets_of(&drain(&mut engine, latest.id), 1), [1]);
+    assert_eq!(offsets_of(&drain(&mut engine, offsets.id), 1), [1]);
+    assert!(
+        drain(&mut engine, earliest.id).is_empty(),
+        "shard 1 not selected"
+    );
+    engine.assert_invariants();
+}
+
+#[test]
+fn bad_shard_selections_and_offsets_are_refused() {
+    // Proves out-of-range, duplicate, empty and unselected shards are InvalidArgument.
+    let mut engine = Engine::new(EngineConfig::default());
+    engine
+        .create_stream("s", 4, StreamKind::InMemory)
+        .expect("create");
+    let cases = [
+        (list(&[4]), StartPosition::Latest),
+        (list(&[]), StartPosition::Latest),
+        (list(&[1, 2, 1]), StartPosition::Latest),
+        (list(&[1]), StartPosition::Offsets(vec![(2, 0)])),
+        (ShardSelection::All, StartPosition::Offsets(vec![(4, 0)])),
+        (
+            ShardSelection::All,
+            StartPosition::Offsets(vec![(1, 0), (1, 0)]),
+        ),
+    ];
+    for (selection, from) in cases {
+        let error = engine
+            .subscribe("s", &selection, &from)
+            .expect_err("refused");
+        assert_eq!(
+            error.code,
+            ErrorCode::InvalidArgument,
+            "{selection:?} {from:?}"
+        );
+        assert!(!error.message.is_empty());
+    }
+    assert_eq!(engine.counters().subscriptions_active, 0);
+    assert!(events(&mut engine).is_empty());
+    engine.assert_invariants();
+}
+
+#[test]
+fn per_shard_order_holds_across_many_batches_and_shards() {
+    // Proves each subscriber sees every shard's records dense and in order over many batches.
+    let mut engine = Engine::new(config(64, 1 << 20, u64::MAX));
+    engine
+        .create_stream("s", 48, StreamKind::InMemory)
+        .expect("create");
+    let all = engine
+        .subscribe("s", &ShardSelection::All, &StartPosition::Latest)
+        .expect("subscribe")
+        .id;
+    let some = engine
+        .subscribe("s", &list(&[0, 7, 47]), &StartPosition::Latest)
+        .expect("subscribe")
+        .id;
+    let mut published = 0u32;
+    let mut delivered_all = Vec::new();
+    for batch_index in 0..200u32 {
+        let size = 1 + (batch_index * 7) % 64;
+        let batch = (0..size)
+            .map(|i| {
+                let n = published + i;
+                record(&n.to_be_bytes(), &n.to_le_bytes())
+            })
+            .collect();
+        published += size;
+        engine.publish(NOW_US, "s", batch).expect("publish");
+        if batch_index % 3 == 0 {
+            delivered_all.extend(engine.poll_delivery(all, 100, usize::MAX));
+        }
+    }
+    delivered_all.extend(drain(&mut engine, all));
+    let delivered_some = drain(&mut engine, some);
+    assert_eq!(delivered_all.len(), published as usize);
+    let described = engine.describe_stream("s").expect("describe");
+    for shard in 0..48u32 {
+        let next = described.shards[shard as usize].next_offset;
+        let expected: Vec<u64> = (0..next).collect();
+        assert_eq!(offsets_of(&delivered_all, shard), expected, "shard {shard}");
+        if [0, 7, 47].contains(&shard) {
+            assert_eq!(
+                offsets_of(&delivered_some, shard),
+                expected,
+                "shard {shard}"
+            );
+        } else {
+            assert!(offsets_of(&delivered_some, shard).is_empty());
+        }
+    }
+    // Within a shard, records keep publish order (the payload is the global sequence number).
+    for shard in 0..48u32 {
+        let seq: Vec<u32> = delivered_all
+            .iter()
+            .filter(|r| r.shard == shard)
+            .map(|r| u32::from_le_bytes(r.payload[..].try_into().expect("4 bytes")))
+            .collect();
+        assert!(seq.windows(2).all(|w| w[0] < w[1]), "shard {shard}");
+    }
+    engine.assert_invariants();
+}
+
+#[test]
+fn delivery_ready_is_emitted_once_per_empty_to_non_empty_transition() {
+    // Proves DeliveryReady fires on each empty -> non-empty transition and not otherwise.
+    let mut engine = Engine::new(EngineConfig::default());
+    engine
+        .create_stream("s", 1, StreamKind::InMemory)
+        .expect("create");
+    let id = engine
+        .subscribe("s", &ShardSelection::All, &StartPosition::Latest)
+        .expect("subscribe")
+        .id;
+    assert!(events(&mut engine).is_empty(), "nothing to catch up");
+    publish_to(&mut engine, "s", 0, b"1");
+    publish_to(&mut engine, "s", 0, b"2");
+    assert_eq!(events(&mut engine), [EngineEvent::DeliveryReady(id)]);
+    assert_eq!(engine.poll_delivery(id, 1, usize::MAX).len(), 1);
+    publish_to(&mut engine, "s", 0, b"3");
+    assert!(events(&mut engine).is_empty(), "queue was not empty");
+    assert_eq!(drain(&mut engine, id).len(), 2);
+    publish_to(&mut engine, "s", 0, b"4");
+    assert_eq!(events(&mut engine), [EngineEvent::DeliveryReady(id)]);
+}
+
+#[test]
+fn poll_delivery_honours_record_and_byte_limits_but_returns_at_least_one() {
+    // Proves max_records and max_bytes bound a poll and a lone oversized record still comes out.
+    let mut engine = Engine::new(EngineConfig::default());
+    engine
+        .create_stream("s", 1, StreamKind::InMemory)
+        .expect("create");
+    let id = engine
+        .subscribe("s", &ShardSelection::All, &StartPosition::Latest)
+        .expect("subscribe")
+        .id;
+    for len in [100usize, 10, 10, 10, 10] {
+        publish_to(&mut engine, "s", 0, &vec![0; len]);
+    }
+    assert_eq!(engine.poll_delivery(id, 10, 0).len(), 1, "at least one");
+    assert_eq!(engine.poll_delivery(id, 10, 25).len(), 2);
+    assert_eq!(engine.poll_delivery(id, 0, usize::MAX).len(), 0);
+    assert_eq!(engine.poll_delivery(id, 1, usize::MAX).len(), 1);
+    assert_eq!(engine.poll_delivery(id, 10, usize::MAX).len(), 1);
+    assert!(engine.poll_delivery(id, 10, usize::MAX).is_empty());
+    assert!(
+        engine
+            .poll_delivery(SubscriptionId(999), 10, usize::MAX)
+            .is_empty()
+    );
+    assert_eq!(engine.counters().records_delivered, 5);
+}
+
+#[test]
+fn lagging_subscriber_is_ended_with_resume_positions() {
+    // Proves a subscriber over subscriber_queue_max_bytes of live records is ended with
+    // SubscriberLagged listing shard:next_offset resume positions, and its queue is freed.
+    let mut engine = Engine::new(config(1024, 1 << 20, 10));
+    engine
+        .create_stream("s", 3, StreamKind::InMemory)
+        .expect("create");
+    for _ in 0..4 {
+        publish_to(&mut engine, "s", 2, b"old");
+    }
+    let slow = engine
+        .subscribe(
+            "s",
+            &list(&[0, 1, 2]),
+            &StartPosition::Offsets(vec![(2, 1)]),
+        )
+        .expect("subscribe")
+        .id;
+    let fast = engine
+        .subscribe("s", &ShardSelection::All, &StartPosition::Latest)
+        .expect("subscribe")
+        .id;
+    assert_eq!(
+        engine.queued_records(slow),
+        Some(3),
+        "catch-up does not count as lag"
+    );
+    assert_eq!(engine.poll_delivery(slow, 1, usize::MAX)[0].offset, 1);
+    publish_to(&mut engine, "s", 0, &[0; 4]); // shard 0 offset 0: live 4 bytes
+    publish_to(&mut engine, "s", 1, &[0; 4]); // shard 1 offset 0: live 8 bytes
+    let _ = drain(&mut engine, fast);
+    let _ = events(&mut engine);
+    // 8 + 4 > 10: this record (shard 1 offset 1) ends `slow`; `fast` keeps up.
+    publish_to(&mut engine, "s", 1, &[0; 4]);
+    let ended = events(&mut engine);
+    assert_eq!(ended.len(), 2, "{ended:?}");
+    let EngineEvent::SubscriptionEnded(id, error) = &ended[0] else {
+        panic!("expected SubscriptionEnded first, got {ended:?}");
+    };
+    assert_eq!(*id, slow);
+    assert_eq!((error.code, error.detail), (ErrorCode::SubscriberLagged, 0));
+    // Shard 0 resumes at its queued offset 0, shard 1 at queued offset 0, shard 2 at the
+    // first catch-up record not yet taken (2).
+    assert!(
+        error
+            .message
+            .ends_with("resume from shard:next_offset 0:0 1:0 2:2"),
+        "{}",
+        error.message
+    );
+    assert_eq!(ended[1], EngineEvent::DeliveryReady(fast));
+    assert_eq!(engine.queued_records(slow), None);
+    assert!(engine.poll_delivery(slow, 10, usize::MAX).is_empty());
+    assert_eq!(engine.counters().subscriptions_active, 1);
+    // The fast subscriber got everything, and publishing goes on.
+    publish_to(&mut engine, "s", 1, b"z");
+    assert_eq!(offsets_of(&drain(&mut engine, fast), 1), [1, 2]);
+    // Resuming from the listed positions works and replays exactly what was lost.
+    let resumed = engine
+        .subscribe(
+            "s",
+            &ShardSelection::All,
+            &StartPosition::Offsets(vec![(0, 0), (1, 0), (2, 2)]),
+        )
+        .expect("resume");
+    let replay = drain(&mut engine, resumed.id);
+    assert_eq!(offsets_of(&replay, 1), [0, 1, 2]);
+    assert_eq!(offsets_of(&replay, 2), [2, 3]);
+    engine.assert_invariants();
+}
+
+#[test]
+fn resume_positions_use_next_offset_for_shards_with_nothing_queued() {
+    // Proves a lagged subscriber's resume position is the shard's next offset when it has
+    // taken everything of that shard, and the triggering record's offset for its shard.
+    let mut engine = Engine::new(config(1024, 1 << 20, 5));
+    engine
+        .create_stream("s", 2, StreamKind::InMemory)
+        .expect("create");
+    let id = engine
+        .subscribe("s", &ShardSelection::All, &StartPosition::Latest)
+        .expect("subscribe")
+        .id;
+    publish_to(&mut engine, "s", 0, b"a");
+    let _ = drain(&mut engine, id);
+    publish_to(&mut engine, "s", 1, &[0; 6]);
+    // A lone live record above the bound is taken (the live queue was empty); the next ends it.
+    assert_eq!(engine.queued_records(id), Some(1));
+    publish_to(&mut engine, "s", 1, b"b");
+    let ended = events(&mut engine);
+    let Some(EngineEvent::SubscriptionEnded(_, error)) = ended.last() else {
+        panic!("expected SubscriptionEnded, got {ended:?}");
+    };
+    assert!(
+        error.message.ends_with("shard:next_offset 0:1 1:0"),
+        "{}",
+        error.message
+    );
+}
+
+#[test]
+fn lag_message_fits_an_error_frame() {
+    // Proves the resume list of a many-shard subscription is cut to fit ERROR_MESSAGE_MAX_BYTES.
+    let mut engine = Engine::new(config(0, 0, 0));
+    engine
+        .create_stream("s", 4096, StreamKind::InMemory)
+        .expect("create");
+    let id = engine
+        .subscribe("s", &ShardSelection::All, &StartPosition::Latest)
+        .expect("subscribe")
+        .id;
+    let batch = (0..2u32)
+        .map(|i| record(&key_for_shard(5, 4096, i as usize), b"x"))
+        .collect();
+    engine.publish(NOW_US, "s", batch).expect("publish");
+    let ended = events(&mut engine);
+    let Some(EngineEvent::SubscriptionEnded(ended_id, error)) = ended.last() else {
+        panic!("expected SubscriptionEnded, got {ended:?}");
+    };
+    assert_eq!(*ended_id, id);
+    assert!(error.message.len() <= ERROR_MESSAGE_MAX_BYTES);
+    assert!(error.message.contains(" 0:0 1:0 "), "{}", error.message);
+    assert!(error.message.ends_with(" ..."), "{}", error.message);
+    engine.assert_invariants();
+}
+
+#[test]
+fn deleting_a_stream_ends_its_subscriptions() {
+    // Proves delete_stream ends each of the stream's subscriptions with StreamNotFound, and
+    // leaves other streams' subscriptions alone.
+    let mut engine = Engine::new(EngineConfig::default());
+    for name in ["a", "b"] {
+        engine
+            .create_stream(name, 2, StreamKind::InMemory)
+            .expect("create");
+    }
+    let a1 = engine
+        .subscribe("a", &ShardSelection::All, &StartPosition::Latest)
+        .expect("subscribe")
+        .id;
+    let b1 = engine
+        .subscribe("b", &ShardSelection::All, &StartPosition::Latest)
+        .expect("subscribe")
+        .id;
+    let a2 = engine
+        .subscribe("a", &list(&[1]), &StartPosition::Latest)
+        .expect("subscribe")
+        .id;
+    publish_to(&mut engine, "a", 1, b"queued");
+    let _ = events(&mut engine);
+    engine.delete_stream("a").expect("delete");
+    let ended = events(&mut engine);
+    assert_eq!(ended.len(), 2);
+    for (event, expected) in ended.iter().zip([a1, a2]) {
+        let EngineEvent::SubscriptionEnded(id, error) = event else {
+            panic!("expected SubscriptionEnded, got {event:?}");
+        };
+        assert_eq!(*id, expected);
+        assert_eq!(error.code, ErrorCode::StreamNotFound);
+        assert_eq!(error.message, "stream \"a\" was deleted");
+    }
+    assert!(engine.poll_delivery(a2, 10, usize::MAX).is_empty());
+    assert_eq!(engine.counters().subscriptions_active, 1);
+    assert_eq!(code(engine.describe_stream("a")), ErrorCode::StreamNotFound);
+    // A stream of the same name starts afresh.
+    engine
+        .create_stream("a", 1, StreamKind::InMemory)
+        .expect("recreate");
+    assert_eq!(publish_to(&mut engine, "a", 0, b"x"), 0);
+    publish_to(&mut engine, "b", 0, b"y");
+    assert_eq!(drain(&mut engine, b1).len(), 1);
+    engine.assert_invariants();
+}
+
+#[test]
+fn unsubscribe_stops_delivery_and_ignores_unknown_ids() {
+    // Proves unsubscribe forgets a subscription (no event), ids are never reused, and unknown
+    // ids are ignored.
+    let mut engine = Engine::new(EngineConfig::default());
+    engine
+        .create_stream("s", 2, StreamKind::InMemory)
+        .expect("create");
+    let first = engine
+        .subscribe("s", &ShardSelection::All, &StartPosition::Latest)
+        .expect("subscribe")
+        .id;
+    publish_to(&mut engine, "s", 0, b"x");
+    engine.unsubscribe(first);
+    engine.unsubscribe(first);
+    engine.unsubscribe(SubscriptionId(12345));
+    assert_eq!(engine.counters().subscriptions_active, 0);
+    assert_eq!(engine.queued_records(first), None);
+    let second = engine
+        .subscribe("s", &ShardSelection::All, &StartPosition::Latest)
+        .expect("subscribe")
+        .id;
+    assert_ne!(first, second);
+    publish_to(&mut engine, "s", 1, b"y");
+    assert!(engine.poll_delivery(first, 10, usize::MAX).is_empty());
+    assert_eq!(drain(&mut engine, second).len(), 1);
+    engine.assert_invariants();
+}
