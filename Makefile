@@ -2,7 +2,7 @@
 # `make run` builds and starts a broker with safe local defaults; `make test` is what CI runs.
 
 CARGO ?= cargo
-APT_PACKAGES := pkg-config libhwloc-dev libudev-dev
+APT_PACKAGES := pkg-config libhwloc-dev libudev-dev fonts-dejavu-core
 
 .PHONY: run build test lint fmt deps bench-micro clean
 

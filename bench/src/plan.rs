@@ -1,0 +1,940 @@
+//! The campaign plan: a TOML file of global settings, arms and cells.
+//!
+//! ```toml
+//! [settings]
+//! broker = "10.0.0.4:5000"
+//! duration_s = 90      # per cell, unless a cell says otherwise
+//! trials = 3           # 1..=5
+//! warmup_s = 5         # load run before each cell's measured duration, not counted
+//!
+//! [[arms]]             # a named set of broker environment variables
+//! name = "felix-default"
+//!
+//! [[arms]]
+//! name = "felix-ack-on-commit"
+//! env = { FELIX_ACK_ON_COMMIT = 1 }
+//!
+//! [[cells]]            # one cell: every field a single value
+//! kind = "durable"
+//! payload = 4096
+//! batch = 64
+//! mode = "acked"
+//! publishers = 64
+//! in_flight = 64
+//!
+//! [[cells]]            # a matrix: any field may be a list; the entry expands to the product
+//! kind = ["in-memory", "durable"]
+//! payload = [256, 4096, 65536]
+//! batch = [1, 64]
+//! mode = ["acked", "fire-and-forget"]
+//! publishers = 64
+//! in_flight = 64
+//! keys = "spread"      # spread (default) | plain
+//! ```
+//!
+//! Parsing is "parse, don't validate": the raw TOML becomes a [`Plan`] whose fields are already
+//! in range, or an error naming the field and the cell, e.g.
+//! `cell 3 (durable 0B b64): payload must be 1..=4194304, got 0`. Cells are numbered from 1 in
+//! file order, each matrix entry expanded in place (last field varying fastest).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::BenchError;
+use crate::stats::Counts;
+
+/// Largest payload a cell may use: 4 MiB. A record must fit in the client's default
+/// `publish_inflight_bytes` (4 MiB, SPEC.md section 3), or one publish could never be in flight.
+pub const MAX_PAYLOAD_BYTES: u32 = 4 * 1024 * 1024;
+
+/// Trials per cell and arm: 1..=5. The reference runs 2-3; more than 5 multiplies a campaign's
+/// hours for a median that no longer moves.
+pub const MAX_TRIALS: u32 = 5;
+
+/// Shortest cell: 5 s. The steady window keeps 80% of the run and needs 3 whole one-second
+/// rates; with samples at arbitrary phase that takes at least 4 s of window, so 5 s of run.
+pub const MIN_DURATION_S: u32 = 5;
+
+/// Longest cell: one hour. The reference's cells run 90 s; an hour is a guard against typos
+/// (e.g. 9000 for 90) that would silently cost a day.
+pub const MAX_DURATION_S: u32 = 3600;
+
+/// Longest warm-up before a cell: 10 minutes, the same kind of typo guard.
+pub const MAX_WARMUP_S: u32 = 600;
+
+/// Largest batch: 65,536 records per request, 1024 times the reference's fast path of 64.
+pub const MAX_BATCH: u32 = 65_536;
+
+/// Most publishers in one cell: 4096, 64 times the reference's 64 publishers.
+pub const MAX_PUBLISHERS: u32 = 4096;
+
+/// Most requests in flight per publisher: 65,536, 1024 times the reference's 64.
+pub const MAX_IN_FLIGHT: u32 = 65_536;
+
+/// Most cells after matrix expansion: at 90 s each this is over a week per arm and trial; a
+/// larger product is a mistake in a matrix, caught before expanding it.
+pub const MAX_CELLS: usize = 10_000;
+
+/// Most arms: each arm multiplies the campaign; 16 covers Felix variants plus NATS peers.
+pub const MAX_ARMS: usize = 16;
+
+/// Stream kind under test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum StreamKind {
+    InMemory,
+    Durable,
+}
+
+/// Whether a publisher waits for acks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Mode {
+    Acked,
+    FireAndForget,
+}
+
+/// How keys are chosen: spread evenly over all shards, or plain `k0..kN`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Keys {
+    Spread,
+    Plain,
+}
+
+impl StreamKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StreamKind::InMemory => "in-memory",
+            StreamKind::Durable => "durable",
+        }
+    }
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Acked => "acked",
+            Mode::FireAndForget => "fire-and-forget",
+        }
+    }
+}
+
+impl Keys {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Keys::Spread => "spread",
+            Keys::Plain => "plain",
+        }
+    }
+}
+
+/// Global settings of a campaign.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Settings {
+    /// `host:port` of the broker under test.
+    pub broker: String,
+    /// Default measured duration of a cell, MIN_DURATION_S..=MAX_DURATION_S.
+    pub duration_s: u32,
+    /// Trials per cell and arm, 1..=MAX_TRIALS.
+    pub trials: u32,
+    /// Seconds of load before each cell's measured duration, 0..=MAX_WARMUP_S.
+    pub warmup_s: u32,
+}
+
+/// A named set of broker environment variables.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Arm {
+    pub name: String,
+    pub env: BTreeMap<String, String>,
+}
+
+/// Everything that defines what a cell measures (its identity across trials and arms).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Shape {
+    pub kind: StreamKind,
+    pub payload_bytes: u32,
+    pub batch: u32,
+    pub mode: Mode,
+    pub publishers: u32,
+    pub in_flight: u32,
+    pub keys: Keys,
+    pub duration_s: u32,
+}
+
+impl Shape {
+    /// What all publishers together keep outstanding: publishers x in flight x batch records.
+    pub fn outstanding(&self) -> Counts {
+        let records =
+            u64::from(self.publishers) * u64::from(self.in_flight) * u64::from(self.batch);
+        Counts {
+            bytes: records * u64::from(self.payload_bytes),
+            records,
+        }
+    }
+
+    /// A short label for chart axes, e.g. `mem 4K b64 ack p64x64`.
+    pub fn short_label(&self) -> String {
+        let kind = match self.kind {
+            StreamKind::InMemory => "mem",
+            StreamKind::Durable => "dur",
+        };
+        let mode = match self.mode {
+            Mode::Acked => "ack",
+            Mode::FireAndForget => "ff",
+        };
+        let keys = match self.keys {
+            Keys::Spread => "",
+            Keys::Plain => " plain",
+        };
+        format!(
+            "{kind} {} b{} {mode} p{}x{}{keys}",
+            human_bytes(self.payload_bytes),
+            self.batch,
+            self.publishers,
+            self.in_flight
+        )
+    }
+}
+
+impl fmt::Display for Shape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} {}B b{} {} p{} if{} {} {}s",
+            self.kind.as_str(),
+            self.payload_bytes,
+            self.batch,
+            self.mode.as_str(),
+            self.publishers,
+            self.in_flight,
+            self.keys.as_str(),
+            self.duration_s
+        )
+    }
+}
+
+/// 256 -> "256B", 4096 -> "4K", 65536 -> "64K", 1048576 -> "1M", 1000 -> "1000B".
+fn human_bytes(n: u32) -> String {
+    const MIB: u32 = 1024 * 1024;
+    if n >= MIB && n.is_multiple_of(MIB) {
+        format!("{}M", n / MIB)
+    } else if n >= 1024 && n.is_multiple_of(1024) {
+        format!("{}K", n / 1024)
+    } else {
+        format!("{n}B")
+    }
+}
+
+/// One cell of the plan: its number (from 1, in expanded file order) and its shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Cell {
+    pub number: usize,
+    pub shape: Shape,
+}
+
+impl Cell {
+    /// `cell 3 (durable 4096B b64 acked p64 if64 spread 90s)`, used in every message about it.
+    pub fn label(&self) -> String {
+        format!("cell {} ({})", self.number, self.shape)
+    }
+}
+
+/// A validated plan.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Plan {
+    pub settings: Settings,
+    pub arms: Vec<Arm>,
+    pub cells: Vec<Cell>,
+}
+
+/// One run in a plan's schedule: a cell, a trial (from 1) and an arm (index into `arms`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Run {
+    pub cell: usize,
+    pub trial: u32,
+    pub arm: usize,
+}
+
+/// The arm order of a trial (trial counts from 1): arms rotate by one each trial, so trial 1
+/// runs A B C, trial 2 B C A, trial 3 C A B. With two arms that is A B, B A, A B, ...; over as
+/// many trials as arms, every arm takes every position once, so slow drift in the VMs, the disk
+/// or the network hits every arm alike.
+pub fn trial_order(arms: usize, trial: u32) -> Vec<usize> {
+    assert!(trial >= 1, "trials count from 1");
+    if arms == 0 {
+        return Vec::new();
+    }
+    let shift = (trial as usize - 1) % arms;
+    (0..arms).map(|i| (i + shift) % arms).collect()
+}
+
+impl Plan {
+    /// Parses and validates a plan.
+    pub fn parse(text: &str) -> Result<Plan, BenchError> {
+        let raw: RawPlan = toml::from_str(text)?;
+        raw.validate()
+    }
+
+    /// Reads, parses and validates a plan file.
+    pub fn load(path: &Path) -> Result<Plan, BenchError> {
+        let text = std::fs::read_to_string(path).map_err(|e| BenchError::io(path, e))?;
+        Plan::parse(&text)
+    }
+
+    /// Every run in order: for each cell, for each trial, the arms in [`trial_order`]. Arms of
+    /// one cell and trial run back to back, so they see the same conditions.
+    pub fn schedule(&self) -> Vec<Run> {
+        let mut runs =
+            Vec::with_capacity(self.cells.len() * self.arms.len() * self.settings.trials as usize);
+        for cell in 0..self.cells.len() {
+            for trial in 1..=self.settings.trials {
+                for arm in trial_order(self.arms.len(), trial) {
+                    runs.push(Run { cell, trial, arm });
+                }
+            }
+        }
+        runs
+    }
+
+    /// Seconds of load the schedule takes (measured durations plus warm-ups; no set-up time).
+    pub fn load_seconds(&self) -> u64 {
+        self.schedule()
+            .iter()
+            .map(|r| u64::from(self.cells[r.cell].shape.duration_s + self.settings.warmup_s))
+            .sum()
+    }
+}
+
+// ---- raw TOML ---------------------------------------------------------------------------------
+
+/// A field that may be given once or as a list (a matrix axis).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+enum OneOrMany<T> {
+    One(T),
+    Many(Vec<T>),
+}
+
+impl<T: Clone> OneOrMany<T> {
+    fn values(&self) -> Vec<T> {
+        match self {
+            OneOrMany::One(v) => vec![v.clone()],
+            OneOrMany::Many(v) => v.clone(),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPlan {
+    settings: RawSettings,
+    #[serde(default)]
+    arms: Vec<RawArm>,
+    #[serde(default)]
+    cells: Vec<RawCells>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSettings {
+    broker: String,
+    duration_s: i64,
+    trials: i64,
+    #[serde(default)]
+    warmup_s: i64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawArm {
+    name: String,
+    #[serde(default)]
+    env: BTreeMap<String, toml::Value>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCells {
+    kind: OneOrMany<String>,
+    payload: OneOrMany<i64>,
+    batch: OneOrMany<i64>,
+    mode: OneOrMany<String>,
+    publishers: OneOrMany<i64>,
+    in_flight: OneOrMany<i64>,
+    keys: Option<OneOrMany<String>>,
+    duration_s: Option<OneOrMany<i64>>,
+}
+
+/// One expanded, not yet validated cell.
+#[derive(Debug, Clone)]
+struct RawCell {
+    kind: String,
+    payload: i64,
+    batch: i64,
+    mode: String,
+    publishers: i64,
+    in_flight: i64,
+    keys: String,
+    duration_s: i64,
+}
+
+fn in_range(what: &str, field: &str, v: i64, lo: u32, hi: u32) -> Result<u32, BenchError> {
+    if v < i64::from(lo) || v > i64::from(hi) {
+        return Err(BenchError::Plan(format!(
+            "{what}: {field} must be {lo}..={hi}, got {v}"
+        )));
+    }
+    // In lo..=hi, both u32, so the conversion cannot fail.
+    u32::try_from(v).map_err(|_| BenchError::Plan(format!("{what}: {field} out of range")))
+}
+
+fn check_broker(addr: &str) -> Result<(), BenchError> {
+    let bad = || {
+        BenchError::Plan(format!(
+            "settings: broker must be host:port (e.g. 10.0.0.4:5000), got {addr:?}"
+        ))
+    };
+    let (host, port) = addr.rsplit_once(':').ok_or_else(bad)?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.is_empty() || host.chars().any(char::is_whitespace) {
+        return Err(bad());
+    }
+    match port.parse::<u16>() {
+        Ok(p) if p > 0 => Ok(()),
+        _ => Err(bad()),
+    }
+}
+
+fn is_env_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    matches!(chars.next(), Some(c) if c.is_ascii_uppercase() || c == '_')
+        && chars.all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
+}
+
+fn is_arm_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+}
+
+impl RawPlan {
+    fn validate(self) -> Result<Plan, BenchError> {
+        let s = &self.settings;
+        check_broker(&s.broker)?;
+        let settings = Settings {
+            broker: s.broker.clone(),
+            duration_s: in_range(
+                "settings",
+                "duration_s",
+                s.duration_s,
+                MIN_DURATION_S,
+                MAX_DURATION_S,
+            )?,
+            trials: in_range("settings", "trials", s.trials, 1, MAX_TRIALS)?,
+            warmup_s: in_range("settings", "warmup_s", s.warmup_s, 0, MAX_WARMUP_S)?,
+        };
+
+        if self.arms.is_empty() {
+            return Err(BenchError::Plan(
+                "plan has no arms: add at least one [[arms]] with a name".to_string(),
+            ));
+        }
+        if self.arms.len() > MAX_ARMS {
+            return Err(BenchError::Plan(format!(
+                "plan has {} arms; at most {MAX_ARMS}",
+                self.arms.len()
+            )));
+        }
+        let mut arms: Vec<Arm> = Vec::with_capacity(self.arms.len());
+        for (i, raw) in self.arms.iter().enumerate() {
+            let what = format!("arm {} ({:?})", i + 1, raw.name);
+            if !is_arm_name(&raw.name) {
+                return Err(BenchError::Plan(format!(
+                    "{what}: name must be non-empty letters, digits, '-', '_' or '.'"
+                )));
+            }
+            if let Some(j) = arms.iter().position(|a| a.name == raw.name) {
+                return Err(BenchError::Plan(format!(
+                    "{what}: name repeats arm {}",
+                    j + 1
+                )));
+            }
+            let mut env = BTreeMap::new();
+            for (key, value) in &raw.env {
+                if !is_env_name(key) {
+                    return Err(BenchError::Plan(format!(
+                        "{what}: env name {key:?} must be A-Z, 0-9 and _ (not starting with a digit)"
+                    )));
+                }
+                let text = match value {
+                    toml::Value::String(v) => v.clone(),
+                    toml::Value::Integer(v) => v.to_string(),
+                    toml::Value::Float(v) => v.to_string(),
+                    toml::Value::Boolean(v) => v.to_string(),
+                    other => {
+                        return Err(BenchError::Plan(format!(
+                            "{what}: env {key} must be a string, number or boolean, got a {}",
+                            other.type_str()
+                        )));
+                    }
+                };
+                env.insert(key.clone(), text);
+            }
+            arms.push(Arm {
+                name: raw.name.clone(),
+                env,
+            });
+        }
+
+        if self.cells.is_empty() {
+            return Err(BenchError::Plan(
+                "plan has no cells: add at least one [[cells]]".to_string(),
+            ));
+        }
+        let mut raw_cells: Vec<RawCell> = Vec::new();
+        for (i, entry) in self.cells.iter().enumerate() {
+            expand(i + 1, entry, settings.duration_s, &mut raw_cells)?;
+        }
+        let cells = raw_cells
+            .iter()
+            .enumerate()
+            .map(|(i, raw)| validate_cell(i + 1, raw))
+            .collect::<Result<Vec<Cell>, BenchError>>()?;
+        Ok(Plan {
+            settings,
+            arms,
+            cells,
+        })
+    }
+}
+
+/// Expands one `[[cells]]` entry (the cartesian product of its lists) onto `out`.
+fn expand(
+    entry_number: usize,
+    e: &RawCells,
+    default_duration_s: u32,
+    out: &mut Vec<RawCell>,
+) -> Result<(), BenchError> {
+    let kinds = e.kind.values();
+    let payloads = e.payload.values();
+    let batches = e.batch.values();
+    let modes = e.mode.values();
+    let publishers = e.publishers.values();
+    let in_flights = e.in_flight.values();
+    let keys = e.keys.as_ref().map_or_else(
+        || vec![Keys::Spread.as_str().to_string()],
+        OneOrMany::values,
+    );
+    let durations = e
+        .duration_s
+        .as_ref()
+        .map_or_else(|| vec![i64::from(default_duration_s)], OneOrMany::values);
+    let lens = [
+        ("kind", kinds.len()),
+        ("payload", payloads.len()),
+        ("batch", batches.len()),
+        ("mode", modes.len()),
+        ("publishers", publishers.len()),
+        ("in_flight", in_flights.len()),
+        ("keys", keys.len()),
+        ("duration_s", durations.len()),
+    ];
+    let mut product: usize = 1;
+    for (field, len) in lens {
+        if len == 0 {
+            return Err(BenchError::Plan(format!(
+                "cells entry {entry_number}: {field} is an empty list"
+            )));
+        }
+        product = product.saturating_mul(len);
+    }
+    if out.len().saturating_add(product) > MAX_CELLS {
+        return Err(BenchError::Plan(format!(
+            "cells entry {entry_number}: expands to {product} cells, more than {MAX_CELLS} in all"
+        )));
+    }
+    for kind in &kinds {
+        for &payload in &payloads {
+            for &batch in &batches {
+                for mode in &modes {
+                    for &p in &publishers {
+                        for &f in &in_flights {
+                            for k in &keys {
+                                for &d in &durations {
+                                    out.push(RawCell {
+                                        kind: kind.clone(),
+                                        payload,
+                                        batch,
+                                        mode: mode.clone(),
+                                        publishers: p,
+                                        in_flight: f,
+                                        keys: k.clone(),
+                                        duration_s: d,
+                                    });
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn validate_cell(number: usize, raw: &RawCell) -> Result<Cell, BenchError> {
+    let what = format!(
+        "cell {number} ({} {}B b{})",
+        raw.kind, raw.payload, raw.batch
+    );
+    let kind = match raw.kind.as_str() {
+        "in-memory" => StreamKind::InMemory,
+        "durable" => StreamKind::Durable,
+        other => {
+            return Err(BenchError::Plan(format!(
+                "{what}: kind must be in-memory or durable, got {other:?}"
+            )));
+        }
+    };
+    let mode = match raw.mode.as_str() {
+        "acked" => Mode::Acked,
+        "fire-and-forget" => Mode::FireAndForget,
+        other => {
+            return Err(BenchError::Plan(format!(
+                "{what}: mode must be acked or fire-and-forget, got {other:?}"
+            )));
+        }
+    };
+    let keys = match raw.keys.as_str() {
+        "spread" => Keys::Spread,
+        "plain" => Keys::Plain,
+        other => {
+            return Err(BenchError::Plan(format!(
+                "{what}: keys must be spread or plain, got {other:?}"
+            )));
+        }
+    };
+    let shape = Shape {
+        kind,
+        payload_bytes: in_range(&what, "payload", raw.payload, 1, MAX_PAYLOAD_BYTES)?,
+        batch: in_range(&what, "batch", raw.batch, 1, MAX_BATCH)?,
+        mode,
+        publishers: in_range(&what, "publishers", raw.publishers, 1, MAX_PUBLISHERS)?,
+        in_flight: in_range(&what, "in_flight", raw.in_flight, 1, MAX_IN_FLIGHT)?,
+        keys,
+        duration_s: in_range(
+            &what,
+            "duration_s",
+            raw.duration_s,
+            MIN_DURATION_S,
+            MAX_DURATION_S,
+        )?,
+    };
+    Ok(Cell { number, shape })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+[settings]
+broker = "127.0.0.1:5000"
+duration_s = 90
+trials = 2
+warmup_s = 5
+
+[[arms]]
+name = "felix-default"
+
+[[arms]]
+name = "felix-ack-on-commit"
+env = { FELIX_ACK_ON_COMMIT = 1, FELIX_DURABLE_FSYNC_MODE = "on_commit" }
+
+[[cells]]
+kind = "durable"
+payload = 4096
+batch = 64
+mode = "acked"
+publishers = 64
+in_flight = 64
+duration_s = 30
+
+[[cells]]
+kind = ["in-memory", "durable"]
+payload = [256, 65536]
+batch = [1, 64]
+mode = "fire-and-forget"
+publishers = 8
+in_flight = 1
+keys = ["spread", "plain"]
+"#;
+
+    /// GOOD with one line replaced (the first line starting with `from`).
+    fn with(from: &str, to: &str) -> String {
+        let mut done = false;
+        GOOD.lines()
+            .map(|l| {
+                if !done && l.starts_with(from) {
+                    done = true;
+                    to.to_string()
+                } else {
+                    l.to_string()
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    fn err(text: &str) -> String {
+        Plan::parse(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn good_plan_parses_and_expands_matrices_in_order() {
+        // Proves a valid plan yields typed settings, arms with stringified env, and the matrix product in file order.
+        let plan = Plan::parse(GOOD).unwrap();
+        assert_eq!(plan.settings.broker, "127.0.0.1:5000");
+        assert_eq!((plan.settings.trials, plan.settings.warmup_s), (2, 5));
+        assert_eq!(plan.arms.len(), 2);
+        assert_eq!(plan.arms[1].env["FELIX_ACK_ON_COMMIT"], "1");
+        assert_eq!(plan.arms[1].env["FELIX_DURABLE_FSYNC_MODE"], "on_commit");
+        // 1 explicit + 2 kinds x 2 payloads x 2 batches x 2 keys.
+        assert_eq!(plan.cells.len(), 17);
+        let first = plan.cells[0];
+        assert_eq!(first.number, 1);
+        assert_eq!(first.shape.duration_s, 30);
+        assert_eq!(
+            first.label(),
+            "cell 1 (durable 4096B b64 acked p64 if64 spread 30s)"
+        );
+        let second = plan.cells[1].shape;
+        assert_eq!(
+            (second.kind, second.payload_bytes, second.batch, second.keys),
+            (StreamKind::InMemory, 256, 1, Keys::Spread)
+        );
+        assert_eq!(
+            second.duration_s, 90,
+            "cells without duration_s take the default"
+        );
+        assert_eq!(
+            plan.cells[2].shape.keys,
+            Keys::Plain,
+            "last field varies fastest"
+        );
+        let last = plan.cells[16].shape;
+        assert_eq!(
+            (last.kind, last.payload_bytes, last.batch, last.keys),
+            (StreamKind::Durable, 65536, 64, Keys::Plain)
+        );
+        assert_eq!(plan.cells[16].number, 17);
+        assert_eq!(plan.schedule().len(), 17 * 2 * 2);
+        assert_eq!(plan.load_seconds(), (30 + 5) * 4 + (90 + 5) * 16 * 4);
+    }
+
+    #[test]
+    fn bad_cell_fields_name_the_field_and_cell() {
+        // Proves each out-of-range or unknown cell value is refused with the field, the cell number and the value.
+        let cases = [
+            (
+                with("payload = 4096", "payload = 0"),
+                "cell 1 (durable 0B b64): payload must be 1..=4194304, got 0",
+            ),
+            (
+                with("payload = 4096", "payload = 4194305"),
+                "cell 1 (durable 4194305B b64): payload must be 1..=4194304, got 4194305",
+            ),
+            (
+                with("batch = 64", "batch = 0"),
+                "cell 1 (durable 4096B b0): batch must be 1..=65536, got 0",
+            ),
+            (
+                with("publishers = 64", "publishers = 0"),
+                "cell 1 (durable 4096B b64): publishers must be 1..=4096, got 0",
+            ),
+            (
+                with("in_flight = 64", "in_flight = -1"),
+                "cell 1 (durable 4096B b64): in_flight must be 1..=65536, got -1",
+            ),
+            (
+                with("duration_s = 30", "duration_s = 2"),
+                "cell 1 (durable 4096B b64): duration_s must be 5..=3600, got 2",
+            ),
+            (
+                with("kind = \"durable\"", "kind = \"disk\""),
+                "cell 1 (disk 4096B b64): kind must be in-memory or durable, got \"disk\"",
+            ),
+            (
+                with("mode = \"acked\"", "mode = \"ack\""),
+                "cell 1 (durable 4096B b64): mode must be acked or fire-and-forget, got \"ack\"",
+            ),
+            (
+                with("keys = [", "keys = [\"spread\", \"random\"]"),
+                "cell 3 (in-memory 256B b1): keys must be spread or plain, got \"random\"",
+            ),
+            (
+                with("payload = [256", "payload = [256, 0]"),
+                "cell 6 (in-memory 0B b1): payload must be 1..=4194304, got 0",
+            ),
+            (
+                with("batch = [1", "batch = []"),
+                "cells entry 2: batch is an empty list",
+            ),
+        ];
+        for (text, want) in cases {
+            assert_eq!(err(&text), want);
+        }
+    }
+
+    #[test]
+    fn bad_settings_and_arms_are_refused() {
+        // Proves settings bounds, arm names, duplicate arms, env names and missing arms/cells give clear messages.
+        let cases = [
+            (
+                with("trials = 2", "trials = 6"),
+                "settings: trials must be 1..=5, got 6",
+            ),
+            (
+                with("trials = 2", "trials = 0"),
+                "settings: trials must be 1..=5, got 0",
+            ),
+            (
+                with("duration_s = 90", "duration_s = 0"),
+                "settings: duration_s must be 5..=3600, got 0",
+            ),
+            (
+                with("warmup_s = 5", "warmup_s = 601"),
+                "settings: warmup_s must be 0..=600, got 601",
+            ),
+            (
+                with("broker = ", "broker = \"localhost\""),
+                "settings: broker must be host:port (e.g. 10.0.0.4:5000), got \"localhost\"",
+            ),
+            (
+                with("broker = ", "broker = \"host:0\""),
+                "settings: broker must be host:port (e.g. 10.0.0.4:5000), got \"host:0\"",
+            ),
+            (
+                with("name = \"felix-ack-on-commit\"", "name = \"felix-default\""),
+                "arm 2 (\"felix-default\"): name repeats arm 1",
+            ),
+            (
+                with("name = \"felix-default\"", "name = \"felix default\""),
+                "arm 1 (\"felix default\"): name must be non-empty letters, digits, '-', '_' or '.'",
+            ),
+            (
+                with("env = ", "env = { felix_ack = \"1\" }"),
+                "arm 2 (\"felix-ack-on-commit\"): env name \"felix_ack\" must be A-Z, 0-9 and _ (not starting with a digit)",
+            ),
+            (
+                with("env = ", "env = { FELIX_X = [1] }"),
+                "arm 2 (\"felix-ack-on-commit\"): env FELIX_X must be a string, number or boolean, got a array",
+            ),
+        ];
+        for (text, want) in cases {
+            assert_eq!(err(&text), want);
+        }
+        let no_arms = "[settings]\nbroker = \"h:1\"\nduration_s = 10\ntrials = 1\n[[cells]]\nkind = \"durable\"\npayload = 1\nbatch = 1\nmode = \"acked\"\npublishers = 1\nin_flight = 1\n";
+        assert_eq!(
+            err(no_arms),
+            "plan has no arms: add at least one [[arms]] with a name"
+        );
+        let no_cells =
+            "[settings]\nbroker = \"h:1\"\nduration_s = 10\ntrials = 1\n[[arms]]\nname = \"a\"\n";
+        assert_eq!(
+            err(no_cells),
+            "plan has no cells: add at least one [[cells]]"
+        );
+    }
+
+    #[test]
+    fn unknown_and_missing_fields_are_toml_errors() {
+        // Proves a misspelt field or a missing required field is refused, naming the field.
+        let typo = with("in_flight = 64", "inflight = 64");
+        let msg = err(&typo);
+        assert!(msg.contains("inflight"), "{msg}");
+        let missing = with("mode = \"acked\"", "");
+        let msg = err(&missing);
+        assert!(msg.contains("mode"), "{msg}");
+        assert!(err("not toml [").starts_with("plan is not valid"));
+    }
+
+    #[test]
+    fn oversized_matrix_is_refused_before_expanding() {
+        // Proves a matrix whose product exceeds MAX_CELLS is refused without building it.
+        let many: Vec<String> = (1..=101).map(|i| i.to_string()).collect();
+        let list = format!("[{}]", many.join(","));
+        let text = with("payload = [256", &format!("payload = {list}"));
+        let text = text.replace("batch = [1, 64]", &format!("batch = {list}"));
+        let msg = err(&text);
+        assert!(msg.starts_with("cells entry 2: expands to"), "{msg}");
+    }
+
+    #[test]
+    fn example_plan_is_valid() {
+        // Proves the shipped example plan parses: 24 matrix cells + 4 latency cells, two arms.
+        let plan = Plan::parse(include_str!("../plans/example.toml")).unwrap();
+        assert_eq!((plan.cells.len(), plan.arms.len()), (28, 2));
+    }
+
+    #[test]
+    fn trial_order_interleaves_arms() {
+        // Proves arms rotate per trial: A B / B A for two arms, a Latin square for three.
+        assert_eq!(trial_order(2, 1), vec![0, 1]);
+        assert_eq!(trial_order(2, 2), vec![1, 0]);
+        assert_eq!(trial_order(2, 3), vec![0, 1]);
+        assert_eq!(trial_order(3, 1), vec![0, 1, 2]);
+        assert_eq!(trial_order(3, 2), vec![1, 2, 0]);
+        assert_eq!(trial_order(3, 3), vec![2, 0, 1]);
+        assert_eq!(trial_order(1, 4), vec![0]);
+        assert!(trial_order(0, 1).is_empty());
+        // Over `arms` trials every arm takes every position exactly once.
+        for arms in 1..=5 {
+            for pos in 0..arms {
+                let mut seen: Vec<usize> = (1..=arms as u32)
+                    .map(|t| trial_order(arms, t)[pos])
+                    .collect();
+                seen.sort_unstable();
+                assert_eq!(seen, (0..arms).collect::<Vec<_>>());
+            }
+        }
+    }
+
+    #[test]
+    fn schedule_runs_arms_back_to_back_per_trial() {
+        // Proves the schedule is cell-major, then trial, then the interleaved arm order.
+        let plan = Plan::parse(GOOD).unwrap();
+        let runs: Vec<(usize, u32, usize)> = plan
+            .schedule()
+            .iter()
+            .take(6)
+            .map(|r| (r.cell, r.trial, r.arm))
+            .collect();
+        assert_eq!(
+            runs,
+            vec![
+                (0, 1, 0),
+                (0, 1, 1),
+                (0, 2, 1),
+                (0, 2, 0),
+                (1, 1, 0),
+                (1, 1, 1)
+            ]
+        );
+    }
+
+    #[test]
+    fn outstanding_counts_publishers_in_flight_and_batch() {
+        // Proves outstanding = publishers x in_flight x batch records, times payload in bytes.
+        let plan = Plan::parse(GOOD).unwrap();
+        let o = plan.cells[0].shape.outstanding();
+        assert_eq!(o.records, 64 * 64 * 64);
+        assert_eq!(o.bytes, 64 * 64 * 64 * 4096);
+        assert_eq!(plan.cells[0].shape.short_label(), "dur 4K b64 ack p64x64");
+    }
+}
