@@ -1,1 +1,841 @@
-//! placeholder
+//! Felix client library: connects to a broker over QUIC + TLS 1.3 (ALPN `felix/1`), performs
+//! the `Hello` handshake, and offers stream admin, acked / pipelined / fire-and-forget
+//! publishing under an in-flight byte budget, and subscriptions as a `futures::Stream`.
+//!
+//! Threads: it runs on the caller's tokio runtime (current-thread or multi-thread). Each
+//! [`Client`] spawns two tasks (`tokio::spawn`): a writer owning the send half of its request
+//! stream and a reader routing answers by request id; the s2n-quic client endpoint adds its own.
+//! A [`Subscription`] is polled by whoever holds it.
+//!
+//! Bounds: requests queue for the writer in a channel of [`WRITER_QUEUE_DEPTH`] frames and
+//! publishes hold [`ClientConfig::publish_inflight_bytes`] of budget until answered (acked) or
+//! written (fire-and-forget), so nothing buffers without limit.
+//!
+//! ```no_run
+//! use felix_client::{Client, ClientConfig, ShardSelection, StartPosition, StreamKind, record};
+//! use futures::StreamExt;
+//!
+//! # async fn run() -> Result<(), felix_client::ClientError> {
+//! let mut config = ClientConfig::new("127.0.0.1:7400".parse().unwrap());
+//! config.ca = Some("/home/me/.local/share/felix/tls/dev-cert.pem".into());
+//! let client = Client::connect(config).await?;
+//! client.create_stream("orders", 4, StreamKind::InMemory).await?;
+//! let mut subscription = client
+//!     .subscribe("orders", ShardSelection::All, StartPosition::Latest)
+//!     .await?;
+//! let acks = client.publish("orders", &[record("customer-7", "hello")]).await?;
+//! println!("acked: {acks:?}");
+//! if let Some(record) = subscription.next().await {
+//!     let record = record?;
+//!     println!("{}:{} {}", record.shard, record.offset, String::from_utf8_lossy(&record.payload));
+//! }
+//! client.close().await;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! The runnable version is `client/examples/quickstart.rs`.
+
+mod error;
+mod subscription;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use felix_wire::{AckMode, Decoder, Frame, Hello, HelloOk, Limits, StreamInfo, StreamSummary};
+use s2n_quic::client::Connect;
+use s2n_quic::stream::{ReceiveStream, SendStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
+
+pub use error::ClientError;
+pub use felix_wire::{
+    DeliveredRecord, ErrorCode, Record, ShardAck, ShardSelection, StartPosition, StreamKind,
+    StreamRoute,
+};
+pub use subscription::Subscription;
+
+use error::Failure;
+
+/// Default publish budget: 4 MiB outstanding, enough for a batch of 64 x 64 KiB in flight.
+pub const DEFAULT_PUBLISH_INFLIGHT_BYTES: u64 = 4 * 1024 * 1024;
+/// Frames waiting for the writer task; beyond this, callers wait (back-pressure). Sized for
+/// a few hundred small pipelined requests; big publishes are bounded by the byte budget.
+pub const WRITER_QUEUE_DEPTH: usize = 256;
+/// Frames the writer hands to QUIC in one vectored send: amortizes wake-ups under load.
+const WRITER_BATCH_FRAMES: usize = 64;
+/// Time allowed for the QUIC + TLS handshake and for `HelloOk`.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Time `close` waits for queued frames to be acknowledged by the broker.
+const CLOSE_FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
+/// Time `close` waits for the connection to finish closing.
+const CLOSE_IDLE_TIMEOUT: Duration = Duration::from_secs(1);
+/// Largest semaphore acquisition tokio accepts in one call.
+const BUDGET_PERMITS_MAX: u64 = u32::MAX as u64;
+
+/// A record to publish: `key` picks the shard (`felix_wire::shard_for_key`), `payload` is
+/// opaque. Both are `Bytes`, so static strings and vectors convert without fuss.
+pub fn record(key: impl Into<Bytes>, payload: impl Into<Bytes>) -> Record {
+    Record {
+        key: key.into(),
+        payload: payload.into(),
+    }
+}
+
+/// How to reach and trust a broker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientConfig {
+    /// Broker UDP address.
+    pub addr: SocketAddr,
+    /// TLS server name to verify (and send as SNI). Default `localhost`.
+    pub server_name: String,
+    /// PEM CA certificate(s) to trust; when `None`, the system trust store.
+    pub ca: Option<PathBuf>,
+    /// Skip server certificate verification. Development only: anyone can impersonate the
+    /// broker. A warning is logged.
+    pub insecure: bool,
+    /// Publish bytes outstanding before publishers wait. Default 4 MiB.
+    pub publish_inflight_bytes: u64,
+    /// Free text the broker logs, e.g. `felix-cli/0.1.0`.
+    pub client_name: String,
+}
+
+impl ClientConfig {
+    /// Defaults for `addr`: server name `localhost`, system trust store, 4 MiB budget.
+    #[must_use]
+    pub fn new(addr: SocketAddr) -> ClientConfig {
+        ClientConfig {
+            addr,
+            server_name: "localhost".to_owned(),
+            ca: None,
+            insecure: false,
+            publish_inflight_bytes: DEFAULT_PUBLISH_INFLIGHT_BYTES,
+            client_name: concat!("felix-client/", env!("CARGO_PKG_VERSION")).to_owned(),
+        }
+    }
+}
+
+/// The answer a pending request waits for.
+type Answer = Result<Frame, Failure>;
+
+struct Pending {
+    answer: oneshot::Sender<Answer>,
+    /// Budget held by an acked publish until its answer arrives.
+    _permit: Option<OwnedSemaphorePermit>,
+}
+
+#[derive(Default)]
+struct PendingTable {
+    requests: HashMap<u64, Pending>,
+    /// Set once the request stream failed; later requests fail at once.
+    failed: Option<Failure>,
+}
+
+/// State shared by the client handle and its reader/writer tasks.
+struct Shared {
+    pending: Mutex<PendingTable>,
+}
+
+impl Shared {
+    fn table(&self) -> std::sync::MutexGuard<'_, PendingTable> {
+        // A panic while holding this lock cannot leave the table inconsistent (each operation
+        // is a single insert/remove), so a poisoned lock is still usable.
+        self.pending.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn register(
+        &self,
+        request_id: u64,
+        permit: Option<OwnedSemaphorePermit>,
+    ) -> Result<oneshot::Receiver<Answer>, ClientError> {
+        let mut table = self.table();
+        if let Some(failure) = &table.failed {
+            return Err(failure.to_error());
+        }
+        let (answer, receiver) = oneshot::channel();
+        table.requests.insert(
+            request_id,
+            Pending {
+                answer,
+                _permit: permit,
+            },
+        );
+        Ok(receiver)
+    }
+
+    fn answer(&self, request_id: u64, frame: Frame) {
+        let pending = self.table().requests.remove(&request_id);
+        match pending {
+            // The caller may have stopped waiting; the permit is released either way.
+            Some(pending) => {
+                let _ = pending.answer.send(Ok(frame));
+            }
+            None => tracing::warn!(request_id, "answer for an unknown request id; ignored"),
+        }
+    }
+
+    fn fail_all(&self, failure: &Failure) {
+        let requests = {
+            let mut table = self.table();
+            if table.failed.is_none() {
+                table.failed = Some(failure.clone());
+            }
+            std::mem::take(&mut table.requests)
+        };
+        for (_, pending) in requests {
+            let _ = pending.answer.send(Err(failure.clone()));
+        }
+    }
+}
+
+enum WriterCommand {
+    Frame {
+        chunks: Vec<Bytes>,
+        /// Budget of a fire-and-forget publish, released once written.
+        permit: Option<OwnedSemaphorePermit>,
+    },
+    Close {
+        done: oneshot::Sender<()>,
+    },
+}
+
+/// A connection to a broker. Dropping it closes the connection (subscriptions end too).
+pub struct Client {
+    endpoint: s2n_quic::Client,
+    handle: s2n_quic::connection::Handle,
+    writer: mpsc::Sender<WriterCommand>,
+    shared: Arc<Shared>,
+    budget: Arc<Semaphore>,
+    budget_permits: u64,
+    next_request_id: AtomicU64,
+    hello: HelloOk,
+    decoder: Decoder,
+    // Kept so the connection does not drop peer-initiated stream state under us.
+    _acceptor: s2n_quic::connection::StreamAcceptor,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("connection", &self.handle.id())
+            .finish_non_exhaustive()
+    }
+}
+
+fn tls_client(
+    config: &ClientConfig,
+) -> Result<s2n_quic::provider::tls::default::Client, ClientError> {
+    let tls_error = |error: &dyn std::fmt::Display| ClientError::Tls(error.to_string());
+    let mut builder = s2n_quic::provider::tls::default::Client::builder()
+        .with_application_protocols([felix_wire::ALPN])
+        .map_err(|e| tls_error(&e))?;
+    if config.insecure {
+        tracing::warn!(
+            addr = %config.addr,
+            "TLS certificate verification is OFF (insecure): use only for development"
+        );
+        // SAFETY: s2n-tls marks this unsafe because it removes authentication of the peer,
+        // not because of memory safety; the caller asked for it explicitly (`insecure`).
+        unsafe { builder.config_mut().disable_x509_verification() }.map_err(|e| tls_error(&e))?;
+    } else if let Some(ca) = &config.ca {
+        let pem = std::fs::read_to_string(ca).map_err(|error| {
+            ClientError::Tls(format!("cannot read CA file {}: {error}", ca.display()))
+        })?;
+        builder = builder
+            .with_empty_trust_store()
+            .and_then(|builder| builder.with_certificate(pem.as_str()))
+            .map_err(|error| {
+                ClientError::Tls(format!("cannot use CA file {}: {error}", ca.display()))
+            })?;
+    }
+    builder.build().map_err(|e| tls_error(&e))
+}
+
+impl Client {
+    /// Connects, performs the TLS and `Hello` handshakes, and starts the request stream.
+    pub async fn connect(config: ClientConfig) -> Result<Client, ClientError> {
+        let tls = tls_client(&config)?;
+        let connect_error = |reason: String| ClientError::Connect {
+            addr: config.addr,
+            reason,
+        };
+        let bind: SocketAddr = if config.addr.is_ipv6() {
+            SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, 0))
+        } else {
+            SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, 0))
+        };
+        let endpoint = s2n_quic::Client::builder()
+            .with_tls(tls)
+            .map_err(|error| ClientError::Tls(error.to_string()))?
+            .with_io(bind)
+            .map_err(|error| connect_error(error.to_string()))?
+            .start()
+            .map_err(|error| connect_error(error.to_string()))?;
+        let connect = Connect::new(config.addr).with_server_name(config.server_name.as_str());
+        let attempt = tokio::time::timeout(CONNECT_TIMEOUT, endpoint.connect(connect)).await;
+        let mut connection = match attempt {
+            Ok(Ok(connection)) => connection,
+            Ok(Err(error)) => return Err(connect_error(describe_connection_error(&error))),
+            Err(_) => {
+                return Err(connect_error(format!(
+                    "no answer within {CONNECT_TIMEOUT:?}"
+                )));
+            }
+        };
+        // Subscriptions may be idle for long; keep-alives stop the idle timer closing them.
+        connection
+            .keep_alive(true)
+            .map_err(|error| connect_error(describe_connection_error(&error)))?;
+        let stream = connection
+            .open_bidirectional_stream()
+            .await
+            .map_err(|error| connect_error(describe_connection_error(&error)))?;
+        let (handle, acceptor) = connection.split();
+        let (mut receive, mut send) = stream.split();
+        let hello = Frame::Hello(Hello {
+            min_version: felix_wire::PROTOCOL_VERSION,
+            max_version: felix_wire::PROTOCOL_VERSION,
+            features: 0,
+            client_name: config.client_name.clone(),
+        });
+        let mut out = BytesMut::new();
+        felix_wire::encode(&hello, &mut out);
+        send.send(out.freeze())
+            .await
+            .map_err(|error| connect_error(describe_stream_error(&error)))?;
+        // The broker's limits are not known yet: read HelloOk with the protocol defaults
+        // (the broker's frame limit may be larger; HelloOk itself is small).
+        let hello_decoder = Decoder::new(Limits::DEFAULT);
+        let mut buffer = BytesMut::new();
+        let hello_ok = tokio::time::timeout(
+            CONNECT_TIMEOUT,
+            read_frame(&hello_decoder, &mut receive, &mut buffer),
+        )
+        .await
+        .map_err(|_| connect_error(format!("no HelloOk within {CONNECT_TIMEOUT:?}")))?;
+        let hello_ok = match hello_ok? {
+            Frame::HelloOk(hello_ok) => hello_ok,
+            Frame::Error(error) => return Err(ClientError::from_error_frame(error)),
+            other => {
+                return Err(ClientError::Protocol(format!(
+                    "expected HelloOk, got {other:?}"
+                )));
+            }
+        };
+        if hello_ok.version != felix_wire::PROTOCOL_VERSION {
+            return Err(ClientError::Protocol(format!(
+                "the broker chose protocol version {}",
+                hello_ok.version
+            )));
+        }
+        let decoder = Decoder::new(hello_ok.limits);
+        let shared = Arc::new(Shared {
+            pending: Mutex::new(PendingTable::default()),
+        });
+        let (writer, commands) = mpsc::channel(WRITER_QUEUE_DEPTH);
+        tokio::spawn(write_loop(send, commands, Arc::clone(&shared)));
+        tokio::spawn(read_loop(
+            receive,
+            buffer,
+            decoder.clone(),
+            Arc::clone(&shared),
+        ));
+        let budget_permits = config.publish_inflight_bytes.clamp(1, BUDGET_PERMITS_MAX);
+        let budget = Arc::new(Semaphore::new(
+            usize::try_from(budget_permits).unwrap_or(usize::MAX),
+        ));
+        Ok(Client {
+            endpoint,
+            handle,
+            writer,
+            shared,
+            budget,
+            budget_permits,
+            next_request_id: AtomicU64::new(1),
+            hello: hello_ok,
+            decoder,
+            _acceptor: acceptor,
+        })
+    }
+
+    /// The broker's handshake answer (limits, ports, shard map at connect time).
+    #[must_use]
+    pub fn hello(&self) -> &HelloOk {
+        &self.hello
+    }
+
+    /// The broker's limits.
+    #[must_use]
+    pub fn limits(&self) -> &Limits {
+        &self.hello.limits
+    }
+
+    fn next_request_id(&self) -> u64 {
+        self.next_request_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    async fn queue(
+        &self,
+        chunks: Vec<Bytes>,
+        permit: Option<OwnedSemaphorePermit>,
+    ) -> Result<(), ClientError> {
+        self.writer
+            .send(WriterCommand::Frame { chunks, permit })
+            .await
+            .map_err(|_| self.closed_error())
+    }
+
+    fn closed_error(&self) -> ClientError {
+        match &self.shared.table().failed {
+            Some(failure) => failure.to_error(),
+            None => ClientError::Closed("the client's request stream is closed".to_owned()),
+        }
+    }
+
+    /// Sends one admin request and waits for its answer (an `Error` answer is an error).
+    async fn request(&self, build: impl FnOnce(u64) -> Frame) -> Result<Frame, ClientError> {
+        let request_id = self.next_request_id();
+        let answer = self.shared.register(request_id, None)?;
+        let mut out = BytesMut::new();
+        felix_wire::encode(&build(request_id), &mut out);
+        self.queue(vec![out.freeze()], None).await?;
+        match answer.await {
+            Ok(Ok(Frame::Error(error))) => Err(ClientError::from_error_frame(error)),
+            Ok(Ok(frame)) => Ok(frame),
+            Ok(Err(failure)) => Err(failure.to_error()),
+            Err(_) => Err(self.closed_error()),
+        }
+    }
+
+    /// Creates a stream of `shard_count` shards.
+    pub async fn create_stream(
+        &self,
+        name: &str,
+        shard_count: u32,
+        kind: StreamKind,
+    ) -> Result<StreamInfo, ClientError> {
+        let name = name.to_owned();
+        let frame = self
+            .request(|request_id| {
+                Frame::CreateStream(felix_wire::CreateStream {
+                    request_id,
+                    name,
+                    shard_count,
+                    kind,
+                })
+            })
+            .await?;
+        expect_stream_info(frame)
+    }
+
+    /// Describes a stream: kind, hash and per-shard offsets.
+    pub async fn describe_stream(&self, name: &str) -> Result<StreamInfo, ClientError> {
+        let name = name.to_owned();
+        let frame = self
+            .request(|request_id| Frame::DescribeStream { request_id, name })
+            .await?;
+        expect_stream_info(frame)
+    }
+
+    /// Every stream, sorted by name.
+    pub async fn list_streams(&self) -> Result<Vec<StreamSummary>, ClientError> {
+        match self
+            .request(|request_id| Frame::ListStreams { request_id })
+            .await?
+        {
+            Frame::StreamList { streams, .. } => Ok(streams),
+            other => Err(unexpected("StreamList", &other)),
+        }
+    }
+
+    /// Deletes a stream; its subscribers get `StreamNotFound`.
+    pub async fn delete_stream(&self, name: &str) -> Result<(), ClientError> {
+        let name = name.to_owned();
+        match self
+            .request(|request_id| Frame::DeleteStream { request_id, name })
+            .await?
+        {
+            Frame::Done { .. } => Ok(()),
+            other => Err(unexpected("Done", &other)),
+        }
+    }
+
+    /// Encodes a publish as (header, records) chunks, checking the broker's limits first.
+    fn encode_publish(
+        &self,
+        request_id: u64,
+        ack: AckMode,
+        stream: &str,
+        records: &[Record],
+    ) -> Result<Vec<Bytes>, ClientError> {
+        let limits = &self.hello.limits;
+        if records.is_empty() {
+            return Err(ClientError::InvalidArgument(
+                "a publish needs at least one record".to_owned(),
+            ));
+        }
+        if records.len() > limits.max_batch_records as usize {
+            return Err(ClientError::InvalidArgument(format!(
+                "a batch of {} records exceeds the broker's limit of {}",
+                records.len(),
+                limits.max_batch_records
+            )));
+        }
+        if stream.len() > usize::from(limits.max_name_bytes) {
+            return Err(ClientError::InvalidArgument(format!(
+                "stream name of {} bytes exceeds the limit of {}",
+                stream.len(),
+                limits.max_name_bytes
+            )));
+        }
+        let mut body = BytesMut::new();
+        let mut records_len = 0usize;
+        for record in records {
+            if record.key.len() > usize::from(limits.max_key_bytes) {
+                return Err(ClientError::InvalidArgument(format!(
+                    "key of {} bytes exceeds the limit of {}",
+                    record.key.len(),
+                    limits.max_key_bytes
+                )));
+            }
+            if record.payload.len() > limits.max_payload_bytes as usize {
+                return Err(ClientError::InvalidArgument(format!(
+                    "payload of {} bytes exceeds the limit of {}",
+                    record.payload.len(),
+                    limits.max_payload_bytes
+                )));
+            }
+            records_len += felix_wire::encode_record(&record.key, &record.payload, &mut body);
+        }
+        let mut header = BytesMut::new();
+        // The count was checked against max_batch_records (a u32) above.
+        let record_count = u32::try_from(records.len()).unwrap_or(u32::MAX);
+        felix_wire::encode_publish_header(
+            request_id,
+            ack,
+            stream,
+            record_count,
+            records_len,
+            &mut header,
+        );
+        let body_len = header.len() - felix_wire::FRAME_HEADER_LEN + body.len();
+        if body_len > limits.max_frame_bytes as usize {
+            return Err(ClientError::InvalidArgument(format!(
+                "a publish of {body_len} bytes exceeds the broker's frame limit of {}; send smaller batches",
+                limits.max_frame_bytes
+            )));
+        }
+        Ok(vec![header.freeze(), body.freeze()])
+    }
+
+    /// Takes budget for `bytes` (the whole budget for a batch larger than it).
+    async fn acquire_budget(&self, bytes: usize) -> Result<OwnedSemaphorePermit, ClientError> {
+        let wanted = u64::try_from(bytes)
+            .unwrap_or(u64::MAX)
+            .clamp(1, self.budget_permits);
+        // `budget_permits` <= u32::MAX by construction.
+        let wanted = u32::try_from(wanted).unwrap_or(u32::MAX);
+        Arc::clone(&self.budget)
+            .acquire_many_owned(wanted)
+            .await
+            .map_err(|_| ClientError::Closed("the publish budget is closed".to_owned()))
+    }
+
+    /// Queues an acked publish and returns once it is handed to the writer; the returned
+    /// future resolves to the acks. Keep several in flight for throughput; the in-flight byte
+    /// budget makes this wait when too much is outstanding.
+    pub async fn publish_pipelined(
+        &self,
+        stream: &str,
+        records: &[Record],
+    ) -> Result<PendingAck, ClientError> {
+        let request_id = self.next_request_id();
+        let chunks = self.encode_publish(request_id, AckMode::Acked, stream, records)?;
+        let bytes = chunks.iter().map(Bytes::len).sum();
+        let permit = self.acquire_budget(bytes).await?;
+        let answer = self.shared.register(request_id, Some(permit))?;
+        self.queue(chunks, None).await?;
+        Ok(PendingAck { answer })
+    }
+
+    /// Publishes `records` to `stream` and waits for the acks: one per shard touched, in
+    /// ascending shard order, with the offsets given.
+    pub async fn publish(
+        &self,
+        stream: &str,
+        records: &[Record],
+    ) -> Result<Vec<ShardAck>, ClientError> {
+        self.publish_pipelined(stream, records).await?.await
+    }
+
+    /// Publishes without an ack: returns once queued; the broker never answers, not even with
+    /// an error (it counts them). Budget is released once the frame is written to QUIC.
+    pub async fn publish_no_ack(
+        &self,
+        stream: &str,
+        records: &[Record],
+    ) -> Result<(), ClientError> {
+        let chunks = self.encode_publish(0, AckMode::FireAndForget, stream, records)?;
+        let bytes = chunks.iter().map(Bytes::len).sum();
+        let permit = self.acquire_budget(bytes).await?;
+        self.queue(chunks, Some(permit)).await
+    }
+
+    /// Opens a subscription stream. `Latest` delivers only records appended after this
+    /// returns; offsets resume from the replay ring (`TooOld` if already evicted).
+    pub async fn subscribe(
+        &self,
+        stream: &str,
+        shards: ShardSelection,
+        from: StartPosition,
+    ) -> Result<Subscription, ClientError> {
+        let mut handle = self.handle.clone();
+        let bidirectional = handle
+            .open_bidirectional_stream()
+            .await
+            .map_err(|error| ClientError::Closed(describe_connection_error(&error)))?;
+        let (receive, send) = bidirectional.split();
+        let request_id = self.next_request_id();
+        let frame = Frame::Subscribe(felix_wire::Subscribe {
+            request_id,
+            stream: stream.to_owned(),
+            shards,
+            from,
+        });
+        Subscription::open(receive, send, self.decoder.clone(), &frame).await
+    }
+
+    /// Finishes the request stream (waiting until the broker has every queued frame, bounded),
+    /// then closes the connection with code 0.
+    pub async fn close(self) {
+        let (done, finished) = oneshot::channel();
+        if self
+            .writer
+            .send(WriterCommand::Close { done })
+            .await
+            .is_ok()
+        {
+            let _ = finished.await;
+        }
+        self.handle.close(0u32.into());
+        let mut endpoint = self.endpoint.clone();
+        let _ = tokio::time::timeout(CLOSE_IDLE_TIMEOUT, endpoint.wait_idle()).await;
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        self.handle.close(0u32.into());
+    }
+}
+
+/// The ack of a pipelined publish (see [`Client::publish_pipelined`]).
+#[must_use = "the publish is sent; await this to learn its offsets or its error"]
+pub struct PendingAck {
+    answer: oneshot::Receiver<Answer>,
+}
+
+impl std::fmt::Debug for PendingAck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingAck").finish_non_exhaustive()
+    }
+}
+
+impl Future for PendingAck {
+    type Output = Result<Vec<ShardAck>, ClientError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let answer = match Pin::new(&mut self.answer).poll(cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(answer) => answer,
+        };
+        Poll::Ready(match answer {
+            Ok(Ok(Frame::Ack(ack))) => Ok(ack.shards),
+            Ok(Ok(Frame::Error(error))) => Err(ClientError::from_error_frame(error)),
+            Ok(Ok(other)) => Err(unexpected("Ack", &other)),
+            Ok(Err(failure)) => Err(failure.to_error()),
+            Err(_) => Err(ClientError::Closed(
+                "the connection ended before the ack".to_owned(),
+            )),
+        })
+    }
+}
+
+fn expect_stream_info(frame: Frame) -> Result<StreamInfo, ClientError> {
+    match frame {
+        Frame::StreamInfo(info) => Ok(info),
+        other => Err(unexpected("StreamInfo", &other)),
+    }
+}
+
+fn unexpected(expected: &str, got: &Frame) -> ClientError {
+    ClientError::Protocol(format!("expected {expected}, got {got:?}"))
+}
+
+/// Human text for a connection error, naming the broker's close code when it sent one.
+pub(crate) fn describe_connection_error(error: &s2n_quic::connection::Error) -> String {
+    match error {
+        s2n_quic::connection::Error::Application { error, .. } => describe_close_code(**error),
+        other => other.to_string(),
+    }
+}
+
+pub(crate) fn describe_stream_error(error: &s2n_quic::stream::Error) -> String {
+    match error {
+        s2n_quic::stream::Error::ConnectionError { error, .. } => describe_connection_error(error),
+        s2n_quic::stream::Error::StreamReset { error, .. } => {
+            format!("the broker reset the stream with code {}", **error)
+        }
+        other => other.to_string(),
+    }
+}
+
+fn describe_close_code(code: u64) -> String {
+    if code == 0 {
+        return "the connection was closed".to_owned();
+    }
+    match u16::try_from(code).ok().and_then(ErrorCode::from_u16) {
+        Some(ErrorCode::ShuttingDown) => "the broker is shutting down".to_owned(),
+        Some(known) => format!(
+            "the broker closed the connection: {} (code {code})",
+            known.name()
+        ),
+        None => format!("the connection was closed with code {code}"),
+    }
+}
+
+/// Reads until one whole frame is decoded (used for handshake answers).
+pub(crate) async fn read_frame(
+    decoder: &Decoder,
+    receive: &mut ReceiveStream,
+    buffer: &mut BytesMut,
+) -> Result<Frame, ClientError> {
+    loop {
+        if let Some(frame) = decoder.decode(buffer).map_err(|error| {
+            ClientError::Protocol(format!("undecodable frame from the broker: {error}"))
+        })? {
+            return Ok(frame);
+        }
+        match receive.receive().await {
+            Ok(Some(chunk)) => buffer.extend_from_slice(&chunk),
+            Ok(None) => {
+                return Err(ClientError::Closed(
+                    "the broker finished the stream".to_owned(),
+                ));
+            }
+            Err(error) => return Err(ClientError::Closed(describe_stream_error(&error))),
+        }
+    }
+}
+
+/// Owns the request stream's send half: writes queued frames in order.
+async fn write_loop(
+    mut send: SendStream,
+    mut commands: mpsc::Receiver<WriterCommand>,
+    shared: Arc<Shared>,
+) {
+    let mut chunks: Vec<Bytes> = Vec::new();
+    let mut permits: Vec<OwnedSemaphorePermit> = Vec::new();
+    while let Some(command) = commands.recv().await {
+        let mut close = None;
+        let mut next = Some(command);
+        // Gather what is already queued, up to a bound, into one vectored send.
+        let mut frames = 0usize;
+        while let Some(command) = next.take() {
+            match command {
+                WriterCommand::Frame {
+                    chunks: frame,
+                    permit,
+                } => {
+                    chunks.extend(frame);
+                    permits.extend(permit);
+                    frames += 1;
+                }
+                WriterCommand::Close { done } => {
+                    close = Some(done);
+                    break;
+                }
+            }
+            if frames < WRITER_BATCH_FRAMES {
+                next = commands.try_recv().ok();
+            }
+        }
+        if !chunks.is_empty() {
+            if let Err(error) = send.send_vectored(&mut chunks).await {
+                shared.fail_all(&Failure::Closed(describe_stream_error(&error)));
+                return;
+            }
+            chunks.clear();
+            // Written to the QUIC stream: fire-and-forget budget goes back.
+            permits.clear();
+        }
+        if let Some(done) = close {
+            // `close` finishes the stream and waits until the broker acknowledged every byte.
+            let _ = tokio::time::timeout(CLOSE_FLUSH_TIMEOUT, send.close()).await;
+            let _ = done.send(());
+            return;
+        }
+    }
+    // Every client handle is gone: finish the stream so the broker sees a clean end.
+    let _ = send.finish();
+}
+
+/// Owns the request stream's receive half: routes answers to their requests by id.
+async fn read_loop(
+    mut receive: ReceiveStream,
+    mut buffer: BytesMut,
+    decoder: Decoder,
+    shared: Arc<Shared>,
+) {
+    let failure = loop {
+        match decoder.decode(&mut buffer) {
+            Ok(Some(frame)) => {
+                if let Err(failure) = route(&shared, frame) {
+                    break failure;
+                }
+                continue;
+            }
+            Ok(None) => {}
+            Err(error) => {
+                break Failure::Protocol(format!("undecodable answer from the broker: {error}"));
+            }
+        }
+        match receive.receive().await {
+            Ok(Some(chunk)) => buffer.extend_from_slice(&chunk),
+            Ok(None) => break Failure::Closed("the broker finished the request stream".to_owned()),
+            Err(error) => break Failure::Closed(describe_stream_error(&error)),
+        }
+    };
+    tracing::debug!(?failure, "request stream ended");
+    shared.fail_all(&failure);
+}
+
+fn route(shared: &Shared, frame: Frame) -> Result<(), Failure> {
+    let request_id = match &frame {
+        Frame::StreamInfo(info) => info.request_id,
+        Frame::StreamList { request_id, .. } | Frame::Done { request_id } => *request_id,
+        Frame::Ack(ack) => ack.request_id,
+        Frame::Error(error) if error.request_id == 0 => {
+            return Err(Failure::Server {
+                code: error.code,
+                detail: error.detail,
+                message: error.message.clone(),
+            });
+        }
+        Frame::Error(error) => error.request_id,
+        other => {
+            return Err(Failure::Protocol(format!(
+                "unexpected frame on the request stream: {other:?}"
+            )));
+        }
+    };
+    shared.answer(request_id, frame);
+    Ok(())
+}

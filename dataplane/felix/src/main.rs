@@ -1,1 +1,260 @@
-fn main() {}
+//! The `felix` binary: the broker (`felix broker`) and the command-line client (`stream`,
+//! `pub`, `sub`), plus `config` and `cert`. Configuration comes from felix-tuning (defaults <
+//! file < FELIX_* environment < these flags); a bad value stops any command with a message
+//! naming the variable.
+//!
+//! Threads: `felix broker` runs the broker's core and metrics threads (see felix-broker) and a
+//! signal thread; client commands run a current-thread tokio runtime on the main thread.
+
+mod client_commands;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context as _;
+use clap::{Args, Parser, Subcommand};
+use felix_broker::Broker;
+use felix_tuning::Config;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "felix",
+    version,
+    about = "Felix: a QUIC publish/subscribe broker and its command-line client"
+)]
+struct Cli {
+    #[command(flatten)]
+    global: GlobalArgs,
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Options every command takes; each maps onto a FELIX_* setting (flags win over the
+/// environment and the config file).
+#[derive(Debug, Args)]
+struct GlobalArgs {
+    /// Config file (TOML); default: FELIX_CONFIG, else none.
+    #[arg(long, global = true, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Broker address for client commands (FELIX_ADDR).
+    #[arg(long, global = true, value_name = "IP:PORT")]
+    addr: Option<String>,
+    /// CA certificate (PEM) client commands trust (FELIX_CA).
+    #[arg(long, global = true, value_name = "FILE")]
+    ca: Option<String>,
+    /// Skip broker certificate verification: development only (FELIX_INSECURE=1).
+    #[arg(long, global = true)]
+    insecure: bool,
+    /// Data directory (FELIX_DATA_DIR).
+    #[arg(long, global = true, value_name = "DIR")]
+    data_dir: Option<String>,
+    /// QUIC listen address of `felix broker` (FELIX_BIND).
+    #[arg(long, global = true, value_name = "IP:PORT")]
+    bind: Option<String>,
+    /// Metrics listen address of `felix broker`, or `off` (FELIX_METRICS_BIND).
+    #[arg(long, global = true, value_name = "IP:PORT|off")]
+    metrics_bind: Option<String>,
+    /// Log filter, e.g. `info` or `felix_broker=debug` (FELIX_LOG).
+    #[arg(long, global = true, value_name = "FILTER")]
+    log: Option<String>,
+}
+
+impl GlobalArgs {
+    /// The flags as (setting name, raw value) pairs for felix-tuning.
+    fn flags(&self) -> Vec<(&'static str, String)> {
+        let mut flags = Vec::new();
+        let mut push = |name: &'static str, value: &Option<String>| {
+            if let Some(value) = value {
+                flags.push((name, value.clone()));
+            }
+        };
+        push("FELIX_ADDR", &self.addr);
+        push("FELIX_CA", &self.ca);
+        push("FELIX_DATA_DIR", &self.data_dir);
+        push("FELIX_BIND", &self.bind);
+        push("FELIX_METRICS_BIND", &self.metrics_bind);
+        push("FELIX_LOG", &self.log);
+        if self.insecure {
+            flags.push(("FELIX_INSECURE", "1".to_owned()));
+        }
+        flags
+    }
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run a broker (defaults: loopback, the data directory, a development certificate).
+    Broker,
+    /// Create, list, describe or delete streams.
+    #[command(subcommand)]
+    Stream(StreamCommand),
+    /// Publish records: the arguments, else one record per stdin line.
+    Pub(client_commands::PubArgs),
+    /// Print a stream's records, one per line.
+    Sub(client_commands::SubArgs),
+    /// Print every effective setting and where it came from.
+    Config {
+        /// Print the full settings reference (Markdown) instead.
+        #[arg(long)]
+        reference: bool,
+    },
+    /// Generate a self-signed certificate and key (PEM) for development.
+    Cert {
+        /// Folder to write cert.pem and key.pem into (created if missing).
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+        /// Host names / IP addresses the certificate is valid for (repeatable);
+        /// default localhost, 127.0.0.1, ::1.
+        #[arg(long = "name", value_name = "HOST")]
+        names: Vec<String>,
+        /// Overwrite existing files.
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum StreamCommand {
+    /// Create a stream.
+    Create {
+        name: String,
+        /// Number of shards.
+        #[arg(long, default_value_t = 1)]
+        shards: u32,
+        /// A durable (logged) stream; refused until durable streams land.
+        #[arg(long)]
+        durable: bool,
+    },
+    /// List every stream.
+    List,
+    /// Show a stream's shards and offsets.
+    Describe { name: String },
+    /// Delete a stream (its subscribers are ended).
+    Delete { name: String },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("felix: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    let flags = cli.global.flags();
+    let config = Config::from_process(cli.global.config.as_deref(), &flags)?;
+    init_logging(&config)?;
+    match cli.command {
+        Command::Broker => run_broker(&config),
+        Command::Config { reference } => {
+            if reference {
+                print!("{}", felix_tuning::reference_markdown());
+            } else {
+                print!("{}", config.render_table());
+            }
+            Ok(())
+        }
+        Command::Cert { out, names, force } => run_cert(&out, names, force),
+        Command::Stream(command) => {
+            client_commands::block_on(client_commands::stream(&config, command))
+        }
+        Command::Pub(args) => client_commands::block_on(client_commands::publish(&config, args)),
+        Command::Sub(args) => client_commands::block_on(client_commands::subscribe(&config, args)),
+    }
+}
+
+fn init_logging(config: &Config) -> anyhow::Result<()> {
+    let filter = tracing_subscriber::EnvFilter::try_new(&config.log)
+        .with_context(|| format!("FELIX_LOG={:?} is not a valid log filter", config.log))?;
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    Ok(())
+}
+
+fn run_broker(config: &Config) -> anyhow::Result<()> {
+    let broker = Broker::start(config).context("cannot start the broker")?;
+    let trigger = broker.shutdown_trigger();
+    // Install the handlers before announcing the ports, so a supervisor that signals right
+    // after reading them gets a clean shutdown.
+    let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
+    std::thread::Builder::new()
+        .name("felix-signals".to_owned())
+        .spawn(move || {
+            match wait_for_signal(&ready_tx) {
+                Ok(signal) => tracing::info!(signal, "shutting down"),
+                Err(error) => tracing::error!(%error, "signal handling failed; shutting down"),
+            }
+            trigger.trigger();
+        })
+        .context("cannot start the signal thread")?;
+    // The thread reports once the handlers are installed (or failed).
+    let _ = ready_rx.recv();
+    println!("felix: quic listening on {}", broker.quic_addr());
+    if let Some(addr) = broker.metrics_addr() {
+        println!("felix: metrics listening on {addr}");
+    }
+    broker.wait().context("the broker stopped with an error")?;
+    Ok(())
+}
+
+/// Waits for SIGINT or SIGTERM; returns the signal's name.
+fn wait_for_signal(ready: &std::sync::mpsc::SyncSender<()>) -> std::io::Result<&'static str> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let registered = signal(SignalKind::terminate())
+            .and_then(|terminate| Ok((terminate, signal(SignalKind::interrupt())?)));
+        let _ = ready.send(());
+        let (mut terminate, mut interrupt) = registered?;
+        tokio::select! {
+            _ = terminate.recv() => Ok("SIGTERM"),
+            _ = interrupt.recv() => Ok("SIGINT"),
+        }
+    })
+}
+
+fn run_cert(out: &std::path::Path, names: Vec<String>, force: bool) -> anyhow::Result<()> {
+    let names = if names.is_empty() {
+        felix_broker::DEV_CERT_NAMES
+            .iter()
+            .map(|name| (*name).to_owned())
+            .collect()
+    } else {
+        names
+    };
+    let cert = out.join("cert.pem");
+    let key = out.join("key.pem");
+    if !force {
+        for path in [&cert, &key] {
+            anyhow::ensure!(
+                !path.exists(),
+                "{} already exists (use --force to overwrite)",
+                path.display()
+            );
+        }
+    }
+    let pair = felix_broker::generate_self_signed(&names)?;
+    felix_broker::write_pair(&pair, &cert, &key)?;
+    println!(
+        "wrote {} and {} (key mode 0600)",
+        cert.display(),
+        key.display()
+    );
+    println!("valid for: {}", names.join(", "));
+    println!(
+        "broker: FELIX_TLS_CERT={} FELIX_TLS_KEY={}; clients: FELIX_CA={}",
+        cert.display(),
+        key.display(),
+        cert.display()
+    );
+    Ok(())
+}

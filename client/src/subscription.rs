@@ -1,0 +1,154 @@
+//! A subscription stream: one `Subscribe`, then `Delivery` frames, exposed as a
+//! `futures::Stream` of records. Polled by whoever holds it; no task of its own.
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::BytesMut;
+use felix_wire::{Decoder, DeliveredRecord, Frame};
+use s2n_quic::stream::{ReceiveStream, SendStream};
+
+use crate::{ClientError, describe_stream_error, read_frame};
+
+/// QUIC application code used to stop a subscription: 0, "normal close".
+const STOP_CODE: u32 = 0;
+
+/// Records of one subscription, in per-shard order. Ends (`None`) when the broker finishes
+/// the stream; yields one `Err` (e.g. `SubscriberLagged`, `StreamNotFound`) before ending when
+/// the broker ends it with an error. Dropping it (or [`Subscription::close`]) stops it.
+pub struct Subscription {
+    receive: ReceiveStream,
+    send: SendStream,
+    decoder: Decoder,
+    buffer: BytesMut,
+    ready: VecDeque<DeliveredRecord>,
+    start: Vec<(u32, u64)>,
+    done: bool,
+}
+
+impl std::fmt::Debug for Subscription {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Subscription")
+            .field("start", &self.start)
+            .field("buffered", &self.ready.len())
+            .field("done", &self.done)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Subscription {
+    /// Sends `subscribe` and waits for `Subscribed` (or the broker's `Error`).
+    pub(crate) async fn open(
+        mut receive: ReceiveStream,
+        mut send: SendStream,
+        decoder: Decoder,
+        subscribe: &Frame,
+    ) -> Result<Subscription, ClientError> {
+        let mut out = BytesMut::new();
+        felix_wire::encode(subscribe, &mut out);
+        send.send(out.freeze())
+            .await
+            .map_err(|error| ClientError::Closed(describe_stream_error(&error)))?;
+        let mut buffer = BytesMut::new();
+        match read_frame(&decoder, &mut receive, &mut buffer).await? {
+            Frame::Subscribed(subscribed) => Ok(Subscription {
+                receive,
+                send,
+                decoder,
+                buffer,
+                ready: VecDeque::new(),
+                start: subscribed.shards,
+                done: false,
+            }),
+            Frame::Error(error) => Err(ClientError::from_error_frame(error)),
+            other => Err(ClientError::Protocol(format!(
+                "expected Subscribed, got {other:?}"
+            ))),
+        }
+    }
+
+    /// `(shard, first offset delivered)` for every subscribed shard, ascending shard order.
+    #[must_use]
+    pub fn start(&self) -> &[(u32, u64)] {
+        &self.start
+    }
+
+    /// Stops the subscription: the broker forgets it and frees its queue.
+    pub async fn close(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        if !self.done {
+            self.done = true;
+            // Either may fail if the stream is already gone; that is the goal anyway.
+            let _ = self.receive.stop_sending(STOP_CODE.into());
+            let _ = self.send.reset(STOP_CODE.into());
+        }
+    }
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl futures::Stream for Subscription {
+    type Item = Result<DeliveredRecord, ClientError>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        loop {
+            if let Some(record) = this.ready.pop_front() {
+                return Poll::Ready(Some(Ok(record)));
+            }
+            if this.done {
+                return Poll::Ready(None);
+            }
+            match this.decoder.decode(&mut this.buffer) {
+                Ok(Some(Frame::Delivery(delivery))) => {
+                    this.ready.extend(delivery.records);
+                    continue;
+                }
+                Ok(Some(Frame::Error(error))) => {
+                    this.done = true;
+                    return Poll::Ready(Some(Err(ClientError::from_error_frame(error))));
+                }
+                Ok(Some(other)) => {
+                    this.stop();
+                    return Poll::Ready(Some(Err(ClientError::Protocol(format!(
+                        "unexpected frame on a subscription: {other:?}"
+                    )))));
+                }
+                Ok(None) => {}
+                Err(error) => {
+                    this.stop();
+                    return Poll::Ready(Some(Err(ClientError::Protocol(format!(
+                        "undecodable frame from the broker: {error}"
+                    )))));
+                }
+            }
+            match this.receive.poll_receive(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Ok(Some(chunk))) => this.buffer.extend_from_slice(&chunk),
+                Poll::Ready(Ok(None)) => {
+                    this.done = true;
+                    if !this.buffer.is_empty() {
+                        return Poll::Ready(Some(Err(ClientError::Protocol(
+                            "the subscription ended inside a frame".to_owned(),
+                        ))));
+                    }
+                    return Poll::Ready(None);
+                }
+                Poll::Ready(Err(error)) => {
+                    this.done = true;
+                    return Poll::Ready(Some(Err(ClientError::Closed(describe_stream_error(
+                        &error,
+                    )))));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,260 @@
+//! Prometheus metrics: the registry, the handles the core thread updates (resolved once at
+//! start-up, never looked up per publish), and the `GET /metrics` endpoint served by tiny_http
+//! on its own housekeeping thread. Handles are prometheus-client atomics, shared by `Arc`.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use felix_wire::ErrorCode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use crate::BrokerError;
+
+type Label = [(&'static str, &'static str); 1];
+
+/// The broker's counters and gauges. Cloning shares the same atomics.
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Arc<Registry>,
+    /// Payload bytes of accepted publishes (`felix_payload_bytes_total`).
+    pub payload_bytes: Counter,
+    /// Records of accepted publishes (`felix_records_total`).
+    pub records: Counter,
+    /// Accepted publishes with `ack="acked"`.
+    pub publishes_acked: Counter,
+    /// Accepted publishes with `ack="fire_and_forget"`.
+    pub publishes_fire_and_forget: Counter,
+    /// `Ack` frames sent (`felix_acks_total`).
+    pub acks: Counter,
+    /// Errors by code, indexed like [`ErrorCode::ALL`] (`felix_errors_total{code}`).
+    errors: [Counter; ErrorCode::ALL.len()],
+    /// Live subscriptions (`felix_subscribers`).
+    pub subscribers: Gauge,
+    /// Records written to subscribers (`felix_delivered_records_total`).
+    pub delivered_records: Counter,
+    /// Open QUIC connections (`felix_connections`).
+    pub connections: Gauge,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    /// Registers every metric (all error codes pre-registered, so they show 0 before the
+    /// first error) and resolves every handle.
+    #[must_use]
+    pub fn new() -> Metrics {
+        let mut registry = Registry::default();
+        // prometheus-client appends `_total` to counter names when encoding.
+        let payload_bytes = Counter::default();
+        registry.register(
+            "felix_payload_bytes",
+            "Payload bytes of accepted publishes",
+            payload_bytes.clone(),
+        );
+        let records = Counter::default();
+        registry.register(
+            "felix_records",
+            "Records of accepted publishes",
+            records.clone(),
+        );
+        let publishes = Family::<Label, Counter>::default();
+        registry.register(
+            "felix_publishes",
+            "Accepted publish requests by ack mode",
+            publishes.clone(),
+        );
+        let publishes_acked = publishes.get_or_create(&[("ack", "acked")]).clone();
+        let publishes_fire_and_forget = publishes
+            .get_or_create(&[("ack", "fire_and_forget")])
+            .clone();
+        let acks = Counter::default();
+        registry.register("felix_acks", "Ack frames sent", acks.clone());
+        let error_family = Family::<Label, Counter>::default();
+        registry.register(
+            "felix_errors",
+            "Errors by wire error code (answered or not)",
+            error_family.clone(),
+        );
+        let errors =
+            ErrorCode::ALL.map(|code| error_family.get_or_create(&[("code", code.name())]).clone());
+        let subscribers = Gauge::default();
+        registry.register(
+            "felix_subscribers",
+            "Live subscriptions",
+            subscribers.clone(),
+        );
+        let delivered_records = Counter::default();
+        registry.register(
+            "felix_delivered_records",
+            "Records written to subscribers",
+            delivered_records.clone(),
+        );
+        let connections = Gauge::default();
+        registry.register(
+            "felix_connections",
+            "Open QUIC connections",
+            connections.clone(),
+        );
+        Metrics {
+            registry: Arc::new(registry),
+            payload_bytes,
+            records,
+            publishes_acked,
+            publishes_fire_and_forget,
+            acks,
+            errors,
+            subscribers,
+            delivered_records,
+            connections,
+        }
+    }
+
+    /// Counts one error with `code`.
+    pub fn error(&self, code: ErrorCode) {
+        // ALL lists every variant, so the position always exists; 16 compares, no lookup.
+        if let Some(index) = ErrorCode::ALL.iter().position(|known| *known == code) {
+            self.errors[index].inc();
+        }
+    }
+
+    #[must_use]
+    pub fn registry(&self) -> Arc<Registry> {
+        Arc::clone(&self.registry)
+    }
+
+    /// The registry in the Prometheus/OpenMetrics text format.
+    #[must_use]
+    pub fn render(&self) -> String {
+        render(&self.registry)
+    }
+}
+
+fn render(registry: &Registry) -> String {
+    let mut text = String::new();
+    // Writing into a String cannot fail; an encoding error would be a metric defect.
+    if let Err(error) = prometheus_client::encoding::text::encode(&mut text, registry) {
+        tracing::error!(%error, "cannot encode metrics");
+    }
+    text
+}
+
+/// The `/metrics` HTTP endpoint on its housekeeping thread. Dropping it stops the thread.
+pub struct MetricsServer {
+    server: Arc<tiny_http::Server>,
+    local_addr: SocketAddr,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for MetricsServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MetricsServer")
+            .field("local_addr", &self.local_addr)
+            .finish_non_exhaustive()
+    }
+}
+
+const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+impl MetricsServer {
+    /// Binds `addr` and starts serving `GET /metrics` from `registry`.
+    pub fn start(addr: SocketAddr, registry: Arc<Registry>) -> Result<MetricsServer, BrokerError> {
+        let bind_error = |reason: String| BrokerError::MetricsBind { addr, reason };
+        let server =
+            tiny_http::Server::http(addr).map_err(|error| bind_error(error.to_string()))?;
+        let local_addr = server
+            .server_addr()
+            .to_ip()
+            .ok_or_else(|| bind_error("bound to a non-IP address".to_owned()))?;
+        let server = Arc::new(server);
+        let serving = Arc::clone(&server);
+        let thread = std::thread::Builder::new()
+            .name("felix-metrics".to_owned())
+            .spawn(move || serve(&serving, &registry))
+            .map_err(|source| BrokerError::Thread {
+                name: "felix-metrics",
+                source,
+            })?;
+        Ok(MetricsServer {
+            server,
+            local_addr,
+            thread: Some(thread),
+        })
+    }
+
+    #[must_use]
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+}
+
+impl Drop for MetricsServer {
+    fn drop(&mut self) {
+        self.server.unblock();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn serve(server: &tiny_http::Server, registry: &Registry) {
+    // Ends when `unblock` is called (the iterator then yields None).
+    for request in server.incoming_requests() {
+        let is_metrics = *request.method() == tiny_http::Method::Get
+            && (request.url() == "/metrics" || request.url().starts_with("/metrics?"));
+        let response = if is_metrics {
+            let mut response = tiny_http::Response::from_string(render(registry));
+            if let Ok(header) = tiny_http::Header::from_bytes("Content-Type", CONTENT_TYPE) {
+                response.add_header(header);
+            }
+            response
+        } else {
+            tiny_http::Response::from_string("not found; try GET /metrics\n").with_status_code(404)
+        };
+        if let Err(error) = request.respond(response) {
+            tracing::debug!(%error, "metrics client went away");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Proves every required metric name is exported and every error code is pre-registered.
+    #[test]
+    fn render_lists_every_metric_and_code() {
+        let metrics = Metrics::new();
+        metrics.payload_bytes.inc_by(42);
+        metrics.error(ErrorCode::TooOld);
+        let text = metrics.render();
+        for name in [
+            "felix_payload_bytes_total 42",
+            "felix_records_total 0",
+            "felix_publishes_total{ack=\"acked\"} 0",
+            "felix_publishes_total{ack=\"fire_and_forget\"} 0",
+            "felix_acks_total 0",
+            "felix_subscribers 0",
+            "felix_delivered_records_total 0",
+            "felix_connections 0",
+            "felix_errors_total{code=\"too_old\"} 1",
+        ] {
+            assert!(text.contains(name), "missing {name} in\n{text}");
+        }
+        for code in ErrorCode::ALL {
+            assert!(text.contains(&format!("felix_errors_total{{code=\"{}\"}}", code.name())));
+        }
+    }
+}

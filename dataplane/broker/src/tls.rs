@@ -1,0 +1,153 @@
+//! TLS material: the configured certificate chain and key, or a self-signed development pair
+//! generated once under the data directory. Runs on the caller's thread at start-up only.
+
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::Path;
+
+use felix_tuning::Config;
+
+use crate::BrokerError;
+
+/// Subject alternative names of the development certificate: every loopback spelling a local
+/// client may use as its TLS server name.
+pub const DEV_CERT_NAMES: [&str; 3] = ["localhost", "127.0.0.1", "::1"];
+
+/// Private keys are readable by their owner only.
+const KEY_FILE_MODE: u32 = 0o600;
+
+/// A PEM certificate chain and its PEM private key.
+#[derive(Clone)]
+pub struct CertificatePair {
+    pub cert_pem: String,
+    pub key_pem: String,
+}
+
+impl std::fmt::Debug for CertificatePair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print the key.
+        f.debug_struct("CertificatePair")
+            .field("cert_pem_bytes", &self.cert_pem.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Generates a self-signed certificate (ECDSA P-256) for `names`: each name that parses as an
+/// IP address becomes an IP SAN, every other a DNS SAN.
+pub fn generate_self_signed(names: &[String]) -> Result<CertificatePair, BrokerError> {
+    if names.is_empty() {
+        return Err(BrokerError::CertificateGeneration(
+            "at least one name is needed".to_owned(),
+        ));
+    }
+    let certified = rcgen::generate_simple_self_signed(names.to_vec())
+        .map_err(|error| BrokerError::CertificateGeneration(error.to_string()))?;
+    Ok(CertificatePair {
+        cert_pem: certified.cert.pem(),
+        key_pem: certified.signing_key.serialize_pem(),
+    })
+}
+
+/// Writes `pair` to `cert_path` and `key_path` (creating parent folders); the key file gets
+/// mode 0600 before any key byte is written.
+pub fn write_pair(
+    pair: &CertificatePair,
+    cert_path: &Path,
+    key_path: &Path,
+) -> Result<(), BrokerError> {
+    for path in [cert_path, key_path] {
+        if let Some(parent) = path.parent() {
+            fs::create_dir_all(parent).map_err(|source| BrokerError::Write {
+                path: parent.to_path_buf(),
+                source,
+            })?;
+        }
+    }
+    let key_error = |source| BrokerError::Write {
+        path: key_path.to_path_buf(),
+        source,
+    };
+    let mut key_file = fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(KEY_FILE_MODE)
+        .open(key_path)
+        .map_err(key_error)?;
+    // `mode` only applies to new files: tighten an existing one too.
+    key_file
+        .set_permissions(fs::Permissions::from_mode(KEY_FILE_MODE))
+        .map_err(key_error)?;
+    key_file
+        .write_all(pair.key_pem.as_bytes())
+        .and_then(|()| key_file.sync_all())
+        .map_err(key_error)?;
+    fs::write(cert_path, pair.cert_pem.as_bytes()).map_err(|source| BrokerError::Write {
+        path: cert_path.to_path_buf(),
+        source,
+    })?;
+    Ok(())
+}
+
+fn read(path: &Path) -> Result<String, BrokerError> {
+    fs::read_to_string(path).map_err(|source| BrokerError::Read {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// The broker's pair: FELIX_TLS_CERT/FELIX_TLS_KEY when set, else the development pair at
+/// `dev_cert_path()`/`dev_key_path()`, generated (and logged) on first start.
+pub fn load_server_pair(config: &Config) -> Result<CertificatePair, BrokerError> {
+    if let (Some(cert), Some(key)) = (&config.tls_cert, &config.tls_key) {
+        return Ok(CertificatePair {
+            cert_pem: read(cert)?,
+            key_pem: read(key)?,
+        });
+    }
+    let cert_path = config.dev_cert_path();
+    let key_path = config.dev_key_path();
+    if cert_path.exists() && key_path.exists() {
+        return Ok(CertificatePair {
+            cert_pem: read(&cert_path)?,
+            key_pem: read(&key_path)?,
+        });
+    }
+    let names: Vec<String> = DEV_CERT_NAMES
+        .iter()
+        .map(|name| (*name).to_owned())
+        .collect();
+    let pair = generate_self_signed(&names)?;
+    write_pair(&pair, &cert_path, &key_path)?;
+    tracing::warn!(
+        cert = %cert_path.display(),
+        key = %key_path.display(),
+        "generated a self-signed development certificate (for local use only; set FELIX_TLS_CERT and FELIX_TLS_KEY in production)"
+    );
+    Ok(pair)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Proves the key file is written with mode 0600 and both files hold PEM blocks.
+    #[test]
+    fn write_pair_sets_key_mode_and_writes_pem() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let names = vec!["localhost".to_owned(), "127.0.0.1".to_owned()];
+        let pair = generate_self_signed(&names).expect("generation works");
+        let cert = dir.path().join("tls/cert.pem");
+        let key = dir.path().join("tls/key.pem");
+        write_pair(&pair, &cert, &key).expect("write works");
+        let mode = fs::metadata(&key).expect("key exists").permissions().mode() & 0o777;
+        assert_eq!(mode, KEY_FILE_MODE);
+        assert!(
+            read(&cert)
+                .expect("cert")
+                .starts_with("-----BEGIN CERTIFICATE-----")
+        );
+        assert!(read(&key).expect("key").contains("PRIVATE KEY-----"));
+    }
+}

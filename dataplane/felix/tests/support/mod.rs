@@ -1,0 +1,216 @@
+//! Test support: runs the real `felix` binary as a broker on ephemeral ports with a fresh data
+//! directory, parses the ports it prints, and kills it when the guard is dropped.
+
+#![allow(dead_code)] // each test binary uses a different subset
+
+use std::io::{BufRead as _, BufReader, Read as _, Write as _};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::{Duration, Instant};
+
+use felix_client::{Client, ClientConfig};
+
+/// Generous deadline for anything a test waits for (loaded 2-core machine, parallel tests).
+pub const DEADLINE: Duration = Duration::from_secs(30);
+
+/// The `felix` binary with no FELIX_* variable inherited from the test's environment.
+pub fn felix() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_felix"));
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("FELIX_") {
+            command.env_remove(name);
+        }
+    }
+    command.stdin(Stdio::null());
+    command
+}
+
+/// Kills and reaps the child when dropped (also when a test panics).
+pub struct ChildGuard(pub Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Collects a child's stderr on a thread, for failure messages.
+pub fn collect(mut stream: impl std::io::Read + Send + 'static) -> Arc<Mutex<String>> {
+    let text = Arc::new(Mutex::new(String::new()));
+    let sink = Arc::clone(&text);
+    std::thread::spawn(move || {
+        let mut buffer = [0u8; 4096];
+        while let Ok(read) = stream.read(&mut buffer) {
+            if read == 0 {
+                break;
+            }
+            if let Ok(mut sink) = sink.lock() {
+                sink.push_str(&String::from_utf8_lossy(&buffer[..read]));
+            }
+        }
+    });
+    text
+}
+
+/// Streams a child's stdout lines to a channel, read with deadlines.
+pub fn lines(stream: impl std::io::Read + Send + 'static) -> mpsc::Receiver<String> {
+    let (sender, receiver) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stream).lines() {
+            let Ok(line) = line else { break };
+            if sender.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    receiver
+}
+
+/// Next line before the deadline, or None if the stream ended or the deadline passed.
+pub fn next_line(lines: &mpsc::Receiver<String>, deadline: Instant) -> Option<String> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    lines.recv_timeout(left).ok()
+}
+
+/// A running broker process.
+pub struct BrokerProcess {
+    // Declared first so the process dies before the data directory is removed.
+    child: ChildGuard,
+    pub data_dir: tempfile::TempDir,
+    pub quic_addr: SocketAddr,
+    pub metrics_addr: SocketAddr,
+    pub stderr: Arc<Mutex<String>>,
+    stdout: mpsc::Receiver<String>,
+}
+
+impl BrokerProcess {
+    /// Starts `felix broker` with loopback ephemeral ports, a fresh data dir and `env`.
+    pub fn start(env: &[(&str, &str)]) -> BrokerProcess {
+        let data_dir = tempfile::tempdir().expect("temp dir");
+        let mut child = felix()
+            .arg("broker")
+            .env("FELIX_DATA_DIR", data_dir.path())
+            .env("FELIX_BIND", "127.0.0.1:0")
+            .env("FELIX_METRICS_BIND", "127.0.0.1:0")
+            .envs(env.iter().copied())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("felix binary starts");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let stderr = collect(child.stderr.take().expect("piped stderr"));
+        let child = ChildGuard(child);
+        let stdout = lines(stdout);
+        let deadline = Instant::now() + DEADLINE;
+        let mut quic_addr = None;
+        let mut metrics_addr = None;
+        while quic_addr.is_none() || metrics_addr.is_none() {
+            let Some(line) = next_line(&stdout, deadline) else {
+                drop(child);
+                panic!(
+                    "broker did not announce its ports; stderr:\n{}",
+                    stderr.lock().map(|text| text.clone()).unwrap_or_default()
+                );
+            };
+            if let Some(addr) = line.strip_prefix("felix: quic listening on ") {
+                quic_addr = Some(addr.parse().expect("quic address parses"));
+            } else if let Some(addr) = line.strip_prefix("felix: metrics listening on ") {
+                metrics_addr = Some(addr.parse().expect("metrics address parses"));
+            }
+        }
+        BrokerProcess {
+            child,
+            data_dir,
+            quic_addr: quic_addr.expect("loop ends with an address"),
+            metrics_addr: metrics_addr.expect("loop ends with an address"),
+            stderr,
+            stdout,
+        }
+    }
+
+    /// The development certificate the broker generated (the client's CA).
+    pub fn ca_path(&self) -> PathBuf {
+        self.data_dir.path().join("tls/dev-cert.pem")
+    }
+
+    pub fn client_config(&self) -> ClientConfig {
+        let mut config = ClientConfig::new(self.quic_addr);
+        config.ca = Some(self.ca_path());
+        config.client_name = "felix-tests".to_owned();
+        config
+    }
+
+    /// A connected client (within the deadline).
+    pub async fn client(&self) -> Client {
+        within(Client::connect(self.client_config()))
+            .await
+            .expect("client connects")
+    }
+
+    /// `felix` configured to reach this broker, for CLI tests.
+    pub fn cli(&self) -> Command {
+        let mut command = felix();
+        command
+            .env("FELIX_DATA_DIR", self.data_dir.path())
+            .env("FELIX_ADDR", self.quic_addr.to_string());
+        command
+    }
+
+    /// The body of `GET /metrics`.
+    pub fn metrics(&self) -> String {
+        let mut stream = TcpStream::connect(self.metrics_addr).expect("metrics endpoint accepts");
+        stream
+            .set_read_timeout(Some(DEADLINE))
+            .expect("timeout set");
+        stream
+            .write_all(b"GET /metrics HTTP/1.0\r\nHost: felix\r\n\r\n")
+            .expect("request written");
+        let mut response = String::new();
+        stream.read_to_string(&mut response).expect("response read");
+        assert!(response.starts_with("HTTP/1."), "not HTTP: {response}");
+        assert!(response.contains(" 200 "), "not 200: {response}");
+        response
+    }
+
+    pub fn stderr_text(&self) -> String {
+        self.stderr
+            .lock()
+            .map(|text| text.clone())
+            .unwrap_or_default()
+    }
+
+    /// Sends SIGTERM and waits (within the deadline) for the broker to exit.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.0.id().to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(status.success(), "kill -TERM failed");
+        // Its stdout closes when it exits; only then is waiting for it bounded.
+        let deadline = Instant::now() + DEADLINE;
+        while next_line(&self.stdout, deadline).is_some() {}
+        assert!(
+            Instant::now() < deadline,
+            "broker did not exit after SIGTERM"
+        );
+        self.child.0.wait().expect("broker reaped")
+    }
+}
+
+/// Awaits `future` within [`DEADLINE`], panicking if it takes longer.
+pub async fn within<T>(future: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(DEADLINE, future)
+        .await
+        .expect("operation finished within the deadline")
+}
+
+/// The value of an unlabelled metric line `name value` in a Prometheus text body.
+pub fn metric_value(body: &str, name: &str) -> Option<u64> {
+    body.lines().find_map(|line| {
+        let rest = line.strip_prefix(name)?;
+        rest.strip_prefix(' ')?.trim().parse().ok()
+    })
+}
