@@ -1,0 +1,276 @@
+//! The io_uring backend: one ring per log; a round is a write linked (IO_LINK) with an
+//! fdatasync; completions are reaped without blocking and announced through an eventfd
+//! registered with the ring.
+
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::time::{Duration, Instant};
+
+use io_uring::{IoUring, opcode, squeue, types};
+
+use super::{Backend, EventFd, RoundCompletion, RoundFailure, RoundRequest};
+use crate::StorageError;
+
+/// Ring size: a round needs 2 entries (write + fdatasync) and only one round is in flight;
+/// 8 leaves room without wasting memory.
+const RING_ENTRIES: u32 = 8;
+/// Short writes continued before the round is failed with EIO. A buffered write to a
+/// preallocated regular file is short only under memory pressure or signals; 64 continuations
+/// without finishing means something is wrong.
+const SHORT_WRITE_CONTINUATIONS_MAX: u32 = 64;
+/// CQEs handled per `poll_completion` call (a round produces at most 2 per submission).
+const REAP_BOUND: usize = 16;
+
+const TAG_WRITE: u64 = 1;
+const TAG_SYNC: u64 = 2;
+
+#[derive(Debug)]
+struct InFlight {
+    round: RoundRequest,
+    /// Bytes of `round.buf` known written.
+    written: usize,
+    /// CQEs still expected for the current submission.
+    outstanding: u32,
+    /// Whether the current submission carries the fdatasync.
+    sync_submitted: bool,
+    continuations: u32,
+    failure: Option<RoundFailure>,
+    /// The write was short; resubmit the rest once the cancelled fsync CQE is in.
+    resubmit: bool,
+    started: Instant,
+    write_latency: Option<Duration>,
+}
+
+/// See the module docs.
+pub struct UringBackend {
+    ring: IoUring,
+    wake: EventFd,
+    in_flight: Option<InFlight>,
+}
+
+impl std::fmt::Debug for UringBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UringBackend")
+            .field("in_flight", &self.in_flight.is_some())
+            .finish()
+    }
+}
+
+impl UringBackend {
+    /// Sets up the ring and registers the eventfd. Fails where io_uring is not permitted.
+    pub fn new() -> Result<Self, StorageError> {
+        let ring = IoUring::new(RING_ENTRIES).map_err(|e| StorageError::io("io_uring setup", e))?;
+        let wake = EventFd::new()?;
+        ring.submitter()
+            .register_eventfd(wake.as_fd().as_raw_fd())
+            .map_err(|e| StorageError::io("io_uring register eventfd", e))?;
+        Ok(UringBackend {
+            ring,
+            wake,
+            in_flight: None,
+        })
+    }
+
+    /// Queues the rest of the in-flight round's write (linked with the fsync when asked) or,
+    /// when everything is written, the fsync alone.
+    fn push_current(&mut self) -> Result<(), StorageError> {
+        let Some(f) = self.in_flight.as_mut() else {
+            return Ok(());
+        };
+        let fd = types::Fd(f.round.file.as_raw_fd());
+        let rest = &f.round.buf[f.written..];
+        let mut entries = Vec::with_capacity(2);
+        if !rest.is_empty() {
+            // A u32 length: rounds are bounded far below 4 GiB (LogConfig::max_round_bytes).
+            let len = u32::try_from(rest.len())
+                .map_err(|_| StorageError::Config("round above 4 GiB".into()))?;
+            let mut write = opcode::Write::new(fd, rest.as_ptr(), len)
+                .offset(f.round.file_pos + f.written as u64)
+                .build()
+                .user_data(TAG_WRITE);
+            if f.round.sync {
+                write = write.flags(squeue::Flags::IO_LINK);
+            }
+            entries.push(write);
+        }
+        if f.round.sync {
+            entries.push(
+                opcode::Fsync::new(fd)
+                    .flags(types::FsyncFlags::DATASYNC)
+                    .build()
+                    .user_data(TAG_SYNC),
+            );
+        }
+        f.outstanding = entries.len() as u32;
+        f.sync_submitted = f.round.sync;
+        if rest.is_empty() {
+            f.write_latency.get_or_insert(f.started.elapsed());
+        }
+        // SAFETY: the entries point into `f.round.buf` and use `f.round.file`'s fd. Both are
+        // owned by `self.in_flight` and neither is moved, resized or dropped until every CQE
+        // of this submission has been reaped (`outstanding` reaches 0); Drop waits for that.
+        unsafe {
+            self.ring
+                .submission()
+                .push_multiple(&entries)
+                .map_err(|_| {
+                    StorageError::io(
+                        "io_uring push",
+                        std::io::Error::other("submission queue full"),
+                    )
+                })?;
+        }
+        self.ring
+            .submit()
+            .map_err(|e| StorageError::io("io_uring submit", e))?;
+        Ok(())
+    }
+
+    fn handle_cqe(&mut self, tag: u64, res: i32) {
+        let Some(f) = self.in_flight.as_mut() else {
+            return;
+        };
+        f.outstanding = f.outstanding.saturating_sub(1);
+        match tag {
+            TAG_WRITE => {
+                let want = f.round.buf.len() - f.written;
+                if res < 0 {
+                    f.failure = Some(RoundFailure::Write(-res));
+                } else if res == 0 {
+                    // No progress and no error: give up rather than spin.
+                    f.failure = Some(RoundFailure::Write(libc::EIO));
+                } else {
+                    f.written += (res as usize).min(want);
+                    if f.written < f.round.buf.len() {
+                        f.continuations += 1;
+                        if f.continuations > SHORT_WRITE_CONTINUATIONS_MAX {
+                            f.failure = Some(RoundFailure::Write(libc::EIO));
+                        } else {
+                            f.resubmit = true;
+                        }
+                    } else {
+                        f.write_latency = Some(f.started.elapsed());
+                    }
+                }
+            }
+            // -ECANCELED means the linked write was short or failed; handled via the write's CQE.
+            TAG_SYNC if res < 0 && res != -libc::ECANCELED && f.failure.is_none() => {
+                f.failure = Some(RoundFailure::Sync(-res));
+            }
+            _ => {}
+        }
+    }
+}
+
+impl Backend for UringBackend {
+    fn submit(&mut self, round: RoundRequest) -> Result<(), StorageError> {
+        assert!(
+            self.in_flight.is_none(),
+            "one round in flight (ROUNDS_IN_FLIGHT_MAX)"
+        );
+        self.in_flight = Some(InFlight {
+            round,
+            written: 0,
+            outstanding: 0,
+            sync_submitted: false,
+            continuations: 0,
+            failure: None,
+            resubmit: false,
+            started: Instant::now(),
+            write_latency: None,
+        });
+        let empty = self
+            .in_flight
+            .as_ref()
+            .is_some_and(|f| f.round.buf.is_empty() && !f.round.sync);
+        if empty {
+            // Nothing to do: complete at the next poll.
+            self.wake.notify();
+            return Ok(());
+        }
+        self.push_current()
+    }
+
+    fn poll_completion(&mut self) -> Result<Option<RoundCompletion>, StorageError> {
+        self.wake.drain();
+        let mut cqes = [(0u64, 0i32); REAP_BOUND];
+        let mut n = 0;
+        for cqe in self.ring.completion() {
+            cqes[n] = (cqe.user_data(), cqe.result());
+            n += 1;
+            if n == REAP_BOUND {
+                // More remain: make sure the caller is woken again for them.
+                self.wake.notify();
+                break;
+            }
+        }
+        for &(tag, res) in &cqes[..n] {
+            self.handle_cqe(tag, res);
+        }
+        let Some(f) = self.in_flight.as_mut() else {
+            return Ok(None);
+        };
+        if f.outstanding > 0 {
+            return Ok(None);
+        }
+        if f.resubmit && f.failure.is_none() {
+            f.resubmit = false;
+            self.push_current()?;
+            return Ok(None);
+        }
+        let Some(f) = self.in_flight.take() else {
+            return Ok(None);
+        };
+        let result = match f.failure {
+            Some(failure) => Err(failure),
+            None => Ok(()),
+        };
+        let write_latency = f.write_latency.unwrap_or_else(|| f.started.elapsed());
+        Ok(Some(RoundCompletion {
+            id: f.round.id,
+            buf: f.round.buf,
+            result,
+            write_latency,
+            // The write and the fdatasync are linked in the kernel and their CQEs are usually
+            // reaped together, so the fsync sample is the whole round (submission to reaped
+            // completion); the buffered write part is a page-cache copy and small next to it.
+            sync_latency: (f.sync_submitted && f.failure.is_none()).then(|| f.started.elapsed()),
+        }))
+    }
+
+    fn wake_fd(&self) -> BorrowedFd<'_> {
+        self.wake.as_fd()
+    }
+
+    fn name(&self) -> &'static str {
+        "io_uring"
+    }
+}
+
+impl Drop for UringBackend {
+    fn drop(&mut self) {
+        // The kernel may still read the in-flight buffer: wait for its CQEs before the buffer
+        // and the file are freed. Bounded by the ops outstanding (at most 2).
+        while let Some(f) = self.in_flight.as_ref() {
+            if f.outstanding == 0 {
+                break;
+            }
+            if let Err(e) = self.ring.submit_and_wait(1) {
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                // Cannot tell when the kernel is done with the buffer: leak it rather than
+                // free memory the kernel may still read.
+                std::mem::forget(self.in_flight.take());
+                break;
+            }
+            let done: Vec<(u64, i32)> = self
+                .ring
+                .completion()
+                .map(|c| (c.user_data(), c.result()))
+                .collect();
+            for (tag, res) in done {
+                self.handle_cqe(tag, res);
+            }
+        }
+    }
+}

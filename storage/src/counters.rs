@@ -1,0 +1,133 @@
+//! Plain counters the broker exports; no metrics crate.
+
+use std::time::Duration;
+
+/// Buckets of [`LatencyHistogram`]: bucket `i` counts samples in `[2^i, 2^(i+1))` microseconds
+/// (bucket 0 also takes 0 us). 32 buckets reach 2^32 us = 71 minutes, past any real fsync.
+pub const LATENCY_BUCKETS: usize = 32;
+
+/// A log2 histogram of durations in microseconds.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LatencyHistogram {
+    pub buckets: [u64; LATENCY_BUCKETS],
+    pub count: u64,
+    pub sum_us: u64,
+    pub max_us: u64,
+}
+
+impl LatencyHistogram {
+    /// Adds one sample.
+    pub fn record(&mut self, d: Duration) {
+        let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        let bucket = (63 - us.max(1).leading_zeros()) as usize;
+        self.buckets[bucket.min(LATENCY_BUCKETS - 1)] += 1;
+        self.count += 1;
+        self.sum_us = self.sum_us.saturating_add(us);
+        self.max_us = self.max_us.max(us);
+    }
+
+    /// Upper bound (exclusive, in microseconds) of the bucket holding quantile `q` (0..=1),
+    /// or `None` without samples.
+    pub fn quantile_upper_us(&self, q: f64) -> Option<u64> {
+        if self.count == 0 {
+            return None;
+        }
+        let rank = ((q.clamp(0.0, 1.0) * self.count as f64).ceil() as u64).max(1);
+        let mut seen = 0;
+        for (i, n) in self.buckets.iter().enumerate() {
+            seen += n;
+            if seen >= rank {
+                return Some(1u64 << (i + 1));
+            }
+        }
+        Some(self.max_us)
+    }
+
+    /// Mean in microseconds, or 0 without samples.
+    pub fn mean_us(&self) -> u64 {
+        self.sum_us.checked_div(self.count).unwrap_or(0)
+    }
+}
+
+/// Counters of one log (one data-plane core). Byte counts follow `docs/storage-format.md`:
+/// `append_bytes == 28 * records + body_bytes` and
+/// `body_bytes == 2 * records + key_bytes + payload_bytes`.
+#[derive(Debug, Clone, Default)]
+pub struct Counters {
+    /// Records written to the log (counted when their write completes).
+    pub records: u64,
+    /// Bytes of those records as framed on disk: 28 bytes of framing + body each.
+    pub append_bytes: u64,
+    /// Record bodies: 2-byte key length + key + payload.
+    pub body_bytes: u64,
+    /// Key bytes alone.
+    pub key_bytes: u64,
+    /// Payload bytes alone (what the broker calls payload).
+    pub payload_bytes: u64,
+    /// Completed rounds (writes, with or without a linked fdatasync; sync-only rounds too).
+    pub rounds: u64,
+    /// Bytes submitted to writes: records plus zero fill over a failed write's tail.
+    pub write_bytes: u64,
+    /// Completed fdatasyncs.
+    pub fsyncs: u64,
+    /// Records made durable by those fsyncs (fan-in: `fsync_records / fsyncs`).
+    pub fsync_records: u64,
+    /// Framed bytes made durable by those fsyncs.
+    pub fsync_bytes: u64,
+    /// Records rejected because the disk was full.
+    pub rejected_records: u64,
+    pub segments_created: u64,
+    pub segments_deleted: u64,
+    /// Segment bytes (file sizes) deleted by retention.
+    pub retention_deleted_bytes: u64,
+    /// fdatasync latency as measured by the backend.
+    pub fsync_latency: LatencyHistogram,
+    /// Write latency (submission to completion of the write part) as measured by the backend.
+    pub write_latency: LatencyHistogram,
+    /// Records, bytes and time of the recovery at open.
+    pub recovery_records: u64,
+    pub recovery_bytes: u64,
+    pub recovery_truncated_bytes: u64,
+    pub recovery_us: u64,
+}
+
+impl Counters {
+    /// Average records per fsync (group-commit fan-in), 0 before the first fsync.
+    pub fn records_per_fsync(&self) -> f64 {
+        if self.fsyncs == 0 {
+            0.0
+        } else {
+            self.fsync_records as f64 / self.fsyncs as f64
+        }
+    }
+
+    /// Average framed bytes per fsync, 0 before the first fsync.
+    pub fn bytes_per_fsync(&self) -> f64 {
+        if self.fsyncs == 0 {
+            0.0
+        } else {
+            self.fsync_bytes as f64 / self.fsyncs as f64
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_and_quantiles() {
+        // Samples land in log2 buckets and quantiles report the bucket's upper bound.
+        let mut h = LatencyHistogram::default();
+        for us in [0u64, 1, 100, 120, 130, 1000] {
+            h.record(Duration::from_micros(us));
+        }
+        assert_eq!(h.count, 6);
+        assert_eq!(h.buckets[0], 2);
+        assert_eq!(h.buckets[6], 2); // 100, 120 in [64, 128)
+        assert_eq!(h.buckets[7], 1); // 130 in [128, 256)
+        assert_eq!(h.quantile_upper_us(0.5), Some(128));
+        assert_eq!(h.quantile_upper_us(1.0), Some(1024));
+        assert_eq!(h.max_us, 1000);
+    }
+}

@@ -1,0 +1,1086 @@
+//! The per-core log: group commit over a [`Backend`], segments, the index, reads and
+//! retention. Recovery (`Log::open`) lives in `recovery.rs`.
+
+use std::collections::{HashMap, VecDeque};
+use std::fs::File;
+use std::os::fd::BorrowedFd;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+
+use crate::backend::{Backend, RoundCompletion, RoundFailure, RoundRequest, wait_readable};
+use crate::counters::Counters;
+use crate::frame::{self, Decoded, HEADER_BYTES, KEY_LEN_BYTES};
+use crate::index::{IndexEntry, ShardIndex};
+use crate::segment;
+use crate::{FsyncMode, LogConfig, StorageError};
+
+/// Bytes read per pread when a subscriber catches up: 256 KiB amortises the syscall over
+/// many records while one read of a 48-shard interleaved log still stays cache-sized.
+pub const READ_CHUNK_BYTES: u64 = 256 << 10;
+/// Completions reaped per `drive` call. One round is in flight at a time, so more than a
+/// couple in one call would be a backend bug; 4 leaves slack without looping unboundedly.
+const DRIVE_REAP_BOUND: usize = 4;
+/// Spare round buffers kept for reuse: one being filled, one in flight, one spare.
+const SPARE_BUFFERS_MAX: usize = 3;
+
+/// Offsets `first..end` (end exclusive) of one shard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardRange {
+    pub shard: u32,
+    pub first: u64,
+    pub end: u64,
+}
+
+impl ShardRange {
+    pub fn len(&self) -> u64 {
+        self.end - self.first
+    }
+    pub fn is_empty(&self) -> bool {
+        self.end == self.first
+    }
+}
+
+/// What a completed round changed, drained with [`Log::poll_event`] after each `drive`.
+#[derive(Debug, Clone)]
+pub enum LogEvent {
+    /// These records' write completed: they are in the file (page cache) and readable; a
+    /// process crash no longer loses them. Emitted in both modes, before `Synced`.
+    Written(Vec<ShardRange>),
+    /// A completed fdatasync covers these records: a power loss no longer loses them.
+    /// On `on_commit` it follows `Written` of the same round; on `periodic` it covers every
+    /// record written since the previous sync.
+    Synced(Vec<ShardRange>),
+    /// These appends are not in the log (disk full); each shard's next offset went back to
+    /// `first` of its range, so the caller can retry with the same offsets.
+    Rejected {
+        ranges: Vec<ShardRange>,
+        error: StorageError,
+    },
+}
+
+/// A record read back from the log; key and payload share one read buffer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    pub shard: u32,
+    pub offset: u64,
+    pub timestamp_us: u64,
+    pub key: Bytes,
+    pub payload: Bytes,
+}
+
+/// Per-shard offsets as the log sees them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardOffsets {
+    /// Oldest offset still stored (== `written` when nothing is stored).
+    pub oldest: u64,
+    /// Offsets below are in the file.
+    pub written: u64,
+    /// Offsets below are covered by a completed fdatasync.
+    pub synced: u64,
+    /// The next offset `append` accepts.
+    pub next: u64,
+}
+
+/// Retention pass result.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RetentionReport {
+    pub segments_deleted: Vec<u64>,
+    pub bytes_deleted: u64,
+}
+
+#[derive(Debug)]
+pub(crate) struct Segment {
+    pub(crate) seq: u64,
+    pub(crate) file: Arc<File>,
+    pub(crate) path: PathBuf,
+    pub(crate) size: u64,
+    /// End of the last written record.
+    pub(crate) tail: u64,
+    /// A failed write may have left bytes up to here; the next write covers them with zeros.
+    pub(crate) scrub_until: u64,
+    pub(crate) max_timestamp_us: Option<u64>,
+    pub(crate) created_unix_us: u64,
+    /// Written since the last completed fdatasync of this file.
+    pub(crate) unsynced: bool,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct ShardState {
+    pub(crate) next: u64,
+    pub(crate) written: u64,
+    pub(crate) synced: u64,
+    pub(crate) oldest: u64,
+    /// The shard's offsets are fixed on disk (a written record or a checkpoint entry); an
+    /// unanchored shard exists only in appends not yet written.
+    pub(crate) anchored: bool,
+    /// Written since the last sync (listed in `Unsynced::shards`).
+    pub(crate) dirty: bool,
+    /// Round id and range index of this shard's range in the newest pending round.
+    open_round: u64,
+    open_range: usize,
+}
+
+impl ShardState {
+    pub(crate) fn anchored_at(offset: u64) -> Self {
+        ShardState {
+            next: offset,
+            written: offset,
+            synced: offset,
+            oldest: offset,
+            anchored: true,
+            dirty: false,
+            open_round: 0,
+            open_range: 0,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct PendingRound {
+    id: u64,
+    buf: Vec<u8>,
+    meta: RoundMeta,
+}
+
+#[derive(Debug, Default, Clone)]
+struct RoundMeta {
+    records: u64,
+    body_bytes: u64,
+    key_bytes: u64,
+    payload_bytes: u64,
+    ranges: Vec<ShardRange>,
+}
+
+#[derive(Debug)]
+enum RoundKind {
+    /// Records (plus zero fill over a failed write's leftovers).
+    Records(RoundMeta),
+    /// Zero fill over leftovers and an fdatasync of the active segment before rolling.
+    PreRoll,
+    /// An fdatasync alone (periodic mode).
+    SyncOnly,
+}
+
+#[derive(Debug)]
+struct InFlight {
+    id: u64,
+    kind: RoundKind,
+    segment: u64,
+    base: u64,
+    record_bytes: u64,
+    attempted_bytes: u64,
+    sync: bool,
+}
+
+#[derive(Debug, Default)]
+struct Unsynced {
+    records: u64,
+    bytes: u64,
+    shards: Vec<u32>,
+}
+
+/// A durable log of one data-plane core: every durable shard of the core interleaved in one
+/// segmented file sequence, group-committed by backend `B`.
+///
+/// Lives on its core's event-loop thread for its whole life (shard state is per-core; the
+/// fault backend makes it `!Send`, the system backends do not, but nothing moves it). `append`, `drive`, `poll_event` never block; `read` does a pread on the
+/// calling thread; segment creation (once per `segment_bytes`) and retention deletes are
+/// synchronous file operations of a few ms at most.
+///
+/// Driving it from an event loop:
+/// 1. `append` the records of a turn (they join the pending round);
+/// 2. `drive(now)`: reaps a finished round and starts the next one when none is in flight;
+/// 3. drain `poll_event` (acks, subscriber releases);
+/// 4. sleep until `wake_fd()` is readable (clear readiness first, then `drive`) or until
+///    `next_deadline()` (periodic fsync timer).
+pub struct Log<B: Backend> {
+    pub(crate) config: LogConfig,
+    pub(crate) backend: B,
+    pub(crate) segments: VecDeque<Segment>,
+    pub(crate) shards: HashMap<u32, ShardState>,
+    pub(crate) index: HashMap<u32, ShardIndex>,
+    pending: VecDeque<PendingRound>,
+    pending_bytes: usize,
+    in_flight: Option<InFlight>,
+    events: VecDeque<LogEvent>,
+    next_round_id: u64,
+    failed: Option<StorageError>,
+    pub(crate) counters: Counters,
+    sync_due_at: Option<Instant>,
+    sync_requested: bool,
+    unsynced: Unsynced,
+    spare_buffers: Vec<Vec<u8>>,
+    pub(crate) total_bytes: u64,
+}
+
+impl<B: Backend> std::fmt::Debug for Log<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Log")
+            .field("dir", &self.config.dir)
+            .field("backend", &self.backend.name())
+            .field("segments", &self.segments.len())
+            .field("shards", &self.shards.len())
+            .field("pending_bytes", &self.pending_bytes)
+            .field("failed", &self.failed)
+            .finish()
+    }
+}
+
+pub(crate) fn now_unix_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}
+
+impl<B: Backend> Log<B> {
+    pub(crate) fn empty(config: LogConfig, backend: B) -> Self {
+        Log {
+            config,
+            backend,
+            segments: VecDeque::new(),
+            shards: HashMap::new(),
+            index: HashMap::new(),
+            pending: VecDeque::new(),
+            pending_bytes: 0,
+            in_flight: None,
+            events: VecDeque::new(),
+            next_round_id: 1,
+            failed: None,
+            counters: Counters::default(),
+            sync_due_at: None,
+            sync_requested: false,
+            unsynced: Unsynced::default(),
+            spare_buffers: Vec::new(),
+            total_bytes: 0,
+        }
+    }
+
+    // ----- getters -----
+
+    /// The configuration the log was opened with.
+    pub fn config(&self) -> &LogConfig {
+        &self.config
+    }
+
+    /// Counters since open.
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    /// The backend's name (`io_uring`, `pwrite`, `fault`).
+    pub fn backend_name(&self) -> &'static str {
+        self.backend.name()
+    }
+
+    /// An eventfd that becomes readable when `drive` has a completion to reap. Wrap it in
+    /// tokio's `AsyncFd` on a current-thread runtime; clear readiness before calling `drive`.
+    pub fn wake_fd(&self) -> BorrowedFd<'_> {
+        self.backend.wake_fd()
+    }
+
+    /// When `drive` must next be called even without a wake-up (the periodic fsync timer).
+    /// `None` while a round is in flight: its completion wakes the caller through `wake_fd`,
+    /// and a due sync starts right after it.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        if self.in_flight.is_some() {
+            return None;
+        }
+        if self.sync_requested {
+            return Some(Instant::now());
+        }
+        self.sync_due_at
+    }
+
+    /// The level at which records count as committed in this log's mode: `Synced` on
+    /// on_commit, `Written` on periodic (SPEC section 3). Reads return records up to it.
+    pub fn commit_is_sync(&self) -> bool {
+        self.config.fsync == FsyncMode::OnCommit
+    }
+
+    /// The offsets of `shard`, or `None` for a shard the log has never stored.
+    pub fn shard_offsets(&self, shard: u32) -> Option<ShardOffsets> {
+        self.shards.get(&shard).map(|s| ShardOffsets {
+            oldest: s.oldest,
+            written: s.written,
+            synced: s.synced,
+            next: s.next,
+        })
+    }
+
+    /// Every shard the log knows, ascending.
+    pub fn shard_ids(&self) -> Vec<u32> {
+        let mut ids: Vec<u32> = self.shards.keys().copied().collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    /// The commit watermark of `shard`: offsets below it may be acked and delivered.
+    pub fn committed_offset(&self, shard: u32) -> Option<u64> {
+        self.shards.get(&shard).map(|s| self.commit_watermark(s))
+    }
+
+    fn commit_watermark(&self, s: &ShardState) -> u64 {
+        if self.commit_is_sync() {
+            s.synced
+        } else {
+            s.written
+        }
+    }
+
+    /// The index entries of `shard`, oldest first (for tests and diagnostics).
+    pub fn index_entries(&self, shard: u32) -> Vec<IndexEntry> {
+        self.index
+            .get(&shard)
+            .map(|ix| ix.entries().copied().collect())
+            .unwrap_or_default()
+    }
+
+    /// Sequence numbers of the segments on disk, oldest first.
+    pub fn segment_seqs(&self) -> Vec<u64> {
+        self.segments.iter().map(|s| s.seq).collect()
+    }
+
+    /// Total bytes of the segment files.
+    pub fn total_bytes(&self) -> u64 {
+        self.total_bytes
+    }
+
+    /// Bytes appended and not yet submitted to the disk.
+    pub fn pending_bytes(&self) -> usize {
+        self.pending_bytes
+    }
+
+    /// True when nothing is pending or in flight.
+    pub fn is_idle(&self) -> bool {
+        self.pending.is_empty() && self.in_flight.is_none()
+    }
+
+    /// The fatal error the log failed with, if it did.
+    pub fn failure(&self) -> Option<&StorageError> {
+        self.failed.as_ref()
+    }
+
+    fn check_failed(&self) -> Result<(), StorageError> {
+        match &self.failed {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+
+    fn fail(&mut self, e: StorageError) -> StorageError {
+        tracing::error!(error = %e, dir = %self.config.dir.display(), "durable log failed");
+        self.failed = Some(e.clone());
+        e
+    }
+
+    // ----- input -----
+
+    /// Encodes a record into the pending round. `offset` must be the shard's next offset
+    /// (dense); a shard the log has never stored may start at any offset below `u64::MAX`.
+    /// Never does IO.
+    pub fn append(
+        &mut self,
+        shard: u32,
+        offset: u64,
+        timestamp_us: u64,
+        key: &[u8],
+        payload: &[u8],
+    ) -> Result<(), StorageError> {
+        self.check_failed()?;
+        frame::check_sizes(key.len(), payload.len())?;
+        let frame_bytes = frame::frame_len(key.len(), payload.len());
+        if self.pending_bytes > 0
+            && self.pending_bytes + frame_bytes > self.config.max_pending_bytes
+        {
+            return Err(StorageError::PendingFull {
+                pending_bytes: self.pending_bytes,
+                max_pending_bytes: self.config.max_pending_bytes,
+            });
+        }
+        if let Some(s) = self.shards.get(&shard) {
+            if s.next != offset {
+                return Err(StorageError::OffsetNotNext {
+                    shard,
+                    expected: s.next,
+                    got: offset,
+                });
+            }
+        } else if offset == u64::MAX {
+            return Err(StorageError::OffsetNotNext {
+                shard,
+                expected: 0,
+                got: offset,
+            });
+        }
+        let max_round = self.config.max_round_bytes;
+        let need_new_round = self
+            .pending
+            .back()
+            .is_none_or(|r| !r.buf.is_empty() && r.buf.len() + frame_bytes > max_round);
+        if need_new_round {
+            let id = self.next_round_id;
+            self.next_round_id += 1;
+            let mut buf = self.spare_buffers.pop().unwrap_or_default();
+            buf.clear();
+            self.pending.push_back(PendingRound {
+                id,
+                buf,
+                meta: RoundMeta::default(),
+            });
+        }
+        let Some(round) = self.pending.back_mut() else {
+            unreachable!("a pending round was pushed above when none existed");
+        };
+        let state = self.shards.entry(shard).or_insert_with(|| ShardState {
+            anchored: false,
+            ..ShardState::anchored_at(offset)
+        });
+        frame::encode(&mut round.buf, shard, offset, timestamp_us, key, payload);
+        let meta = &mut round.meta;
+        meta.records += 1;
+        meta.body_bytes += frame::body_len(key.len(), payload.len()) as u64;
+        meta.key_bytes += key.len() as u64;
+        meta.payload_bytes += payload.len() as u64;
+        if state.open_round == round.id {
+            let range = &mut meta.ranges[state.open_range];
+            assert_eq!(range.end, offset, "ranges are contiguous within a round");
+            range.end += 1;
+        } else {
+            state.open_round = round.id;
+            state.open_range = meta.ranges.len();
+            meta.ranges.push(ShardRange {
+                shard,
+                first: offset,
+                end: offset + 1,
+            });
+        }
+        state.next = offset + 1;
+        self.pending_bytes += frame_bytes;
+        Ok(())
+    }
+
+    /// Asks for an fdatasync as soon as possible (periodic mode: e.g. at shutdown).
+    pub fn sync_now(&mut self) {
+        self.sync_requested = true;
+    }
+
+    /// Reaps a finished round, if any, and starts the next one when none is in flight.
+    /// Never blocks. A returned error is fatal (`SyncFailed`, `WriteFailed`, IO on segment
+    /// creation); disk-full rejections arrive as [`LogEvent::Rejected`] instead.
+    pub fn drive(&mut self, now: Instant) -> Result<(), StorageError> {
+        self.check_failed()?;
+        for _ in 0..DRIVE_REAP_BOUND {
+            match self.backend.poll_completion() {
+                Ok(Some(c)) => self.complete(c, now)?,
+                Ok(None) => break,
+                Err(e) => return Err(self.fail(e)),
+            }
+        }
+        if self.in_flight.is_none() {
+            self.start_round(now).map_err(|e| self.fail(e))?;
+        }
+        Ok(())
+    }
+
+    /// Next event of a completed round, in completion order.
+    #[must_use]
+    pub fn poll_event(&mut self) -> Option<LogEvent> {
+        self.events.pop_front()
+    }
+
+    /// Blocks the calling thread until everything appended is written (and synced when the
+    /// mode is on_commit or `sync_now` was called), or `timeout` passes. For shutdown and
+    /// tests; an event loop uses `drive` instead. Events stay queued for `poll_event`.
+    pub fn flush(&mut self, timeout: Duration) -> Result<(), StorageError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            self.drive(Instant::now())?;
+            let sync_wanted = self.sync_requested && self.unsynced.records > 0;
+            if self.is_idle() && !sync_wanted {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(StorageError::io(
+                    "flush",
+                    std::io::Error::from(std::io::ErrorKind::TimedOut),
+                ));
+            }
+            if self.in_flight.is_some() {
+                wait_readable(self.backend.wake_fd(), deadline - now)?;
+            }
+        }
+    }
+
+    // ----- rounds -----
+
+    fn start_round(&mut self, now: Instant) -> Result<(), StorageError> {
+        let periodic_sync_due = self.sync_requested || self.sync_due_at.is_some_and(|t| now >= t);
+        let Some(active) = self.segments.back() else {
+            unreachable!("open() leaves at least one segment and retention keeps the active one");
+        };
+        if let Some(front) = self.pending.front() {
+            let record_bytes = front.buf.len() as u64;
+            let leftovers = active.scrub_until.saturating_sub(active.tail);
+            let attempted = record_bytes.max(leftovers);
+            if active.tail + attempted > active.size {
+                if active.unsynced || leftovers > 0 {
+                    // Before the log moves on, the old segment must end in zeros and be synced:
+                    // recovery trusts a non-last segment up to its first zero header.
+                    let buf = vec![0u8; leftovers as usize];
+                    return self.submit(RoundKind::PreRoll, buf, 0, true);
+                }
+                match self.roll(record_bytes) {
+                    Ok(()) => {}
+                    Err(StorageError::Io { source, .. })
+                        if source.raw_os_error() == Some(libc::ENOSPC) =>
+                    {
+                        // No room for a new segment: the same policy as ENOSPC on a write.
+                        self.reject(None, StorageError::DiskFull);
+                        return Ok(());
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            let Some(round) = self.pending.pop_front() else {
+                unreachable!("front() was Some above");
+            };
+            self.pending_bytes -= round.buf.len();
+            let sync = match self.config.fsync {
+                FsyncMode::OnCommit => true,
+                FsyncMode::Periodic { .. } => periodic_sync_due,
+            };
+            let mut buf = round.buf;
+            let Some(active) = self.segments.back() else {
+                unreachable!("at least one segment");
+            };
+            let leftovers = active.scrub_until.saturating_sub(active.tail);
+            if leftovers > record_bytes {
+                buf.resize(leftovers as usize, 0);
+            }
+            return self.submit(RoundKind::Records(round.meta), buf, record_bytes, sync);
+        }
+        if self.unsynced.records > 0 && periodic_sync_due {
+            return self.submit(RoundKind::SyncOnly, Vec::new(), 0, true);
+        }
+        if self.sync_requested && self.unsynced.records == 0 {
+            self.sync_requested = false;
+        }
+        Ok(())
+    }
+
+    fn submit(
+        &mut self,
+        kind: RoundKind,
+        buf: Vec<u8>,
+        record_bytes: u64,
+        sync: bool,
+    ) -> Result<(), StorageError> {
+        assert!(self.in_flight.is_none(), "one round in flight");
+        let Some(active) = self.segments.back() else {
+            unreachable!("at least one segment");
+        };
+        assert!(
+            active.tail + buf.len() as u64 <= active.size,
+            "round fits the segment"
+        );
+        let id = self.next_round_id;
+        self.next_round_id += 1;
+        let attempted_bytes = buf.len() as u64;
+        let request = RoundRequest {
+            id,
+            segment: active.seq,
+            file: Arc::clone(&active.file),
+            file_pos: active.tail,
+            buf,
+            sync,
+        };
+        self.in_flight = Some(InFlight {
+            id,
+            kind,
+            segment: active.seq,
+            base: active.tail,
+            record_bytes,
+            attempted_bytes,
+            sync,
+        });
+        self.backend.submit(request)
+    }
+
+    fn roll(&mut self, record_bytes: u64) -> Result<(), StorageError> {
+        let Some(active) = self.segments.back() else {
+            unreachable!("at least one segment");
+        };
+        let seq = active.seq + 1;
+        let mut checkpoint: Vec<(u32, u64)> = self
+            .shards
+            .iter()
+            .filter(|(_, s)| s.anchored)
+            .map(|(id, s)| (*id, s.written))
+            .collect();
+        checkpoint.sort_unstable();
+        let header_bytes = segment::header_bytes_for(checkpoint.len());
+        let size = self
+            .config
+            .segment_bytes
+            .max(segment::align_up(header_bytes + record_bytes));
+        let created = now_unix_us();
+        let (file, header_bytes, path) =
+            segment::create(&self.config.dir, seq, size, created, &checkpoint)?;
+        tracing::debug!(seq, size, shards = checkpoint.len(), "log segment created");
+        self.push_segment(seq, file, path, size, header_bytes, created);
+        self.counters.segments_created += 1;
+        Ok(())
+    }
+
+    pub(crate) fn push_segment(
+        &mut self,
+        seq: u64,
+        file: File,
+        path: PathBuf,
+        size: u64,
+        tail: u64,
+        created_unix_us: u64,
+    ) {
+        if let Some(last) = self.segments.back() {
+            assert_eq!(last.seq + 1, seq, "segment sequence is contiguous");
+        }
+        self.total_bytes += size;
+        self.segments.push_back(Segment {
+            seq,
+            file: Arc::new(file),
+            path,
+            size,
+            tail,
+            scrub_until: 0,
+            max_timestamp_us: None,
+            created_unix_us,
+            unsynced: false,
+        });
+    }
+
+    pub(crate) fn segment_index(&self, seq: u64) -> Option<usize> {
+        let first = self.segments.front()?.seq;
+        let at = usize::try_from(seq.checked_sub(first)?).ok()?;
+        (at < self.segments.len()).then_some(at)
+    }
+
+    fn complete(&mut self, c: RoundCompletion, now: Instant) -> Result<(), StorageError> {
+        let Some(inf) = self.in_flight.take() else {
+            return Err(self.fail(StorageError::io(
+                "completion",
+                std::io::Error::other("completion without a round"),
+            )));
+        };
+        assert_eq!(inf.id, c.id, "the completion is for the round in flight");
+        let Some(seg_at) = self.segment_index(inf.segment) else {
+            unreachable!("retention never deletes the segment a round is in");
+        };
+        self.counters.rounds += 1;
+        self.counters.write_latency.record(c.write_latency);
+        match c.result {
+            Ok(()) => {}
+            Err(RoundFailure::Write(errno)) if errno == libc::ENOSPC => {
+                self.counters.write_bytes += inf.attempted_bytes;
+                let seg = &mut self.segments[seg_at];
+                seg.scrub_until = seg.scrub_until.max(inf.base + inf.attempted_bytes);
+                let meta = match inf.kind {
+                    RoundKind::Records(meta) => Some(meta),
+                    RoundKind::PreRoll | RoundKind::SyncOnly => None,
+                };
+                self.reject(meta, StorageError::DiskFull);
+                self.recycle(c.buf);
+                return Ok(());
+            }
+            Err(RoundFailure::Write(errno)) => {
+                return Err(self.fail(StorageError::WriteFailed {
+                    segment: inf.segment,
+                    errno,
+                }));
+            }
+            Err(RoundFailure::Sync(errno)) => {
+                return Err(self.fail(StorageError::SyncFailed {
+                    segment: inf.segment,
+                    errno,
+                }));
+            }
+        }
+        self.counters.write_bytes += inf.attempted_bytes;
+        let seg_seq = inf.segment;
+        {
+            let seg = &mut self.segments[seg_at];
+            if inf.base + inf.attempted_bytes >= seg.scrub_until {
+                seg.scrub_until = 0;
+            }
+        }
+        if let RoundKind::Records(meta) = inf.kind {
+            self.apply_written(
+                seg_at,
+                seg_seq,
+                inf.base,
+                &c.buf[..inf.record_bytes as usize],
+                &meta,
+            );
+        }
+        if inf.sync {
+            self.apply_synced(seg_at, c.sync_latency);
+        } else if self.unsynced.records > 0
+            && let FsyncMode::Periodic { interval } = self.config.fsync
+        {
+            self.sync_due_at.get_or_insert(now + interval);
+        }
+        self.recycle(c.buf);
+        Ok(())
+    }
+
+    fn apply_written(
+        &mut self,
+        seg_at: usize,
+        seg_seq: u64,
+        base: u64,
+        records: &[u8],
+        meta: &RoundMeta,
+    ) {
+        let mut at = 0usize;
+        let mut max_ts = None;
+        while at < records.len() {
+            let Some(h) = frame::decode_header(&records[at..]) else {
+                unreachable!("the round buffer holds whole frames encoded by append");
+            };
+            let frame_bytes = HEADER_BYTES + h.body_len as usize;
+            self.index.entry(h.shard).or_default().add(
+                h.offset,
+                seg_seq,
+                base + at as u64,
+                self.config.index_interval_bytes,
+            );
+            max_ts = max_ts.max(Some(h.timestamp_us));
+            at += frame_bytes;
+        }
+        assert_eq!(at, records.len(), "frames tile the round");
+        let seg = &mut self.segments[seg_at];
+        seg.tail = base + records.len() as u64;
+        seg.max_timestamp_us = seg.max_timestamp_us.max(max_ts);
+        seg.unsynced = true;
+        let c = &mut self.counters;
+        c.records += meta.records;
+        c.body_bytes += meta.body_bytes;
+        c.key_bytes += meta.key_bytes;
+        c.payload_bytes += meta.payload_bytes;
+        c.append_bytes += records.len() as u64;
+        debug_assert_eq!(
+            records.len() as u64,
+            meta.records * HEADER_BYTES as u64 + meta.body_bytes
+        );
+        self.unsynced.records += meta.records;
+        self.unsynced.bytes += records.len() as u64;
+        for r in &meta.ranges {
+            let Some(s) = self.shards.get_mut(&r.shard) else {
+                unreachable!("a shard with records in flight stays known");
+            };
+            assert_eq!(s.written, r.first, "writes complete in offset order");
+            s.written = r.end;
+            s.anchored = true;
+            if !s.dirty {
+                s.dirty = true;
+                self.unsynced.shards.push(r.shard);
+            }
+        }
+        self.events
+            .push_back(LogEvent::Written(meta.ranges.clone()));
+    }
+
+    fn apply_synced(&mut self, seg_at: usize, latency: Option<std::time::Duration>) {
+        self.counters.fsyncs += 1;
+        self.counters.fsync_records += self.unsynced.records;
+        self.counters.fsync_bytes += self.unsynced.bytes;
+        if let Some(l) = latency {
+            self.counters.fsync_latency.record(l);
+        }
+        let mut ranges = Vec::with_capacity(self.unsynced.shards.len());
+        for shard in self.unsynced.shards.drain(..) {
+            let Some(s) = self.shards.get_mut(&shard) else {
+                continue;
+            };
+            if s.synced < s.written {
+                ranges.push(ShardRange {
+                    shard,
+                    first: s.synced,
+                    end: s.written,
+                });
+            }
+            s.synced = s.written;
+            s.dirty = false;
+        }
+        self.segments[seg_at].unsynced = false;
+        self.unsynced.records = 0;
+        self.unsynced.bytes = 0;
+        self.sync_due_at = None;
+        self.sync_requested = false;
+        if !ranges.is_empty() {
+            self.events.push_back(LogEvent::Synced(ranges));
+        }
+    }
+
+    /// Drops the failed round and every pending round; shards go back to their written offset.
+    fn reject(&mut self, failed: Option<RoundMeta>, error: StorageError) {
+        let mut ranges: Vec<ShardRange> = failed.map(|m| m.ranges).unwrap_or_default();
+        for round in self.pending.drain(..) {
+            ranges.extend_from_slice(&round.meta.ranges);
+            if self.spare_buffers.len() < SPARE_BUFFERS_MAX {
+                self.spare_buffers.push(round.buf);
+            }
+        }
+        self.pending_bytes = 0;
+        for r in &ranges {
+            self.counters.rejected_records += r.len();
+            if let Some(s) = self.shards.get_mut(&r.shard) {
+                s.next = s.written;
+                s.open_round = 0;
+            }
+        }
+        self.shards.retain(|_, s| s.anchored);
+        tracing::warn!(records = ranges.iter().map(ShardRange::len).sum::<u64>(), error = %error, "log appends rejected");
+        if !ranges.is_empty() {
+            self.events.push_back(LogEvent::Rejected { ranges, error });
+        }
+    }
+
+    fn recycle(&mut self, mut buf: Vec<u8>) {
+        if self.spare_buffers.len() < SPARE_BUFFERS_MAX {
+            buf.clear();
+            self.spare_buffers.push(buf);
+        }
+    }
+
+    // ----- reads -----
+
+    /// Reads committed records of `shard` from offset `from`, in order: at most
+    /// `max_records`, and at most `max_bytes` of key + payload (but always at least one
+    /// record when one is available). Committed means synced on on_commit and written on
+    /// periodic (see [`Log::committed_offset`]). Does pread on the calling thread (v1), each
+    /// record's CRC checked; a bad committed record is `Corrupt`, which is fatal.
+    pub fn read(
+        &self,
+        shard: u32,
+        from: u64,
+        max_records: usize,
+        max_bytes: usize,
+    ) -> Result<Vec<Record>, StorageError> {
+        self.check_failed()?;
+        let Some(state) = self.shards.get(&shard) else {
+            return Ok(Vec::new());
+        };
+        if from < state.oldest {
+            return Err(StorageError::OffsetTooOld {
+                shard,
+                requested: from,
+                oldest: state.oldest,
+            });
+        }
+        let end = self.commit_watermark(state);
+        let mut out = Vec::new();
+        if from >= end || max_records == 0 {
+            return Ok(out);
+        }
+        let corrupt = |segment: u64, position: u64, reason: String| StorageError::Corrupt {
+            segment,
+            position,
+            reason,
+        };
+        let ix = self
+            .index
+            .get(&shard)
+            .ok_or_else(|| corrupt(0, 0, format!("shard {shard} has records but no index")))?;
+        let entry = ix.seek(from).ok_or_else(|| {
+            corrupt(
+                0,
+                0,
+                format!("shard {shard}: no index entry at or before {from}"),
+            )
+        })?;
+        let interval = self.config.index_interval_bytes;
+        let mut expect = entry.offset;
+        let mut seg_seq = entry.segment;
+        let mut pos = entry.position;
+        // Position of the shard's last record seen (or of the entry jumped to).
+        let mut last_hit = entry.position;
+        let mut min_read = 0u64;
+        let mut bytes = 0usize;
+        // Bounded: every pass consumes at least one frame, jumps forward to an index entry,
+        // or returns; a jump never goes backwards (checked).
+        loop {
+            let seg_at = self
+                .segment_index(seg_seq)
+                .ok_or_else(|| corrupt(seg_seq, pos, "index points at a deleted segment".into()))?;
+            let seg = &self.segments[seg_at];
+            if pos >= seg.tail || pos - last_hit > interval {
+                // The shard's next record is not within `interval` of its last one, so the
+                // index has an entry for it (see `ShardIndex`); at a segment's end, the next
+                // segment's first entry.
+                let next = if pos >= seg.tail {
+                    ix.first_in_segment_after(seg_seq)
+                } else {
+                    ix.seek(expect)
+                };
+                let Some(next) = next else {
+                    if pos >= seg.tail {
+                        return Ok(out);
+                    }
+                    return Err(corrupt(
+                        seg_seq,
+                        pos,
+                        format!("shard {shard}: no index entry for offset {expect}"),
+                    ));
+                };
+                if next.offset != expect || (next.segment, next.position) <= (seg_seq, pos) {
+                    return Err(corrupt(
+                        next.segment,
+                        next.position,
+                        format!(
+                            "shard {shard}: index entry for offset {} where {expect} was expected",
+                            next.offset
+                        ),
+                    ));
+                }
+                seg_seq = next.segment;
+                pos = next.position;
+                last_hit = pos;
+                continue;
+            }
+            let want = READ_CHUNK_BYTES.max(min_read).min(seg.tail - pos);
+            min_read = 0;
+            let mut raw = vec![0u8; want as usize];
+            seg.file
+                .read_exact_at(&mut raw, pos)
+                .map_err(|e| StorageError::io(format!("read segment {seg_seq}"), e))?;
+            let chunk = Bytes::from(raw);
+            let mut at = 0usize;
+            while at < chunk.len() {
+                match frame::decode(&chunk[at..]) {
+                    Decoded::Record {
+                        record,
+                        frame_bytes,
+                    } => {
+                        if record.shard == shard {
+                            let here = pos + at as u64;
+                            if record.offset != expect {
+                                return Err(corrupt(
+                                    seg_seq,
+                                    here,
+                                    format!(
+                                        "shard {shard}: offset {} where {expect} was expected",
+                                        record.offset
+                                    ),
+                                ));
+                            }
+                            expect += 1;
+                            last_hit = here;
+                            if record.offset >= from {
+                                let body = record.key.len() + record.payload.len();
+                                if !out.is_empty() && bytes + body > max_bytes {
+                                    return Ok(out);
+                                }
+                                let key_start = at + HEADER_BYTES + KEY_LEN_BYTES;
+                                let payload_start = key_start + record.key.len();
+                                out.push(Record {
+                                    shard,
+                                    offset: record.offset,
+                                    timestamp_us: record.timestamp_us,
+                                    key: chunk.slice(key_start..payload_start),
+                                    payload: chunk.slice(payload_start..at + frame_bytes),
+                                });
+                                bytes += body;
+                                if out.len() >= max_records || expect >= end {
+                                    return Ok(out);
+                                }
+                            }
+                        }
+                        at += frame_bytes;
+                    }
+                    Decoded::Incomplete { frame_bytes } => {
+                        if pos + at as u64 + frame_bytes as u64 > seg.tail {
+                            return Err(corrupt(
+                                seg_seq,
+                                pos + at as u64,
+                                "record crosses the written tail".into(),
+                            ));
+                        }
+                        min_read = frame_bytes as u64;
+                        break;
+                    }
+                    Decoded::Invalid(why) => {
+                        return Err(corrupt(seg_seq, pos + at as u64, why.to_string()));
+                    }
+                }
+            }
+            pos += at as u64;
+        }
+    }
+
+    // ----- retention -----
+
+    /// Deletes whole oldest segments (never the active one) while the log exceeds
+    /// `retention_bytes`, or while the oldest segment's newest record is older than
+    /// `retention_age` at `now_unix_us`; moves each shard's oldest offset forward.
+    pub fn apply_retention(&mut self, now_unix_us: u64) -> Result<RetentionReport, StorageError> {
+        self.check_failed()?;
+        let mut report = RetentionReport::default();
+        // Bounded by the segment count; the active (last) segment is never deleted.
+        while self.segments.len() > 1 {
+            let oldest = &self.segments[0];
+            let over_bytes = self
+                .config
+                .retention_bytes
+                .is_some_and(|max| self.total_bytes > max);
+            let newest_us = oldest.max_timestamp_us.unwrap_or(oldest.created_unix_us);
+            let expired = self.config.retention_age.is_some_and(|age| {
+                newest_us.saturating_add(u64::try_from(age.as_micros()).unwrap_or(u64::MAX))
+                    < now_unix_us
+            });
+            if !over_bytes && !expired {
+                break;
+            }
+            if self
+                .in_flight
+                .as_ref()
+                .is_some_and(|f| f.segment == oldest.seq)
+            {
+                break;
+            }
+            let Some(seg) = self.segments.pop_front() else {
+                unreachable!("len > 1");
+            };
+            std::fs::remove_file(&seg.path).map_err(|e| {
+                StorageError::io(format!("delete segment {}", seg.path.display()), e)
+            })?;
+            tracing::info!(
+                seq = seg.seq,
+                bytes = seg.size,
+                over_bytes,
+                expired,
+                "retention deleted log segment"
+            );
+            self.total_bytes -= seg.size;
+            self.counters.segments_deleted += 1;
+            self.counters.retention_deleted_bytes += seg.size;
+            report.segments_deleted.push(seg.seq);
+            report.bytes_deleted += seg.size;
+        }
+        if let Some(first) = self.segments.front().map(|s| s.seq)
+            && !report.segments_deleted.is_empty()
+        {
+            for (shard, s) in self.shards.iter_mut() {
+                let ix = self.index.entry(*shard).or_default();
+                ix.drop_segments_before(first);
+                s.oldest = ix.first().map_or(s.written, |e| e.offset);
+            }
+            self.index.retain(|_, ix| ix.first().is_some());
+        }
+        Ok(report)
+    }
+}

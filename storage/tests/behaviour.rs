@@ -1,0 +1,540 @@
+//! The behavioural suite of the log, run unchanged against every backend on real files in
+//! fresh temporary directories: io_uring, the pwrite writer thread, and the fault backend in
+//! auto-complete mode.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use felix_storage::{
+    Backend, FaultBackend, FsyncMode, Log, LogEvent, PwriteBackend, StorageError, UringBackend,
+    frame,
+};
+
+fn make_uring() -> Option<UringBackend> {
+    match UringBackend::new() {
+        Ok(b) => Some(b),
+        Err(e) => {
+            let disabled =
+                std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled").unwrap_or_default();
+            assert!(
+                disabled.trim() != "0",
+                "io_uring_disabled is 0 here, so the io_uring backend must work, but setup failed: {e}"
+            );
+            eprintln!(
+                "!!!!! SKIPPED: io_uring is not permitted on this machine ({e}); io_uring suite not run !!!!!"
+            );
+            None
+        }
+    }
+}
+
+fn make_pwrite() -> Option<PwriteBackend> {
+    Some(PwriteBackend::new().expect("pwrite backend"))
+}
+
+fn make_fault() -> Option<FaultBackend> {
+    // The handle is dropped: auto-complete needs no stepping and no faults are injected.
+    Some(FaultBackend::new(true).expect("fault backend").0)
+}
+
+fn on_commit() -> FsyncMode {
+    FsyncMode::OnCommit
+}
+
+fn periodic() -> FsyncMode {
+    FsyncMode::Periodic {
+        interval: Duration::from_millis(50),
+    }
+}
+
+fn commit_reports_written_then_synced<B: Backend>(mk: &dyn Fn() -> Option<B>) {
+    // on_commit: every record is reported Written then Synced exactly once, in order, and reads back byte-identical.
+    let Some(backend) = mk() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut log, report) =
+        Log::open(small_config(dir.path(), on_commit()), backend).expect("open");
+    assert_eq!(report.records, 0);
+    let mut model = Model::default();
+    let mut rng = Rng(1);
+    let mut events = Vec::new();
+    for turn in 0..20 {
+        for _ in 0..(turn % 7 + 1) {
+            let shard = rng.below(3) as u32;
+            model.append(&mut log, &mut rng, shard, 8, 700);
+        }
+        log.drive(Instant::now()).expect("drive");
+        events.extend(drain(&mut log));
+    }
+    log.flush(DEADLINE).expect("flush");
+    events.extend(drain(&mut log));
+    let mut written = Vec::new();
+    let mut synced = Vec::new();
+    for e in events {
+        match e {
+            LogEvent::Written(r) => {
+                // Synced never runs ahead of Written.
+                written.extend(r);
+            }
+            LogEvent::Synced(r) => synced.extend(r),
+            LogEvent::Rejected { .. } => panic!("nothing is rejected"),
+        }
+    }
+    let w = covered(written);
+    let s = covered(synced);
+    for (shard, recs) in &model.shards {
+        assert_eq!(
+            w.get(shard),
+            Some(&(recs.len() as u64)),
+            "written shard {shard}"
+        );
+        assert_eq!(
+            s.get(shard),
+            Some(&(recs.len() as u64)),
+            "synced shard {shard}"
+        );
+        assert_eq!(log.committed_offset(*shard), Some(recs.len() as u64));
+        let got = read_all(&log, *shard, 0, 7);
+        assert_eq!(got.len(), recs.len());
+        assert!(
+            got.iter().zip(recs).all(|(g, e)| same(g, e)),
+            "shard {shard} reads back identical"
+        );
+    }
+    assert!(
+        log.segment_seqs().len() > 1,
+        "the workload crosses segments"
+    );
+}
+
+fn appends_during_a_round_join_the_next_round<B: Backend>(mk: &dyn Fn() -> Option<B>) {
+    // Group commit: appends made while a round is in flight share the next round and its one fdatasync.
+    let Some(backend) = mk() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut log, _) = Log::open(small_config(dir.path(), on_commit()), backend).expect("open");
+    let mut model = Model::default();
+    let mut rng = Rng(2);
+    for _ in 0..10 {
+        model.append(&mut log, &mut rng, 0, 4, 100);
+    }
+    log.drive(Instant::now()).expect("drive");
+    assert!(!log.is_idle(), "round 1 in flight");
+    for i in 0..20 {
+        model.append(&mut log, &mut rng, i % 4, 4, 100);
+    }
+    log.flush(DEADLINE).expect("flush");
+    let c = log.counters();
+    assert_eq!(c.rounds, 2);
+    assert_eq!(c.fsyncs, 2);
+    assert_eq!(c.fsync_records, 30);
+    assert_eq!(c.records_per_fsync(), 15.0);
+    assert_eq!(c.fsync_latency.count, 2);
+}
+
+fn reopen_recovers_exactly_what_was_written<B: Backend>(mk: &dyn Fn() -> Option<B>) {
+    // After a clean stop, recovery finds every record, cuts nothing, and rebuilds the same index and offsets.
+    let Some(backend) = mk() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = small_config(dir.path(), on_commit());
+    let (mut log, _) = Log::open(cfg.clone(), backend).expect("open");
+    let mut model = Model::default();
+    let mut rng = Rng(3);
+    for turn in 0..40 {
+        for _ in 0..(turn % 5 + 1) {
+            let shard = rng.below(5) as u32;
+            model.append(&mut log, &mut rng, shard, 16, 900);
+        }
+        log.flush(DEADLINE).expect("flush");
+    }
+    let shards = log.shard_ids();
+    let index_before: Vec<_> = shards.iter().map(|s| log.index_entries(*s)).collect();
+    let offsets_before: Vec<_> = shards.iter().map(|s| log.shard_offsets(*s)).collect();
+    let segments_before = log.segment_seqs();
+    let append_bytes = log.counters().append_bytes;
+    drop(log);
+    let Some(backend) = mk() else { return };
+    let (log, report) = Log::open(cfg, backend).expect("reopen");
+    assert_eq!(report.records, model.records());
+    assert_eq!(report.bytes, append_bytes);
+    assert_eq!(report.truncated_bytes, 0);
+    assert!(report.truncations.is_empty() && report.deleted_segments.is_empty());
+    assert_eq!(log.segment_seqs(), segments_before);
+    assert_eq!(log.shard_ids(), shards);
+    let index_after: Vec<_> = shards.iter().map(|s| log.index_entries(*s)).collect();
+    assert_eq!(index_after, index_before);
+    let offsets_after: Vec<_> = shards.iter().map(|s| log.shard_offsets(*s)).collect();
+    assert_eq!(offsets_after, offsets_before);
+    for r in &report.shards {
+        assert_eq!(r.next, model.next_offset(r.shard));
+        let got = read_all(&log, r.shard, 0, 1000);
+        let want = &model.shards[&r.shard];
+        assert!(got.len() == want.len() && got.iter().zip(want).all(|(g, e)| same(g, e)));
+    }
+}
+
+fn periodic_mode_writes_then_syncs_at_the_deadline<B: Backend>(mk: &dyn Fn() -> Option<B>) {
+    // periodic: rounds are writes only (Written, readable); one fdatasync runs once the interval is due, then Synced.
+    let Some(backend) = mk() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut log, _) = Log::open(small_config(dir.path(), periodic()), backend).expect("open");
+    let mut model = Model::default();
+    let mut rng = Rng(4);
+    let t0 = Instant::now();
+    for turn in 0..5 {
+        for _ in 0..8 {
+            model.append(&mut log, &mut rng, turn % 2, 4, 200);
+        }
+        drive_until(&mut log, || t0, |l| l.is_idle());
+    }
+    let events = drain(&mut log);
+    assert!(
+        events.iter().all(|e| matches!(e, LogEvent::Written(_))),
+        "no sync before the deadline"
+    );
+    assert_eq!(log.counters().fsyncs, 0);
+    assert_eq!(
+        log.shard_offsets(0).map(|o| (o.written, o.synced)),
+        Some((24, 0))
+    );
+    assert_eq!(
+        log.committed_offset(1),
+        Some(16),
+        "periodic commits at the write"
+    );
+    assert_eq!(read_all(&log, 1, 0, 100).len(), 16);
+    let due = log.next_deadline().expect("a sync is scheduled");
+    assert!(due >= t0 + Duration::from_millis(50));
+    drive_until(
+        &mut log,
+        || due,
+        |l| l.counters().fsyncs == 1 && l.is_idle(),
+    );
+    let synced: Vec<_> = drain(&mut log)
+        .into_iter()
+        .flat_map(|e| match e {
+            LogEvent::Synced(r) => r,
+            other => panic!("unexpected {other:?}"),
+        })
+        .collect();
+    let s = covered(synced);
+    assert_eq!(s.get(&0), Some(&24));
+    assert_eq!(s.get(&1), Some(&16));
+    assert_eq!(log.counters().fsync_records, 40);
+    assert_eq!(log.next_deadline(), None);
+    // sync_now forces an fsync without waiting for the interval.
+    model.append(&mut log, &mut rng, 0, 4, 200);
+    log.sync_now();
+    log.flush(DEADLINE).expect("flush");
+    assert_eq!(log.counters().fsyncs, 2);
+    assert_eq!(log.shard_offsets(0).map(|o| o.synced), Some(25));
+}
+
+fn reads_respect_limits_and_offsets<B: Backend>(mk: &dyn Fn() -> Option<B>) {
+    // Reads start at any offset, stop at max_records / max_bytes (always at least one record), and refuse nothing valid.
+    let Some(backend) = mk() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut log, _) = Log::open(small_config(dir.path(), on_commit()), backend).expect("open");
+    let mut model = Model::default();
+    let mut rng = Rng(5);
+    for i in 0..300 {
+        model.append(&mut log, &mut rng, i % 3, 8, 400);
+        if i % 16 == 0 {
+            log.flush(DEADLINE).expect("flush");
+        }
+    }
+    log.flush(DEADLINE).expect("flush");
+    let want = &model.shards[&1];
+    for from in [0u64, 1, 13, 50, 99] {
+        let got = log.read(1, from, 10, usize::MAX).expect("read");
+        assert_eq!(got.len(), 10.min(100 - from as usize));
+        assert!(
+            got.iter()
+                .zip(&want[from as usize..])
+                .all(|(g, e)| same(g, e)),
+            "from {from}"
+        );
+    }
+    let one = log.read(1, 0, 100, 0).expect("read");
+    assert_eq!(one.len(), 1, "at least one record even over max_bytes");
+    let budget: usize = want[..5]
+        .iter()
+        .map(|e| e.key.len() + e.payload.len())
+        .sum();
+    assert_eq!(log.read(1, 0, 100, budget).expect("read").len(), 5);
+    assert!(
+        log.read(1, 100, 10, usize::MAX).expect("read").is_empty(),
+        "at the end"
+    );
+    assert!(
+        log.read(7, 0, 10, usize::MAX).expect("read").is_empty(),
+        "unknown shard"
+    );
+}
+
+fn appends_are_checked<B: Backend>(mk: &dyn Fn() -> Option<B>) {
+    // Offsets must be dense per shard, sizes bounded, and pending bytes bounded; a new shard may start anywhere.
+    let Some(backend) = mk() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut cfg = small_config(dir.path(), on_commit());
+    cfg.max_pending_bytes = cfg.max_round_bytes;
+    let (mut log, _) = Log::open(cfg, backend).expect("open");
+    log.append(3, 100, 1, b"k", b"v")
+        .expect("a new shard starts at any offset");
+    assert!(matches!(
+        log.append(3, 102, 1, b"k", b"v"),
+        Err(StorageError::OffsetNotNext { expected: 101, .. })
+    ));
+    assert!(matches!(
+        log.append(3, 100, 1, b"k", b"v"),
+        Err(StorageError::OffsetNotNext { .. })
+    ));
+    let big_key = vec![0u8; frame::MAX_KEY_BYTES + 1];
+    assert!(matches!(
+        log.append(3, 101, 1, &big_key, b""),
+        Err(StorageError::RecordTooLarge { .. })
+    ));
+    let mut n = 101;
+    let err = loop {
+        match log.append(3, n, 1, b"", &[1u8; 1000]) {
+            Ok(()) => n += 1,
+            Err(e) => break e,
+        }
+    };
+    assert!(matches!(err, StorageError::PendingFull { .. }));
+    log.flush(DEADLINE).expect("flush");
+    log.append(3, n, 1, b"", &[1u8; 1000])
+        .expect("room again after the flush");
+    log.flush(DEADLINE).expect("flush");
+    assert_eq!(
+        log.shard_offsets(3).map(|o| (o.oldest, o.synced)),
+        Some((100, n + 1))
+    );
+}
+
+fn counters_account_28_bytes_per_record<B: Backend>(mk: &dyn Fn() -> Option<B>) {
+    // append bytes - body bytes == 28 x records; body = 2-byte key length + key + payload; the files hold exactly that.
+    let Some(backend) = mk() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = small_config(dir.path(), on_commit());
+    let (mut log, _) = Log::open(cfg.clone(), backend).expect("open");
+    let mut model = Model::default();
+    let mut rng = Rng(6);
+    for i in 0..200 {
+        model.append(&mut log, &mut rng, i % 4, 20, 300);
+        if i % 10 == 9 {
+            log.flush(DEADLINE).expect("flush");
+        }
+    }
+    log.flush(DEADLINE).expect("flush");
+    let c = log.counters().clone();
+    let keys: u64 = model
+        .shards
+        .values()
+        .flatten()
+        .map(|e| e.key.len() as u64)
+        .sum();
+    let payloads: u64 = model
+        .shards
+        .values()
+        .flatten()
+        .map(|e| e.payload.len() as u64)
+        .sum();
+    assert_eq!(c.records, 200);
+    assert_eq!(c.append_bytes - c.body_bytes, 28 * c.records);
+    assert_eq!(c.body_bytes, 2 * c.records + keys + payloads);
+    assert_eq!((c.key_bytes, c.payload_bytes), (keys, payloads));
+    assert_eq!(c.fsync_records, 200);
+    assert_eq!(c.fsync_bytes, c.append_bytes);
+    drop(log);
+    let Some(backend) = mk() else { return };
+    let (_, report) = Log::open(cfg, backend).expect("reopen");
+    assert_eq!(
+        report.bytes, c.append_bytes,
+        "bytes on disk == append bytes"
+    );
+}
+
+fn retention_deletes_whole_old_segments<B: Backend>(mk: &dyn Fn() -> Option<B>) {
+    // Retention by bytes and by age deletes whole oldest segments, never the active one, and moves each shard's oldest offset.
+    let Some(backend) = mk() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut cfg = small_config(dir.path(), on_commit());
+    cfg.retention_bytes = Some(3 * cfg.segment_bytes);
+    let (mut log, _) = Log::open(cfg.clone(), backend).expect("open");
+    let mut model = Model::default();
+    let mut rng = Rng(7);
+    for i in 0..400 {
+        model.append(&mut log, &mut rng, i % 2, 4, 600);
+        if i % 8 == 7 {
+            log.flush(DEADLINE).expect("flush");
+        }
+    }
+    log.flush(DEADLINE).expect("flush");
+    let before = log.segment_seqs();
+    assert!(before.len() > 4, "enough segments to trim: {before:?}");
+    let report = log.apply_retention(0).expect("retention");
+    let after = log.segment_seqs();
+    assert!(after.len() <= 3 && !after.is_empty());
+    assert_eq!(after.last(), before.last(), "the active segment stays");
+    assert_eq!(
+        report.segments_deleted,
+        before[..before.len() - after.len()].to_vec()
+    );
+    for seq in &report.segments_deleted {
+        assert!(
+            !dir.path()
+                .join(felix_storage::segment::file_name(*seq))
+                .exists()
+        );
+    }
+    assert!(log.total_bytes() <= 3 * cfg.segment_bytes);
+    for shard in [0u32, 1] {
+        let o = log.shard_offsets(shard).expect("shard");
+        assert!(o.oldest > 0, "oldest moved");
+        assert!(matches!(
+            log.read(shard, o.oldest - 1, 1, usize::MAX),
+            Err(StorageError::OffsetTooOld { .. })
+        ));
+        let got = read_all(&log, shard, o.oldest, 50);
+        let want = &model.shards[&shard][o.oldest as usize..];
+        assert!(got.len() == want.len() && got.iter().zip(want).all(|(g, e)| same(g, e)));
+    }
+    let oldest: Vec<_> = [0u32, 1]
+        .iter()
+        .map(|s| log.shard_offsets(*s).map(|o| o.oldest))
+        .collect();
+    drop(log);
+    // Age: every closed segment's newest record (timestamps < 2 s) is older than now - 1 s.
+    let Some(backend) = mk() else { return };
+    cfg.retention_bytes = None;
+    cfg.retention_age = Some(Duration::from_secs(1));
+    let (mut log, _) = Log::open(cfg, backend).expect("reopen");
+    let reopened: Vec<_> = [0u32, 1]
+        .iter()
+        .map(|s| log.shard_offsets(*s).map(|o| o.oldest))
+        .collect();
+    assert_eq!(reopened, oldest, "recovery finds the same oldest offsets");
+    assert!(
+        log.apply_retention(2_000_000)
+            .expect("retention")
+            .segments_deleted
+            .is_empty(),
+        "not old yet"
+    );
+    let aged = log.apply_retention(10_000_000).expect("retention");
+    assert_eq!(aged.segments_deleted.len(), after.len() - 1);
+    assert_eq!(log.segment_seqs(), vec![*after.last().expect("segments")]);
+}
+
+fn tokio_current_thread_loop_drives_the_log<B: Backend>(mk: &dyn Fn() -> Option<B>) {
+    // A tokio current-thread event loop drives the log through AsyncFd on the wake fd, never blocking on the disk.
+    use std::os::fd::AsRawFd;
+    let Some(backend) = mk() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut log, _) = Log::open(small_config(dir.path(), on_commit()), backend).expect("open");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mut model = Model::default();
+    let mut rng = Rng(8);
+    rt.block_on(async {
+        // SAFETY: the wake fd belongs to `log`, which outlives `wake` (dropped at the end of
+        // this block), and a raw fd's as_raw_fd always returns the same number.
+        let wake = unsafe {
+            tokio::io::unix::AsyncFd::register_with_interest(
+                log.wake_fd().as_raw_fd(),
+                tokio::io::Interest::READABLE,
+            )
+        }
+        .map_err(|e| e.to_string())
+        .expect("AsyncFd");
+        let mut synced_records = 0u64;
+        let target = 500u64;
+        let deadline = tokio::time::Instant::now() + DEADLINE;
+        while synced_records < target {
+            // One event-loop turn: appends, then drive, then events.
+            let wanted = model.records();
+            if wanted < target {
+                for _ in 0..(1 + rng.below(20)).min(target - wanted) {
+                    let shard = rng.below(4) as u32;
+                    model.append(&mut log, &mut rng, shard, 8, 256);
+                }
+            }
+            log.drive(Instant::now()).expect("drive");
+            for e in drain(&mut log) {
+                if let LogEvent::Synced(r) = e {
+                    synced_records += r.iter().map(|x| x.len()).sum::<u64>();
+                }
+            }
+            if !log.is_idle() {
+                let mut guard = tokio::time::timeout_at(deadline, wake.readable())
+                    .await
+                    .expect("deadline")
+                    .expect("readable");
+                guard.clear_ready();
+            }
+        }
+        assert_eq!(synced_records, target);
+    });
+    assert!(log.counters().rounds >= 2);
+}
+
+macro_rules! suite {
+    ($backend:ident, $make:path) => {
+        mod $backend {
+            use super::*;
+
+            /// See the generic test of the same name.
+            #[test]
+            fn commit_reports_written_then_synced() {
+                super::commit_reports_written_then_synced(&$make);
+            }
+            /// See the generic test of the same name.
+            #[test]
+            fn appends_during_a_round_join_the_next_round() {
+                super::appends_during_a_round_join_the_next_round(&$make);
+            }
+            /// See the generic test of the same name.
+            #[test]
+            fn reopen_recovers_exactly_what_was_written() {
+                super::reopen_recovers_exactly_what_was_written(&$make);
+            }
+            /// See the generic test of the same name.
+            #[test]
+            fn periodic_mode_writes_then_syncs_at_the_deadline() {
+                super::periodic_mode_writes_then_syncs_at_the_deadline(&$make);
+            }
+            /// See the generic test of the same name.
+            #[test]
+            fn reads_respect_limits_and_offsets() {
+                super::reads_respect_limits_and_offsets(&$make);
+            }
+            /// See the generic test of the same name.
+            #[test]
+            fn appends_are_checked() {
+                super::appends_are_checked(&$make);
+            }
+            /// See the generic test of the same name.
+            #[test]
+            fn counters_account_28_bytes_per_record() {
+                super::counters_account_28_bytes_per_record(&$make);
+            }
+            /// See the generic test of the same name.
+            #[test]
+            fn retention_deletes_whole_old_segments() {
+                super::retention_deletes_whole_old_segments(&$make);
+            }
+            /// See the generic test of the same name.
+            #[test]
+            fn tokio_current_thread_loop_drives_the_log() {
+                super::tokio_current_thread_loop_drives_the_log(&$make);
+            }
+        }
+    };
+}
+
+suite!(io_uring, make_uring);
+suite!(pwrite, make_pwrite);
+suite!(fault_auto, make_fault);
