@@ -16,8 +16,22 @@
 //! it waits for the next one. Events may still name a subscription that ended or was
 //! unsubscribed since; `poll_delivery` then returns nothing.
 //!
-//! Durable streams are refused until storage lands; see `shard.rs` for where a log plugs in.
+//! Durable streams (after [`Engine::enable_durable`]): a publish gives offsets as for
+//! in-memory streams but holds the records pending and queues [`AppendRequest`]s
+//! ([`Engine::poll_append`]) for the shell to append to the per-core log. The shell reports
+//! the log's progress with [`Engine::handle_durable`] (records durable: released to the ring
+//! and to live subscribers, in order) and [`Engine::handle_rejected`] (disk full: offsets
+//! rolled back). Publishes made with [`Engine::publish_tracked`] are answered through
+//! [`Engine::poll_completed_publish`]. A subscription starting below the ring catches up from
+//! the log: the engine asks for reads ([`Engine::poll_log_read`]), the shell answers with
+//! [`Engine::handle_log_records`], and the shard switches to the ring and then to live
+//! delivery with no gap and no duplicate. The engine never depends on the storage crate.
+//!
+//! Drain order after each input call: `poll_append` (before the next `drive` of the log),
+//! `poll_completed_publish`, `poll_log_read`, `poll_event`; each queue is independent, so any
+//! order is correct, this one keeps latency lowest.
 
+mod durable;
 mod error;
 mod ring;
 mod shard;
@@ -32,12 +46,18 @@ use felix_wire::{
     StreamKind,
 };
 
+pub use durable::{
+    AppendRequest, CATCH_UP_REFILL_RECORDS, DURABLE_SHARDS_MAX, DURABLE_STREAM_ID_MAX,
+    DurableCounters, LOG_READ_MAX_BYTES, LOG_READ_MAX_RECORDS, LOG_SHARD_BITS, LogRead, LogRecord,
+    LogShardId, PublishCompletion, PublishToken,
+};
 pub use error::{ERROR_MESSAGE_MAX_BYTES, EngineError};
 pub use subscription::SUBSCRIBER_QUEUE_MAX_LIVE_RECORDS;
 
+use durable::{DurableShard, Tracker, Waiter, storage_full};
 use shard::Shard;
 use stream::{Stream, check_name};
-use subscription::{Slot, SubState, Subscriptions};
+use subscription::{Cursor, Phase, Slot, SubState, Subscriptions};
 
 /// Tunables of one engine (the broker fills them from its configuration).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,8 +97,12 @@ pub struct SubscriptionId(pub u64);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ShardState {
     pub shard: u32,
-    /// Oldest offset still in the ring; equals `next_offset` when the ring is empty.
+    /// Oldest offset still in the ring; equals `next_offset` when the ring is empty. For a
+    /// durable shard: the oldest a subscription may start from (the log's oldest retained
+    /// offset, or the ring's if older).
     pub oldest_offset: u64,
+    /// Offset the next record appended gets. For a durable shard it counts records not yet
+    /// durable too; [`Engine::durable_through`] gives the released offset.
     pub next_offset: u64,
     pub ring_records: usize,
     pub ring_bytes: u64,
@@ -143,6 +167,20 @@ pub struct Engine {
     touched_shards: Vec<u32>,
     /// Scratch of `publish` (subscriptions ended by the lag bound).
     lagged: Vec<Lagged>,
+    /// Whether durable streams may be created (`enable_durable`).
+    durable_enabled: bool,
+    /// Catalogue id -> name of every durable stream.
+    durable_ids: HashMap<u32, Box<str>>,
+    /// Append requests in publish order. Bounded by the pending records: the shell drains it
+    /// after every publish, and the log's `PendingFull` pushes back on publishing.
+    appends: VecDeque<AppendRequest>,
+    /// Log reads for catching-up subscriptions: at most one per catching-up (subscription,
+    /// shard), plus stale ones of ended subscriptions that `poll_log_read` skips.
+    log_reads: VecDeque<LogRead>,
+    /// Tracked publishes and their completions.
+    tracker: Tracker,
+    /// Durable counters (`records_pending` is kept as a running gauge).
+    durable_counters: DurableCounters,
 }
 
 impl Engine {
@@ -156,11 +194,30 @@ impl Engine {
             counters: EngineCounters::default(),
             touched_shards: Vec::new(),
             lagged: Vec::new(),
+            durable_enabled: false,
+            durable_ids: HashMap::new(),
+            appends: VecDeque::new(),
+            log_reads: VecDeque::new(),
+            tracker: Tracker::default(),
+            durable_counters: DurableCounters::default(),
         }
     }
 
+    /// Allows durable streams ([`Engine::create_durable_stream`],
+    /// [`Engine::restore_durable_stream`]); the shell calls it once it has a log for this core.
+    pub fn enable_durable(&mut self) {
+        self.durable_enabled = true;
+    }
+
+    /// Whether durable streams may be created.
+    #[must_use]
+    pub fn durable_enabled(&self) -> bool {
+        self.durable_enabled
+    }
+
     /// Creates a stream. Names: 1..=max_name_bytes of `[A-Za-z0-9._-]`; shard count
-    /// 1..=max_shards. Durable streams are refused (`InvalidArgument`) until storage lands.
+    /// 1..=max_shards. Durable streams are refused here (`InvalidArgument`): they need a
+    /// catalogue id, see [`Engine::create_durable_stream`].
     pub fn create_stream(
         &mut self,
         name: &str,
@@ -175,9 +232,14 @@ impl Engine {
             )));
         }
         if kind == StreamKind::Durable {
-            return Err(EngineError::invalid(
-                "durable streams are not available in this build yet".to_owned(),
-            ));
+            return Err(if self.durable_enabled {
+                EngineError::invalid(
+                    "a durable stream is created with its catalogue id (create_durable_stream)"
+                        .to_owned(),
+                )
+            } else {
+                durable_disabled()
+            });
         }
         if self.streams.contains_key(name) {
             return Err(EngineError::new(
@@ -193,10 +255,131 @@ impl Engine {
             kind,
             shards,
             subscriptions: Vec::new(),
+            stream_id: None,
         };
         let description = describe(name, &stream);
         self.streams.insert(Box::from(name), stream);
         Ok(description)
+    }
+
+    /// Creates an empty durable stream (needs [`Engine::enable_durable`]). `stream_id` is
+    /// the shell's catalogue id: at most [`DURABLE_STREAM_ID_MAX`], never reused, and not in
+    /// use by another stream of this engine; shard `s` is stored in the log as
+    /// `LogShardId::new(stream_id, s)`. Shard count 1..=min(max_shards, DURABLE_SHARDS_MAX).
+    pub fn create_durable_stream(
+        &mut self,
+        name: &str,
+        shard_count: u32,
+        stream_id: u32,
+    ) -> Result<StreamDescription, EngineError> {
+        self.add_durable_stream(name, shard_count, stream_id, None)
+    }
+
+    /// Recreates a durable stream after a restart from the log's per-shard
+    /// `(oldest_offset, next_offset)` (one pair per shard; `oldest <= next`): every record is
+    /// durable in the log, the ring is empty, and catch-up reads come from the log. Same
+    /// rules as [`Engine::create_durable_stream`].
+    pub fn restore_durable_stream(
+        &mut self,
+        name: &str,
+        shard_count: u32,
+        stream_id: u32,
+        offsets: &[(u64, u64)],
+    ) -> Result<StreamDescription, EngineError> {
+        self.add_durable_stream(name, shard_count, stream_id, Some(offsets))
+    }
+
+    fn add_durable_stream(
+        &mut self,
+        name: &str,
+        shard_count: u32,
+        stream_id: u32,
+        offsets: Option<&[(u64, u64)]>,
+    ) -> Result<StreamDescription, EngineError> {
+        if !self.durable_enabled {
+            return Err(durable_disabled());
+        }
+        check_name(name, self.config.max_name_bytes)?;
+        let max_shards = self.config.max_shards.min(DURABLE_SHARDS_MAX);
+        if shard_count == 0 || shard_count > max_shards {
+            return Err(EngineError::invalid(format!(
+                "invalid shard count {shard_count}: a durable stream has 1 to {max_shards} shards"
+            )));
+        }
+        if stream_id > DURABLE_STREAM_ID_MAX {
+            return Err(EngineError::invalid(format!(
+                "stream id {stream_id} is over the limit of {DURABLE_STREAM_ID_MAX}"
+            )));
+        }
+        if let Some(offsets) = offsets {
+            if offsets.len() != shard_count as usize {
+                return Err(EngineError::invalid(format!(
+                    "{} shard offsets given for a stream of {shard_count} shards",
+                    offsets.len()
+                )));
+            }
+            if let Some((shard, &(oldest, next))) = offsets
+                .iter()
+                .enumerate()
+                .find(|(_, (oldest, next))| oldest > next)
+            {
+                return Err(EngineError::invalid(format!(
+                    "shard {shard}: oldest offset {oldest} is beyond next offset {next}"
+                )));
+            }
+        }
+        if self.streams.contains_key(name) {
+            return Err(EngineError::new(
+                ErrorCode::StreamExists,
+                0,
+                format!("stream {name:?} already exists"),
+            ));
+        }
+        if let Some(other) = self.durable_ids.get(&stream_id) {
+            return Err(EngineError::invalid(format!(
+                "stream id {stream_id} is in use by stream {other:?}"
+            )));
+        }
+        let shards = (0..shard_count)
+            .map(|shard| {
+                let (oldest, next) = offsets.map_or((0, 0), |offsets| offsets[shard as usize]);
+                let log_shard = LogShardId::new(stream_id, shard)
+                    .expect("stream id and shard were checked against the id bits");
+                Shard::new_durable(
+                    self.config.ring_max_records,
+                    self.config.ring_max_bytes,
+                    DurableShard::new(log_shard, oldest, next),
+                )
+            })
+            .collect();
+        let stream = Stream {
+            kind: StreamKind::Durable,
+            shards,
+            subscriptions: Vec::new(),
+            stream_id: Some(stream_id),
+        };
+        let description = describe(name, &stream);
+        self.streams.insert(Box::from(name), stream);
+        self.durable_ids.insert(stream_id, Box::from(name));
+        Ok(description)
+    }
+
+    /// The log shard id of `shard` of a durable stream; `None` for an unknown stream, an
+    /// in-memory stream or a shard out of range.
+    #[must_use]
+    pub fn log_shard(&self, stream: &str, shard: u32) -> Option<LogShardId> {
+        let target = self.streams.get(stream)?;
+        let owner = target.shards.get(shard as usize)?;
+        owner.durable.as_ref().map(|durable| durable.log_shard)
+    }
+
+    /// Offset below which every record of `shard` is durable (released to subscribers);
+    /// `None` for an unknown stream, an in-memory stream or a shard out of range.
+    #[must_use]
+    pub fn durable_through(&self, stream: &str, shard: u32) -> Option<u64> {
+        let target = self.streams.get(stream)?;
+        let owner = target.shards.get(shard as usize)?;
+        owner.durable.as_ref().map(|durable| durable.durable)
     }
 
     pub fn describe_stream(&self, name: &str) -> Result<StreamDescription, EngineError> {
@@ -219,12 +402,41 @@ impl Engine {
         streams
     }
 
-    /// Deletes a stream; its subscriptions end with `StreamNotFound` events.
+    /// Deletes a stream; its subscriptions end with `StreamNotFound` events. For a durable
+    /// stream its pending records are dropped (with their queued append requests), tracked
+    /// publishes still waiting fail with `StreamNotFound`, and later log events naming its
+    /// log shards are ignored. The records already in the log stay there (the log deletes
+    /// by retention only).
     pub fn delete_stream(&mut self, name: &str) -> Result<(), EngineError> {
-        let stream = self
+        let mut stream = self
             .streams
             .remove(name)
             .ok_or_else(|| EngineError::stream_not_found(name))?;
+        if let Some(stream_id) = stream.stream_id {
+            let removed = self.durable_ids.remove(&stream_id);
+            assert!(removed.is_some(), "a durable stream is catalogued");
+            // O(queued appends): deleting a stream is rare.
+            self.appends
+                .retain(|request| request.log_shard.stream_id() != stream_id);
+            let error = EngineError::new(
+                ErrorCode::StreamNotFound,
+                0,
+                format!("stream {name:?} was deleted before the publish was durable"),
+            );
+            for shard in &mut stream.shards {
+                let durable = shard
+                    .durable
+                    .as_mut()
+                    .expect("a durable stream's shards are durable");
+                let dropped = durable.pending.len() as u64;
+                self.durable_counters.records_rolled_back += dropped;
+                self.durable_counters.records_pending -= dropped;
+                durable.pending.clear();
+                for Waiter { slot, .. } in durable.waiters.drain(..) {
+                    self.tracker.resolve(slot, Some(&error));
+                }
+            }
+        }
         for slot in stream.subscriptions {
             let state = self.subscriptions.remove(slot);
             let error = EngineError::new(
@@ -243,11 +455,40 @@ impl Engine {
     /// first by count and by bytes) and queues live delivery. All-or-nothing: a bad batch
     /// (unknown stream, empty) changes nothing. Returns one `ShardAck` per shard touched,
     /// ascending shard order.
+    ///
+    /// Durable stream: the same routing and offsets, but nothing reaches the ring or a
+    /// subscriber yet: each record is held pending and queued as an [`AppendRequest`]
+    /// ([`Engine::poll_append`]) until [`Engine::handle_durable`] covers it.
     pub fn publish(
         &mut self,
         now_us: u64,
         stream: &str,
         records: Vec<Record>,
+    ) -> Result<Vec<ShardAck>, EngineError> {
+        self.publish_inner(now_us, stream, records, None)
+    }
+
+    /// [`Engine::publish`], and tracks it: [`Engine::poll_completed_publish`] yields `token`
+    /// once every record is durable (`Ok`: send the ack), or with the error to answer
+    /// (`StorageFull` after a disk-full rollback of any of its records, `StreamNotFound` if
+    /// the stream is deleted first). An in-memory publish completes at once. A refused
+    /// publish (the `Err` returned here) is not tracked. O(1) per shard touched.
+    pub fn publish_tracked(
+        &mut self,
+        now_us: u64,
+        stream: &str,
+        records: Vec<Record>,
+        token: PublishToken,
+    ) -> Result<Vec<ShardAck>, EngineError> {
+        self.publish_inner(now_us, stream, records, Some(token))
+    }
+
+    fn publish_inner(
+        &mut self,
+        now_us: u64,
+        stream: &str,
+        records: Vec<Record>,
+        token: Option<PublishToken>,
     ) -> Result<Vec<ShardAck>, EngineError> {
         // Every check comes before the first change: a refused batch changes nothing.
         let Some(target) = self.streams.get_mut(stream) else {
@@ -293,6 +534,18 @@ impl Engine {
                 payload,
             };
             payload_bytes += ring::payload_len(&record);
+            if let Some(durable) = target.shards[index].durable.as_mut() {
+                // Held until the log makes it durable; the shell appends it.
+                self.appends.push_back(AppendRequest {
+                    log_shard: durable.log_shard,
+                    offset,
+                    timestamp_us: now_us,
+                    key: record.key.clone(),
+                    payload: record.payload.clone(),
+                });
+                durable.pending.push_back(record);
+                continue;
+            }
             // Release: live delivery, independent of the ring.
             if !target.shards[index].subscribers.is_empty() {
                 fan_out(
@@ -330,9 +583,181 @@ impl Engine {
         self.touched_shards = touched;
         self.lagged = lagged;
 
+        if target.stream_id.is_some() {
+            self.durable_counters.records_appended += u64::from(record_count);
+            self.durable_counters.records_pending += u64::from(record_count);
+        }
+        if let Some(token) = token {
+            if target.stream_id.is_some() {
+                // One waiter per shard range; acks.len() <= shard count, a u32.
+                let ranges = u32::try_from(acks.len()).expect("at most one ack per shard");
+                let slot = self.tracker.insert(token, ranges);
+                for ack in &acks {
+                    let durable = target.shards[ack.shard as usize]
+                        .durable
+                        .as_mut()
+                        .expect("a durable stream's shards are durable");
+                    durable.waiters.push_back(Waiter {
+                        end: ack.first_offset + u64::from(ack.count),
+                        slot,
+                    });
+                }
+            } else {
+                self.tracker.complete_now(token);
+            }
+        }
         self.counters.records_appended += u64::from(record_count);
         self.counters.payload_bytes_appended += payload_bytes;
         Ok(acks)
+    }
+
+    /// Next append request for the per-core log, in publish order. The shell appends each
+    /// (`Log::append(request.log_shard.0, ...)`); if the log refuses one (e.g.
+    /// `PendingFull`), it calls [`Engine::handle_rejected`] with that request's offset, which
+    /// also drops the shard's later requests still queued here.
+    #[must_use]
+    pub fn poll_append(&mut self) -> Option<AppendRequest> {
+        self.appends.pop_front()
+    }
+
+    /// Next finished tracked publish (see [`Engine::publish_tracked`]).
+    #[must_use]
+    pub fn poll_completed_publish(&mut self) -> Option<PublishCompletion> {
+        self.tracker.poll()
+    }
+
+    /// The log made the records of `log_shard` below `through_offset` durable (the shell
+    /// calls it on `LogEvent::Synced` for on_commit logs, on `Written` for periodic ones).
+    /// Those not yet released move, in order, to the ring (bounds as for in-memory) and to
+    /// live subscribers; tracked publishes whose every range is now durable complete.
+    /// Idempotent for offsets already durable; unknown log shards (a deleted stream) are
+    /// ignored. `through_offset` beyond the shard's next offset is a shell defect (assert).
+    pub fn handle_durable(&mut self, log_shard: LogShardId, through_offset: u64) {
+        let Some(name) = self.durable_ids.get(&log_shard.stream_id()) else {
+            return;
+        };
+        let target = self
+            .streams
+            .get_mut(&**name)
+            .expect("catalogue ids name live streams");
+        let index = log_shard.shard() as usize;
+        assert!(index < target.shards.len(), "the log shard's shard exists");
+        assert!(
+            through_offset <= target.shards[index].next_offset(),
+            "only appended records become durable"
+        );
+        let mut lagged = std::mem::take(&mut self.lagged);
+        assert!(lagged.is_empty(), "scratch is left empty");
+        let mut released: u64 = 0;
+        loop {
+            let durable = target.shards[index]
+                .durable
+                .as_mut()
+                .expect("a catalogued stream's shards are durable");
+            if durable.durable >= through_offset {
+                break;
+            }
+            let record = durable
+                .pending
+                .pop_front()
+                .expect("pending holds every record from durable to next");
+            assert_eq!(record.offset, durable.durable, "released in offset order");
+            durable.durable += 1;
+            released += 1;
+            if !target.shards[index].subscribers.is_empty() {
+                fan_out(
+                    &target.shards,
+                    &record,
+                    &mut self.subscriptions,
+                    &mut self.events,
+                    self.config.subscriber_queue_max_bytes,
+                    &mut lagged,
+                );
+            }
+            target.shards[index].retain(record);
+        }
+        let durable = target.shards[index]
+            .durable
+            .as_mut()
+            .expect("a catalogued stream's shards are durable");
+        while let Some(waiter) = durable.waiters.front()
+            && waiter.end <= durable.durable
+        {
+            self.tracker.resolve(waiter.slot, None);
+            durable.waiters.pop_front();
+        }
+        for Lagged { slot, shards } in lagged.drain(..) {
+            target.detach(slot, &shards);
+        }
+        self.lagged = lagged;
+        self.durable_counters.records_durable += released;
+        self.durable_counters.records_pending -= released;
+    }
+
+    /// The log rejected the appends of `log_shard` from `from_offset` on (disk full: the
+    /// log's next offset for the shard went back to it; or an append the log refused). The
+    /// shard's next offset goes back to `from_offset`, its pending records and queued append
+    /// requests at or past it are dropped, and tracked publishes with records there fail with
+    /// `StorageFull`. Offsets at or past the shard's next offset change nothing; unknown log
+    /// shards are ignored. `from_offset` below the durable offset is a shell defect (assert).
+    pub fn handle_rejected(&mut self, log_shard: LogShardId, from_offset: u64) {
+        let Some(name) = self.durable_ids.get(&log_shard.stream_id()) else {
+            return;
+        };
+        let target = self
+            .streams
+            .get_mut(&**name)
+            .expect("catalogue ids name live streams");
+        let index = log_shard.shard() as usize;
+        assert!(index < target.shards.len(), "the log shard's shard exists");
+        let owner = &mut target.shards[index];
+        if from_offset >= owner.next_offset() {
+            return;
+        }
+        owner.roll_back_to(from_offset);
+        let durable = owner
+            .durable
+            .as_mut()
+            .expect("a catalogued stream's shards are durable");
+        // from_offset >= durable (checked by roll_back_to) and < next: a pending index.
+        let kept = usize::try_from(from_offset - durable.durable).expect("within pending");
+        let dropped = (durable.pending.len() - kept) as u64;
+        durable.pending.truncate(kept);
+        let error = storage_full(log_shard, from_offset);
+        while let Some(waiter) = durable.waiters.back()
+            && waiter.end > from_offset
+        {
+            self.tracker.resolve(waiter.slot, Some(&error));
+            durable.waiters.pop_back();
+        }
+        // O(queued appends): a rollback is rare (disk full).
+        self.appends
+            .retain(|request| request.log_shard != log_shard || request.offset < from_offset);
+        self.durable_counters.records_rolled_back += dropped;
+        self.durable_counters.records_pending -= dropped;
+    }
+
+    /// The log's oldest retained offset of `log_shard` moved to `oldest_offset` (after
+    /// `Log::apply_retention`): positions below it are now `TooOld`. Never moves backwards,
+    /// nor past the durable offset; unknown log shards are ignored.
+    pub fn handle_retention(&mut self, log_shard: LogShardId, oldest_offset: u64) {
+        let Some(durable) = self.durable_shard_mut(log_shard) else {
+            return;
+        };
+        durable.log_oldest = durable.log_oldest.max(oldest_offset.min(durable.durable));
+    }
+
+    fn durable_shard_mut(&mut self, log_shard: LogShardId) -> Option<&mut DurableShard> {
+        let name = self.durable_ids.get(&log_shard.stream_id())?;
+        let target = self
+            .streams
+            .get_mut(&**name)
+            .expect("catalogue ids name live streams");
+        target
+            .shards
+            .get_mut(log_shard.shard() as usize)?
+            .durable
+            .as_deref_mut()
     }
 
     /// Registers a subscription; catch-up records from the ring are queued immediately.
@@ -341,6 +766,12 @@ impl Engine {
     /// are an empty selection, a shard out of range, a shard selected twice, and a start offset
     /// for a shard outside the selection (or given twice). Catch-up is queued shard by shard,
     /// ascending; a `DeliveryReady` follows if anything was queued.
+    ///
+    /// Durable stream: `Latest` is the durable offset (records still pending are delivered
+    /// when they become durable), `Earliest` the log's oldest retained offset (or the ring's,
+    /// if older). A start below the ring catches up from the log through
+    /// [`Engine::poll_log_read`]; a start past the durable offset (up to the next offset)
+    /// waits for that record.
     pub fn subscribe(
         &mut self,
         stream: &str,
@@ -386,7 +817,7 @@ impl Engine {
                 let owner = &target.shards[shard as usize];
                 let offset = match from {
                     StartPosition::Earliest => owner.oldest_offset(),
-                    StartPosition::Latest | StartPosition::Offsets(_) => owner.next_offset(),
+                    StartPosition::Latest | StartPosition::Offsets(_) => owner.released_offset(),
                 };
                 (shard, offset)
             })
@@ -418,44 +849,219 @@ impl Engine {
                     )));
                 }
                 if offset < oldest {
-                    return Err(EngineError::new(
-                        ErrorCode::TooOld,
-                        oldest,
-                        format!(
-                            "offset {offset} of shard {shard} is older than the oldest record \
-                             still held ({oldest})"
-                        ),
-                    ));
+                    return Err(too_old(shard, offset, oldest));
                 }
                 start[position].1 = offset;
             }
         }
 
         // Registered: from here on nothing fails.
-        let mut queue = VecDeque::new();
+        let mut catch_up = VecDeque::new();
+        let mut cursors = Vec::new();
         for &(shard, offset) in &start {
-            queue.extend(target.shards[shard as usize].replay_from(offset).cloned());
+            let owner = &target.shards[shard as usize];
+            if offset > owner.released_offset() {
+                // Durable only: in-memory starts are at most next_offset == released.
+                cursors.push(Cursor {
+                    shard,
+                    next: offset,
+                    phase: Phase::AwaitingStart,
+                });
+            } else if offset >= owner.ring_oldest() {
+                catch_up.extend(owner.replay_from(offset).cloned());
+            } else {
+                // Durable only (in memory, the oldest offset is the ring's): read the log.
+                cursors.push(Cursor {
+                    shard,
+                    next: offset,
+                    phase: Phase::Parked,
+                });
+            }
         }
-        let catch_up_records = queue.len();
         let stream_name: Box<str> = Box::from(stream);
         let slot = self.subscriptions.insert(|id| SubState {
             id,
             stream: stream_name,
             shards: selected,
-            queue,
-            catch_up_records,
+            catch_up,
+            live: VecDeque::new(),
             live_bytes: 0,
+            cursors,
         });
-        let state = self.subscriptions.get(slot).expect("just inserted");
+        let state = self.subscriptions.get_mut(slot).expect("just inserted");
         for &shard in &state.shards {
             target.shards[shard as usize].subscribers.push(slot);
         }
         target.subscriptions.push(slot);
         let id = state.id;
-        if catch_up_records > 0 {
+        // Start the log reads. Subscribe checked each start against the log's oldest, so none
+        // of them fails here; a failure would end the subscription through an event.
+        let ended = resume_parked(
+            &target.shards,
+            state,
+            &mut self.log_reads,
+            &mut self.durable_counters,
+        );
+        if state.queued() > 0 {
             self.events.push_back(EngineEvent::DeliveryReady(id));
         }
+        if let Err(error) = ended {
+            self.end_subscription(slot, error);
+        }
         Ok(Subscription { id, start })
+    }
+
+    /// Next log read for a catching-up subscription (see [`LogRead`]); reads of
+    /// subscriptions that ended since they were asked for are skipped.
+    #[must_use]
+    pub fn poll_log_read(&mut self) -> Option<LogRead> {
+        while let Some(read) = self.log_reads.pop_front() {
+            if self.subscriptions.slot_of(read.subscription).is_some() {
+                return Some(read);
+            }
+        }
+        None
+    }
+
+    /// The answer to a [`LogRead`]: the records `Log::read` returned, in order. They are
+    /// queued for the subscription (those at or past the durable offset are dropped: they
+    /// will be released live), then the engine asks for the next read, or switches the shard
+    /// to the ring and to live delivery once the ring covers it. An empty answer means the
+    /// log holds nothing more from the read's offset: the shard switches to the ring, and if
+    /// the ring does not reach back that far the subscription ends with `StorageFailed`
+    /// (records would be missing), as it does when the records are not dense from the read's
+    /// offset. Answers for ended subscriptions, or not matching an outstanding read, are
+    /// ignored.
+    pub fn handle_log_records(
+        &mut self,
+        subscription: SubscriptionId,
+        log_shard: LogShardId,
+        records: Vec<LogRecord>,
+    ) {
+        let Some((slot, position)) = self.outstanding_read(subscription, log_shard) else {
+            return;
+        };
+        let name = &self.durable_ids[&log_shard.stream_id()];
+        let target = &self.streams[&**name];
+        let shard = log_shard.shard();
+        let owner = &target.shards[shard as usize];
+        let state = self
+            .subscriptions
+            .get_mut(slot)
+            .expect("outstanding_read found it");
+        let was_empty = state.queued() == 0;
+        let released = owner.released_offset();
+        let answered_empty = records.is_empty();
+        let mut failure = None;
+        for record in records {
+            let cursor = &mut state.cursors[position];
+            if record.offset != cursor.next {
+                failure = Some(EngineError::new(
+                    ErrorCode::StorageFailed,
+                    0,
+                    format!(
+                        "the log returned offset {} of shard {shard} where {} was expected",
+                        record.offset, cursor.next
+                    ),
+                ));
+                break;
+            }
+            if record.offset >= released {
+                break;
+            }
+            cursor.next += 1;
+            self.durable_counters.log_records_read += 1;
+            state.catch_up.push_back(DeliveredRecord {
+                shard,
+                offset: record.offset,
+                timestamp_us: record.timestamp_us,
+                key: record.key,
+                payload: record.payload,
+            });
+        }
+        let next = state.cursors[position].next;
+        let ring_oldest = owner.ring_oldest();
+        if failure.is_none() && answered_empty && next < ring_oldest {
+            failure = Some(EngineError::new(
+                ErrorCode::StorageFailed,
+                0,
+                format!(
+                    "the log holds no record of shard {shard} from offset {next}, below the \
+                     oldest held in memory ({ring_oldest})"
+                ),
+            ));
+        }
+        let result = match failure {
+            Some(error) => Err(error),
+            None => advance_cursor(
+                owner,
+                state,
+                position,
+                &mut self.log_reads,
+                &mut self.durable_counters,
+            ),
+        };
+        if was_empty && state.queued() > 0 {
+            self.events.push_back(EngineEvent::DeliveryReady(state.id));
+        }
+        if let Err(error) = result {
+            self.end_subscription(slot, error);
+        }
+    }
+
+    /// The answer to a [`LogRead`] that the log refused because retention deleted the
+    /// records (`OffsetTooOld { oldest }`): the subscription ends with `TooOld` (detail =
+    /// `oldest_offset`), and the shard's oldest offset moves up as by
+    /// [`Engine::handle_retention`]. Ignored like [`Engine::handle_log_records`].
+    pub fn handle_log_read_too_old(
+        &mut self,
+        subscription: SubscriptionId,
+        log_shard: LogShardId,
+        oldest_offset: u64,
+    ) {
+        let Some((slot, position)) = self.outstanding_read(subscription, log_shard) else {
+            return;
+        };
+        self.handle_retention(log_shard, oldest_offset);
+        let state = self
+            .subscriptions
+            .get(slot)
+            .expect("outstanding_read found it");
+        let error = too_old(
+            log_shard.shard(),
+            state.cursors[position].next,
+            oldest_offset,
+        );
+        self.end_subscription(slot, error);
+    }
+
+    /// The slot of `subscription` and the position of its cursor on `log_shard`'s shard, if
+    /// a read for it is outstanding.
+    fn outstanding_read(
+        &self,
+        subscription: SubscriptionId,
+        log_shard: LogShardId,
+    ) -> Option<(Slot, usize)> {
+        let slot = self.subscriptions.slot_of(subscription)?;
+        let name = self.durable_ids.get(&log_shard.stream_id())?;
+        let state = self.subscriptions.get(slot)?;
+        if *state.stream != **name {
+            return None;
+        }
+        let position = state.cursor_of(log_shard.shard())?;
+        (state.cursors[position].phase == Phase::Reading).then_some((slot, position))
+    }
+
+    /// Ends a live subscription: forgets it and tells the shell why.
+    fn end_subscription(&mut self, slot: Slot, error: EngineError) {
+        let state = self.subscriptions.remove(slot);
+        let stream = self
+            .streams
+            .get_mut(&*state.stream)
+            .expect("a live subscription's stream exists");
+        stream.detach(slot, &state.shards);
+        self.events
+            .push_back(EngineEvent::SubscriptionEnded(state.id, error));
     }
 
     /// Forgets a subscription (client went away). Unknown ids are ignored.
@@ -491,6 +1097,30 @@ impl Engine {
             .expect("the id map names occupied slots");
         let taken = state.take(max_records, max_bytes);
         self.counters.records_delivered += taken.len() as u64;
+        if state.catch_up.len() < CATCH_UP_REFILL_RECORDS
+            && state
+                .cursors
+                .iter()
+                .any(|cursor| cursor.phase == Phase::Parked)
+        {
+            let stream = self
+                .streams
+                .get(&*state.stream)
+                .expect("a live subscription's stream exists");
+            let was_empty = state.queued() == 0;
+            let ended = resume_parked(
+                &stream.shards,
+                state,
+                &mut self.log_reads,
+                &mut self.durable_counters,
+            );
+            if was_empty && state.queued() > 0 {
+                self.events.push_back(EngineEvent::DeliveryReady(state.id));
+            }
+            if let Err(error) = ended {
+                self.end_subscription(slot, error);
+            }
+        }
         taken
     }
 
@@ -524,7 +1154,19 @@ impl Engine {
     #[must_use]
     pub fn queued_records(&self, id: SubscriptionId) -> Option<usize> {
         let slot = self.subscriptions.slot_of(id)?;
-        self.subscriptions.get(slot).map(|state| state.queue.len())
+        self.subscriptions.get(slot).map(SubState::queued)
+    }
+
+    /// Durable-stream counters (the shell exports them).
+    #[must_use]
+    pub fn durable_counters(&self) -> DurableCounters {
+        self.durable_counters
+    }
+
+    /// Tracked publishes not yet completed.
+    #[must_use]
+    pub fn tracked_publishes(&self) -> usize {
+        self.tracker.len()
     }
 
     /// Checks every invariant of the engine (dense offsets, ring and queue byte sums, the
@@ -571,6 +1213,94 @@ impl Engine {
             self.subscriptions.len(),
             "every subscription is linked"
         );
+        self.assert_durable_invariants();
+    }
+
+    /// The durable part of [`Engine::assert_invariants`]: catalogue, append queue, pending
+    /// gauge, tracked publishes and catch-up cursors.
+    fn assert_durable_invariants(&self) {
+        let mut pending: u64 = 0;
+        let mut durable_streams = 0usize;
+        for (name, stream) in &self.streams {
+            let Some(stream_id) = stream.stream_id else {
+                assert_ne!(
+                    stream.kind,
+                    StreamKind::Durable,
+                    "durable streams have an id"
+                );
+                assert!(
+                    stream.shards.iter().all(|shard| shard.durable.is_none()),
+                    "in-memory shards have no log"
+                );
+                continue;
+            };
+            durable_streams += 1;
+            assert_eq!(stream.kind, StreamKind::Durable);
+            assert_eq!(
+                self.durable_ids.get(&stream_id).map(|n| &**n),
+                Some(&**name),
+                "the catalogue names the stream"
+            );
+            for (index, shard) in stream.shards.iter().enumerate() {
+                let durable = shard.durable.as_ref().expect("durable shards");
+                assert_eq!(
+                    Some(durable.log_shard),
+                    LogShardId::new(stream_id, u32::try_from(index).expect("u32 shards")),
+                    "log shard id = (stream_id << bits) | shard"
+                );
+                pending += durable.pending.len() as u64;
+            }
+        }
+        assert_eq!(
+            durable_streams,
+            self.durable_ids.len(),
+            "catalogue == streams"
+        );
+        assert_eq!(
+            pending, self.durable_counters.records_pending,
+            "the pending gauge counts pending records"
+        );
+        // Queued appends are pending records, ascending per log shard.
+        let mut last: HashMap<LogShardId, u64> = HashMap::new();
+        for request in &self.appends {
+            let name = &self.durable_ids[&request.log_shard.stream_id()];
+            let shard = &self.streams[&**name].shards[request.log_shard.shard() as usize];
+            let durable = shard.durable.as_ref().expect("durable shards");
+            assert!(
+                request.offset >= durable.durable,
+                "queued appends are pending"
+            );
+            assert!(
+                request.offset < shard.next_offset(),
+                "queued appends were given offsets"
+            );
+            if let Some(previous) = last.insert(request.log_shard, request.offset) {
+                assert_eq!(previous + 1, request.offset, "appends dense, in order");
+            }
+        }
+        self.tracker
+            .assert_invariants(self.streams.values().flat_map(|stream| {
+                stream
+                    .shards
+                    .iter()
+                    .filter_map(|shard| shard.durable.as_ref())
+                    .flat_map(|durable| durable.waiters.iter())
+            }));
+        for (_, state) in self.subscriptions.iter() {
+            let stream = &self.streams[&*state.stream];
+            for cursor in &state.cursors {
+                let shard = &stream.shards[cursor.shard as usize];
+                assert!(shard.durable.is_some(), "only durable shards have cursors");
+                match cursor.phase {
+                    Phase::AwaitingStart => {
+                        assert!(cursor.next >= shard.released_offset(), "start not released")
+                    }
+                    Phase::Reading | Phase::Parked => {
+                        assert!(cursor.next < shard.released_offset(), "catching up below")
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -590,6 +1320,18 @@ fn fan_out(
         let Some(state) = subscriptions.get_mut(slot) else {
             continue;
         };
+        if let Some(position) = state.cursor_of(record.shard) {
+            let cursor = state.cursors[position];
+            match cursor.phase {
+                // Still catching up: the log read reaches this record.
+                Phase::Reading | Phase::Parked => continue,
+                Phase::AwaitingStart if record.offset < cursor.next => continue,
+                Phase::AwaitingStart => {
+                    assert_eq!(record.offset, cursor.next, "released records are dense");
+                    state.cursors.remove(position);
+                }
+            }
+        }
         if state.would_lag(len, queue_max_bytes) {
             let state = subscriptions.remove(slot);
             let error = EngineError::new(
@@ -619,21 +1361,24 @@ fn lag_message(
     trigger: &DeliveredRecord,
     queue_max_bytes: u64,
 ) -> String {
-    // Every record appended to a subscribed shard so far was queued (or taken), except the
-    // trigger: with nothing queued for a shard, it resumes at the shard's next offset.
+    // Every record released to a subscribed shard so far was queued (or taken), except the
+    // trigger: with nothing queued for a shard, it resumes at the shard's released offset,
+    // or at its cursor while it catches up (or waits for its start).
     let mut resume: Vec<u64> = state
         .shards
         .iter()
         .map(|&shard| {
-            if shard == trigger.shard {
+            if let Some(position) = state.cursor_of(shard) {
+                state.cursors[position].next
+            } else if shard == trigger.shard {
                 trigger.offset
             } else {
-                shards[shard as usize].next_offset()
+                shards[shard as usize].released_offset()
             }
         })
         .collect();
     // Otherwise at its oldest queued record (walk newest first so the oldest wins).
-    for queued in state.queue.iter().rev() {
+    for queued in state.live.iter().rev().chain(state.catch_up.iter().rev()) {
         let position = state
             .shards
             .binary_search(&queued.shard)
@@ -657,6 +1402,101 @@ fn lag_message(
         message.push_str(&entry);
     }
     message
+}
+
+/// Moves the catching-up cursor at `position` of `state` (on `owner`, its shard) on: to the
+/// ring and live delivery when the ring covers it, else to its next log read, or parks it
+/// while the catch-up queue is full. `Err` when the subscription must end (records gone).
+fn advance_cursor(
+    owner: &Shard,
+    state: &mut SubState,
+    position: usize,
+    log_reads: &mut VecDeque<LogRead>,
+    counters: &mut DurableCounters,
+) -> Result<(), EngineError> {
+    let cursor = state.cursors[position];
+    assert_ne!(
+        cursor.phase,
+        Phase::AwaitingStart,
+        "only catching-up cursors read"
+    );
+    assert!(
+        cursor.next <= owner.released_offset(),
+        "catch-up stays below the released records"
+    );
+    let ring_oldest = owner.ring_oldest();
+    if cursor.next >= ring_oldest {
+        // The ring holds everything from here to the released offset, and every later
+        // record is released live: no gap, no duplicate.
+        state
+            .catch_up
+            .extend(owner.replay_from(cursor.next).cloned());
+        state.cursors.remove(position);
+        return Ok(());
+    }
+    let durable = owner
+        .durable
+        .as_ref()
+        .expect("only durable shards start below the ring");
+    if cursor.next < durable.log_oldest {
+        return Err(too_old(cursor.shard, cursor.next, durable.log_oldest));
+    }
+    if state.catch_up.len() >= CATCH_UP_REFILL_RECORDS {
+        state.cursors[position].phase = Phase::Parked;
+        return Ok(());
+    }
+    // next < ring_oldest, so at least one record is asked for.
+    let below_ring = usize::try_from(ring_oldest - cursor.next).unwrap_or(usize::MAX);
+    log_reads.push_back(LogRead {
+        subscription: state.id,
+        log_shard: durable.log_shard,
+        from_offset: cursor.next,
+        max_records: below_ring.min(LOG_READ_MAX_RECORDS),
+        max_bytes: LOG_READ_MAX_BYTES,
+    });
+    state.cursors[position].phase = Phase::Reading;
+    counters.log_reads += 1;
+    Ok(())
+}
+
+/// Advances every parked cursor of `state` (on `shards`, its stream's); stops at the first
+/// that ends the subscription.
+fn resume_parked(
+    shards: &[Shard],
+    state: &mut SubState,
+    log_reads: &mut VecDeque<LogRead>,
+    counters: &mut DurableCounters,
+) -> Result<(), EngineError> {
+    // Newest position first: advancing may remove the cursor, which shifts later ones only.
+    for position in (0..state.cursors.len()).rev() {
+        let cursor = state.cursors[position];
+        if cursor.phase == Phase::Parked {
+            advance_cursor(
+                &shards[cursor.shard as usize],
+                state,
+                position,
+                log_reads,
+                counters,
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// `TooOld` for a start (or catch-up position) `offset` below `oldest` on `shard`.
+fn too_old(shard: u32, offset: u64, oldest: u64) -> EngineError {
+    EngineError::new(
+        ErrorCode::TooOld,
+        oldest,
+        format!(
+            "offset {offset} of shard {shard} is older than the oldest record still held \
+             ({oldest})"
+        ),
+    )
+}
+
+fn durable_disabled() -> EngineError {
+    EngineError::invalid("durable streams are not available in this build yet".to_owned())
 }
 
 fn describe(name: &str, stream: &Stream) -> StreamDescription {

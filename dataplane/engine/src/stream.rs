@@ -14,6 +14,8 @@ pub(crate) struct Stream {
     pub(crate) shards: Vec<Shard>,
     /// Every subscription of this stream, in the order they subscribed.
     pub(crate) subscriptions: Vec<Slot>,
+    /// Catalogue id of a durable stream (every shard then has a `DurableShard`).
+    pub(crate) stream_id: Option<u32>,
 }
 
 impl Stream {

@@ -26,6 +26,30 @@ impl Slot {
     }
 }
 
+/// Where a catching-up shard of a subscription stands (durable streams only). A shard with a
+/// cursor receives no live records: they are reached by reading (or, for `AwaitingStart`,
+/// skipped until the start offset is released).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// A log read from `next` is out (queued in `poll_log_read` or with the shell).
+    Reading,
+    /// The next log read waits for room in the catch-up queue (`poll_delivery` issues it).
+    Parked,
+    /// The start offset is beyond the released records: live records below `next` are
+    /// skipped, the one at `next` makes the shard live.
+    AwaitingStart,
+}
+
+/// The catch-up position of one shard of a subscription.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Cursor {
+    pub(crate) shard: u32,
+    /// The next offset this subscription must receive for `shard`; every record of the shard
+    /// below it is queued or taken.
+    pub(crate) next: u64,
+    pub(crate) phase: Phase,
+}
+
 /// One subscription: which shards it covers and the records waiting for `poll_delivery`.
 #[derive(Debug)]
 pub(crate) struct SubState {
@@ -33,20 +57,24 @@ pub(crate) struct SubState {
     pub(crate) stream: Box<str>,
     /// Subscribed shards, ascending, no duplicates, at least one.
     pub(crate) shards: Box<[u32]>,
-    /// Records in engine order, which keeps per-shard order: catch-up from the rings (queued at
-    /// subscribe, shard by shard) first, then live records as they are appended.
-    pub(crate) queue: VecDeque<DeliveredRecord>,
-    /// How many records at the front of `queue` are catch-up; they do not count toward the
-    /// lag bounds.
-    pub(crate) catch_up_records: usize,
-    /// Payload bytes of the live records in `queue`.
+    /// Catch-up records (from the ring, or read from the log), taken before `live`. They do
+    /// not count toward the lag bounds. A shard's live records are queued only once all its
+    /// catch-up records are, so taking `catch_up` first keeps per-shard order.
+    pub(crate) catch_up: VecDeque<DeliveredRecord>,
+    /// Live records as they are released.
+    pub(crate) live: VecDeque<DeliveredRecord>,
+    /// Payload bytes of the records in `live`.
     pub(crate) live_bytes: u64,
+    /// Shards still catching up, ascending by shard; empty for in-memory streams, so the
+    /// fan-out's per-record check is one `is_empty` on the hot path.
+    pub(crate) cursors: Vec<Cursor>,
 }
 
 impl SubState {
+    /// Records queued (catch-up and live).
     #[must_use]
-    fn live_records(&self) -> usize {
-        self.queue.len() - self.catch_up_records
+    pub(crate) fn queued(&self) -> usize {
+        self.catch_up.len() + self.live.len()
     }
 
     /// Whether queueing one more live record with `payload_bytes` of payload goes over the
@@ -54,7 +82,7 @@ impl SubState {
     /// that keeps up is never ended, however large a single record is.
     #[must_use]
     pub(crate) fn would_lag(&self, payload_bytes: u64, queue_max_bytes: u64) -> bool {
-        let live_records = self.live_records();
+        let live_records = self.live.len();
         live_records > 0
             && (self.live_bytes.saturating_add(payload_bytes) > queue_max_bytes
                 || live_records >= SUBSCRIBER_QUEUE_MAX_LIVE_RECORDS)
@@ -64,34 +92,48 @@ impl SubState {
     /// is due).
     #[must_use]
     pub(crate) fn push_live(&mut self, record: DeliveredRecord) -> bool {
-        let was_empty = self.queue.is_empty();
+        let was_empty = self.queued() == 0;
         self.live_bytes += payload_len(&record);
-        self.queue.push_back(record);
+        self.live.push_back(record);
         was_empty
     }
 
-    /// Takes up to `max_records` records and about `max_bytes` of payload from the front; at
-    /// least one record if any is queued and `max_records > 0`.
+    /// Position of `shard`'s cursor in `cursors`, if the shard is still catching up.
+    #[must_use]
+    pub(crate) fn cursor_of(&self, shard: u32) -> Option<usize> {
+        if self.cursors.is_empty() {
+            return None;
+        }
+        self.cursors
+            .binary_search_by_key(&shard, |cursor| cursor.shard)
+            .ok()
+    }
+
+    /// Takes up to `max_records` records and about `max_bytes` of payload, catch-up first;
+    /// at least one record if any is queued and `max_records > 0`.
     #[must_use]
     pub(crate) fn take(&mut self, max_records: usize, max_bytes: usize) -> Vec<DeliveredRecord> {
-        let mut taken = Vec::with_capacity(max_records.min(self.queue.len()));
+        let mut taken = Vec::with_capacity(max_records.min(self.queued()));
         let mut taken_bytes: usize = 0;
         while taken.len() < max_records {
-            let Some(front) = self.queue.front() else {
+            let from_catch_up = !self.catch_up.is_empty();
+            let queue = if from_catch_up {
+                &mut self.catch_up
+            } else {
+                &mut self.live
+            };
+            let Some(front) = queue.front() else {
                 break;
             };
             let len = front.payload.len();
             if !taken.is_empty() && taken_bytes.saturating_add(len) > max_bytes {
                 break;
             }
-            let record = self
-                .queue
-                .pop_front()
-                .expect("front() just returned a record");
+            let Some(record) = queue.pop_front() else {
+                unreachable!("front() just returned a record");
+            };
             taken_bytes = taken_bytes.saturating_add(len);
-            if self.catch_up_records > 0 {
-                self.catch_up_records -= 1;
-            } else {
+            if !from_catch_up {
                 assert!(
                     self.live_bytes >= payload_len(&record),
                     "live bytes cover the queue"
@@ -100,9 +142,11 @@ impl SubState {
             }
             taken.push(record);
         }
-        if self.queue.is_empty() {
-            assert_eq!(self.live_bytes, 0, "an empty queue holds no live bytes");
-            assert_eq!(self.catch_up_records, 0, "an empty queue holds no catch-up");
+        if self.live.is_empty() {
+            assert_eq!(
+                self.live_bytes, 0,
+                "an empty live queue holds no live bytes"
+            );
         }
         taken
     }
@@ -117,29 +161,55 @@ impl SubState {
             self.shards.windows(2).all(|w| w[0] < w[1]),
             "shards ascending, unique"
         );
-        assert!(self.catch_up_records <= self.queue.len());
-        let live_bytes: u64 = self
-            .queue
-            .iter()
-            .skip(self.catch_up_records)
-            .map(payload_len)
-            .sum();
+        let live_bytes: u64 = self.live.iter().map(payload_len).sum();
         assert_eq!(
             live_bytes, self.live_bytes,
             "live bytes == sum of live payload lengths"
         );
-        // Per shard, queued offsets are dense and ascending.
+        assert!(
+            self.cursors.windows(2).all(|w| w[0].shard < w[1].shard),
+            "cursors ascending by shard, unique"
+        );
+        for cursor in &self.cursors {
+            assert!(
+                self.shards.binary_search(&cursor.shard).is_ok(),
+                "cursors name selected shards"
+            );
+        }
+        // Per shard, queued offsets are dense and ascending, catch-up before live; a shard
+        // still catching up has no live record queued and nothing queued at or past its cursor.
         let mut last: HashMap<u32, u64> = HashMap::new();
-        for record in &self.queue {
+        for (record, live) in self
+            .catch_up
+            .iter()
+            .map(|record| (record, false))
+            .chain(self.live.iter().map(|record| (record, true)))
+        {
             assert!(
                 self.shards.binary_search(&record.shard).is_ok(),
                 "only selected shards"
             );
+            if let Some(position) = self.cursor_of(record.shard) {
+                assert!(!live, "a catching-up shard has no live record queued");
+                assert!(
+                    record.offset < self.cursors[position].next,
+                    "queued catch-up lies below the cursor"
+                );
+            }
             if let Some(previous) = last.insert(record.shard, record.offset) {
                 assert_eq!(
                     previous + 1,
                     record.offset,
                     "per-shard offsets dense, in order"
+                );
+            }
+        }
+        for cursor in &self.cursors {
+            if let Some(&newest) = last.get(&cursor.shard) {
+                assert_eq!(
+                    newest + 1,
+                    cursor.next,
+                    "the cursor follows its queued records"
                 );
             }
         }
