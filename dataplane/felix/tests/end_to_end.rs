@@ -566,7 +566,7 @@ fn cli_create_subscribe_publish() {
     let acked_records: u64 = acked
         .lines()
         .map(|line| {
-            assert!(line.contains(&format!("shard {shard} offsets")), "{line}");
+            assert!(line.contains(&format!("shard {shard} offset")), "{line}");
             let count = line
                 .strip_prefix("acked ")
                 .and_then(|rest| rest.split_whitespace().next())
