@@ -4,7 +4,7 @@
 CARGO ?= cargo
 APT_PACKAGES := pkg-config libhwloc-dev libudev-dev fonts-dejavu-core
 
-.PHONY: run build test lint fmt deps bench-micro clean
+.PHONY: run build test lint fmt deps bench-micro bench clean
 
 run: deps
 	$(CARGO) build --release -p felix
@@ -15,7 +15,7 @@ build: deps
 
 # Everything CI checks: formatting, lints (warnings are errors), then every test.
 test: deps lint
-	$(CARGO) test --workspace --all-targets
+	$(CARGO) test --workspace --all-targets --no-fail-fast
 
 lint:
 	$(CARGO) fmt --all -- --check
@@ -36,6 +36,14 @@ deps:
 # Criterion microbenchmarks of every crate (figures go to docs/performance.md by hand).
 bench-micro:
 	$(CARGO) bench --workspace -- --warm-up-time 1 --measurement-time 3
+
+# System load: release broker + load generator, the quick campaign (bench/plans/quick.toml,
+# ~3-5 min) into bench-results/<UTC timestamp>/ (run.json, cells.jsonl, cells.csv, summary.md).
+BENCH_PLAN ?= bench/plans/quick.toml
+bench: deps
+	$(CARGO) build --release -p felix -p felix-bench
+	t=$${CARGO_TARGET_DIR:-target}/release; $$t/felix-bench run --plan $(BENCH_PLAN) \
+		--felix $$t/felix --out bench-results/$$(date -u +%Y%m%dT%H%M%SZ)
 
 clean:
 	$(CARGO) clean
