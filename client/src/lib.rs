@@ -44,7 +44,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -105,6 +105,14 @@ pub struct ClientConfig {
     pub publish_inflight_bytes: u64,
     /// Free text the broker logs, e.g. `felix-cli/0.1.0`.
     pub client_name: String,
+    /// Send each shard's records straight to its owner core (one connection per core, on
+    /// that core's own port, opened lazily). Default true; false sends everything through
+    /// `addr` and lets the broker hop between cores.
+    pub core_aware: bool,
+    /// Publish streams per connection (FELIX_PUB_SHARD_STREAMS), assigned to shards first come
+    /// first served; 0 = a pool of [`PUBLISH_POOL_STREAMS`] used round-robin (per-shard order
+    /// across pipelined publishes is then not guaranteed). Default 4.
+    pub pub_shard_streams: u32,
 }
 
 impl ClientConfig {
@@ -118,6 +126,8 @@ impl ClientConfig {
             insecure: false,
             publish_inflight_bytes: DEFAULT_PUBLISH_INFLIGHT_BYTES,
             client_name: concat!("felix-client/", env!("CARGO_PKG_VERSION")).to_owned(),
+            core_aware: true,
+            pub_shard_streams: DEFAULT_PUB_SHARD_STREAMS,
         }
     }
 }
@@ -206,25 +216,52 @@ enum WriterCommand {
     },
 }
 
-/// A connection to a broker. Dropping it closes the connection (subscriptions end too).
-pub struct Client {
+/// One QUIC connection: its admin (hello) stream and its publish streams, which share one
+/// pending-request table.
+struct Conn {
     endpoint: s2n_quic::Client,
     handle: s2n_quic::connection::Handle,
-    writer: mpsc::Sender<WriterCommand>,
+    admin: mpsc::Sender<WriterCommand>,
+    /// Publish streams, opened on first use; `pub_shard_streams` of them, or
+    /// [`PUBLISH_POOL_STREAMS`] when pooled.
+    publish_streams: Vec<tokio::sync::OnceCell<mpsc::Sender<WriterCommand>>>,
+    /// `(stream name, shard)` -> publish stream index, first come first served.
+    shard_streams: Mutex<HashMap<(String, u32), usize>>,
+    /// Round-robin position when pooled.
+    next_pooled: AtomicUsize,
+    pooled: bool,
     shared: Arc<Shared>,
-    budget: Arc<Semaphore>,
-    budget_permits: u64,
-    next_request_id: AtomicU64,
     hello: HelloOk,
     decoder: Decoder,
     // Kept so the connection does not drop peer-initiated stream state under us.
     _acceptor: s2n_quic::connection::StreamAcceptor,
 }
 
+/// Publish streams per connection when FELIX_PUB_SHARD_STREAMS is 0 (pooled).
+pub const PUBLISH_POOL_STREAMS: usize = 4;
+/// Default of [`ClientConfig::pub_shard_streams`] (FELIX_PUB_SHARD_STREAMS).
+pub const DEFAULT_PUB_SHARD_STREAMS: u32 = 4;
+
+/// A connection to a broker: the connection to `ClientConfig::addr` for admin requests, plus
+/// (core-aware) one connection per data-plane core it publishes to or subscribes from, opened
+/// lazily on that core's own port. Dropping it closes every connection.
+pub struct Client {
+    config: ClientConfig,
+    primary: Conn,
+    /// Per data-plane core, its own-port connection (core-aware only).
+    cores: Vec<tokio::sync::OnceCell<Conn>>,
+    /// Stream name -> owning core of each shard, from HelloOk, StreamInfo and describe.
+    routes: Mutex<HashMap<String, Arc<[u16]>>>,
+    budget: Arc<Semaphore>,
+    budget_permits: u64,
+    next_request_id: Arc<AtomicU64>,
+}
+
 impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Client")
-            .field("connection", &self.handle.id())
+            .field("connection", &self.primary.handle.id())
+            .field("core_aware", &self.config.core_aware)
             .finish_non_exhaustive()
     }
 }
@@ -258,15 +295,12 @@ fn tls_client(
     builder.build().map_err(|e| tls_error(&e))
 }
 
-impl Client {
-    /// Connects, performs the TLS and `Hello` handshakes, and starts the request stream.
-    pub async fn connect(config: ClientConfig) -> Result<Client, ClientError> {
-        let tls = tls_client(&config)?;
-        let connect_error = |reason: String| ClientError::Connect {
-            addr: config.addr,
-            reason,
-        };
-        let bind: SocketAddr = if config.addr.is_ipv6() {
+impl Conn {
+    /// Connects, performs the TLS and `Hello` handshakes, and starts the admin stream.
+    async fn connect(config: &ClientConfig, addr: SocketAddr) -> Result<Conn, ClientError> {
+        let tls = tls_client(config)?;
+        let connect_error = |reason: String| ClientError::Connect { addr, reason };
+        let bind: SocketAddr = if addr.is_ipv6() {
             SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, 0))
         } else {
             SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, 0))
@@ -278,7 +312,7 @@ impl Client {
             .map_err(|error| connect_error(error.to_string()))?
             .start()
             .map_err(|error| connect_error(error.to_string()))?;
-        let connect = Connect::new(config.addr).with_server_name(config.server_name.as_str());
+        let connect = Connect::new(addr).with_server_name(config.server_name.as_str());
         let attempt = tokio::time::timeout(CONNECT_TIMEOUT, endpoint.connect(connect)).await;
         let mut connection = match attempt {
             Ok(Ok(connection)) => connection,
@@ -339,57 +373,66 @@ impl Client {
         let shared = Arc::new(Shared {
             pending: Mutex::new(PendingTable::default()),
         });
-        let (writer, commands) = mpsc::channel(WRITER_QUEUE_DEPTH);
-        tokio::spawn(write_loop(send, commands, Arc::clone(&shared)));
-        tokio::spawn(read_loop(
-            receive,
-            buffer,
-            decoder.clone(),
-            Arc::clone(&shared),
-        ));
-        let budget_permits = config.publish_inflight_bytes.clamp(1, BUDGET_PERMITS_MAX);
-        let budget = Arc::new(Semaphore::new(
-            usize::try_from(budget_permits).unwrap_or(usize::MAX),
-        ));
-        Ok(Client {
+        let admin = start_stream_tasks(send, receive, buffer, decoder.clone(), &shared);
+        let pooled = config.pub_shard_streams == 0;
+        let stream_count = if pooled {
+            PUBLISH_POOL_STREAMS
+        } else {
+            usize::try_from(config.pub_shard_streams).unwrap_or(PUBLISH_POOL_STREAMS)
+        };
+        Ok(Conn {
             endpoint,
             handle,
-            writer,
+            admin,
+            publish_streams: (0..stream_count)
+                .map(|_| tokio::sync::OnceCell::new())
+                .collect(),
+            shard_streams: Mutex::new(HashMap::new()),
+            next_pooled: AtomicUsize::new(0),
+            pooled,
             shared,
-            budget,
-            budget_permits,
-            next_request_id: AtomicU64::new(1),
             hello: hello_ok,
             decoder,
             _acceptor: acceptor,
         })
     }
 
-    /// The broker's handshake answer (limits, ports, shard map at connect time).
-    #[must_use]
-    pub fn hello(&self) -> &HelloOk {
-        &self.hello
+    /// The publish stream index for a record of `shard` of `stream`.
+    fn stream_index(&self, stream: &str, shard: u32) -> usize {
+        let count = self.publish_streams.len();
+        if self.pooled {
+            return self.next_pooled.load(Ordering::Relaxed) % count;
+        }
+        let mut map = self
+            .shard_streams
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let next = map.len() % count;
+        *map.entry((stream.to_owned(), shard)).or_insert(next)
     }
 
-    /// The broker's limits.
-    #[must_use]
-    pub fn limits(&self) -> &Limits {
-        &self.hello.limits
-    }
-
-    fn next_request_id(&self) -> u64 {
-        self.next_request_id.fetch_add(1, Ordering::Relaxed)
-    }
-
-    async fn queue(
+    /// The writer of publish stream `index`, opening the stream on first use.
+    async fn publish_writer(
         &self,
-        chunks: Vec<Bytes>,
-        permit: Option<OwnedSemaphorePermit>,
-    ) -> Result<(), ClientError> {
-        self.writer
-            .send(WriterCommand::Frame { chunks, permit })
+        index: usize,
+    ) -> Result<&mpsc::Sender<WriterCommand>, ClientError> {
+        self.publish_streams[index]
+            .get_or_try_init(|| async {
+                let mut handle = self.handle.clone();
+                let stream = handle
+                    .open_bidirectional_stream()
+                    .await
+                    .map_err(|error| ClientError::Closed(describe_connection_error(&error)))?;
+                let (receive, send) = stream.split();
+                Ok(start_stream_tasks(
+                    send,
+                    receive,
+                    BytesMut::new(),
+                    self.decoder.clone(),
+                    &self.shared,
+                ))
+            })
             .await
-            .map_err(|_| self.closed_error())
     }
 
     fn closed_error(&self) -> ClientError {
@@ -399,18 +442,210 @@ impl Client {
         }
     }
 
+    async fn queue(
+        &self,
+        writer: &mpsc::Sender<WriterCommand>,
+        chunks: Vec<Bytes>,
+        permit: Option<OwnedSemaphorePermit>,
+    ) -> Result<(), ClientError> {
+        writer
+            .send(WriterCommand::Frame { chunks, permit })
+            .await
+            .map_err(|_| self.closed_error())
+    }
+
+    /// Finishes every stream (bounded wait), then closes the connection with code 0.
+    async fn close(&self) {
+        let writers = std::iter::once(&self.admin)
+            .chain(self.publish_streams.iter().filter_map(|cell| cell.get()));
+        for writer in writers {
+            let (done, finished) = oneshot::channel();
+            if writer.send(WriterCommand::Close { done }).await.is_ok() {
+                let _ = finished.await;
+            }
+        }
+        self.handle.close(0u32.into());
+        let mut endpoint = self.endpoint.clone();
+        let _ = tokio::time::timeout(CLOSE_IDLE_TIMEOUT, endpoint.wait_idle()).await;
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        self.handle.close(0u32.into());
+    }
+}
+
+/// Starts the writer and reader tasks of one request stream; returns the writer's queue.
+fn start_stream_tasks(
+    send: SendStream,
+    receive: ReceiveStream,
+    buffer: BytesMut,
+    decoder: Decoder,
+    shared: &Arc<Shared>,
+) -> mpsc::Sender<WriterCommand> {
+    let (writer, commands) = mpsc::channel(WRITER_QUEUE_DEPTH);
+    tokio::spawn(write_loop(send, commands, Arc::clone(shared)));
+    tokio::spawn(read_loop(receive, buffer, decoder, Arc::clone(shared)));
+    writer
+}
+
+/// Records of one publish bound for one connection and publish stream.
+struct Part {
+    core: Option<u16>,
+    stream_index: usize,
+    records: Vec<Record>,
+}
+
+impl Client {
+    /// Connects to `config.addr`, performs the TLS and `Hello` handshakes, and starts the
+    /// admin stream. Core-aware clients open their per-core connections later, when needed.
+    pub async fn connect(config: ClientConfig) -> Result<Client, ClientError> {
+        let primary = Conn::connect(&config, config.addr).await?;
+        let cores = if config.core_aware {
+            (0..primary.hello.core_ports.len())
+                .map(|_| tokio::sync::OnceCell::new())
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let routes = primary
+            .hello
+            .shard_map
+            .iter()
+            .map(|route| (route.name.clone(), Arc::from(route.shard_cores.as_slice())))
+            .collect();
+        let budget_permits = config.publish_inflight_bytes.clamp(1, BUDGET_PERMITS_MAX);
+        let budget = Arc::new(Semaphore::new(
+            usize::try_from(budget_permits).unwrap_or(usize::MAX),
+        ));
+        Ok(Client {
+            config,
+            primary,
+            cores,
+            routes: Mutex::new(routes),
+            budget,
+            budget_permits,
+            next_request_id: Arc::new(AtomicU64::new(1)),
+        })
+    }
+
+    /// The broker's handshake answer (limits, ports, shard map at connect time).
+    #[must_use]
+    pub fn hello(&self) -> &HelloOk {
+        &self.primary.hello
+    }
+
+    /// The broker's limits.
+    #[must_use]
+    pub fn limits(&self) -> &Limits {
+        &self.primary.hello.limits
+    }
+
+    /// Per-core connections opened so far (core-aware clients), for diagnostics and tests.
+    #[must_use]
+    pub fn core_connections(&self) -> usize {
+        self.cores
+            .iter()
+            .filter(|cell| cell.get().is_some())
+            .count()
+    }
+
+    fn next_request_id(&self) -> u64 {
+        self.next_request_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// The connection for `core`: the primary one when not core-aware (or `None`), else that
+    /// core's own-port connection, opened on first use.
+    async fn conn(&self, core: Option<u16>) -> Result<&Conn, ClientError> {
+        let Some(core) = core else {
+            return Ok(&self.primary);
+        };
+        let Some(cell) = self.cores.get(usize::from(core)) else {
+            return Ok(&self.primary);
+        };
+        let port = self.primary.hello.core_ports[usize::from(core)];
+        let addr = SocketAddr::new(self.config.addr.ip(), port);
+        cell.get_or_try_init(|| Conn::connect(&self.config, addr))
+            .await
+    }
+
+    fn remember_route(&self, info: &StreamInfo) {
+        let cores: Arc<[u16]> = info.shards.iter().map(|shard| shard.core).collect();
+        self.routes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(info.name.clone(), cores);
+    }
+
+    /// Owning core per shard of `stream`, describing it once if unknown. `None` if the broker
+    /// cannot describe it (the publish then goes to the primary connection, which answers).
+    async fn route(&self, stream: &str) -> Option<Arc<[u16]>> {
+        let known = self
+            .routes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(stream)
+            .cloned();
+        if known.is_some() {
+            return known;
+        }
+        let info = self.describe_stream(stream).await.ok()?;
+        let cores: Arc<[u16]> = info.shards.iter().map(|shard| shard.core).collect();
+        Some(cores)
+    }
+
+    /// Splits a batch by owner core (core-aware) and publish stream, keeping batch order
+    /// within each part.
+    async fn parts(&self, stream: &str, records: &[Record]) -> Result<Vec<Part>, ClientError> {
+        self.check_batch(stream, records)?;
+        let route = self.route(stream).await;
+        let Some(route) = route.filter(|route| !route.is_empty()) else {
+            return Ok(vec![Part {
+                core: None,
+                stream_index: 0,
+                records: records.to_vec(),
+            }]);
+        };
+        let shard_count = u32::try_from(route.len()).unwrap_or(u32::MAX);
+        let mut parts: Vec<Part> = Vec::new();
+        for record in records {
+            let shard = felix_wire::shard_for_key(&record.key, shard_count);
+            let core = if self.cores.is_empty() {
+                None
+            } else {
+                Some(route[shard as usize])
+            };
+            let conn = self.conn(core).await?;
+            let stream_index = conn.stream_index(stream, shard);
+            match parts
+                .iter_mut()
+                .find(|part| part.core == core && part.stream_index == stream_index)
+            {
+                Some(part) => part.records.push(record.clone()),
+                None => parts.push(Part {
+                    core,
+                    stream_index,
+                    records: vec![record.clone()],
+                }),
+            }
+        }
+        Ok(parts)
+    }
+
     /// Sends one admin request and waits for its answer (an `Error` answer is an error).
     async fn request(&self, build: impl FnOnce(u64) -> Frame) -> Result<Frame, ClientError> {
+        let conn = &self.primary;
         let request_id = self.next_request_id();
-        let answer = self.shared.register(request_id, None)?;
+        let answer = conn.shared.register(request_id, None)?;
         let mut out = BytesMut::new();
         felix_wire::encode(&build(request_id), &mut out);
-        self.queue(vec![out.freeze()], None).await?;
+        conn.queue(&conn.admin, vec![out.freeze()], None).await?;
         match answer.await {
             Ok(Ok(Frame::Error(error))) => Err(ClientError::from_error_frame(error)),
             Ok(Ok(frame)) => Ok(frame),
             Ok(Err(failure)) => Err(failure.to_error()),
-            Err(_) => Err(self.closed_error()),
+            Err(_) => Err(conn.closed_error()),
         }
     }
 
@@ -432,16 +667,20 @@ impl Client {
                 })
             })
             .await?;
-        expect_stream_info(frame)
+        let info = expect_stream_info(frame)?;
+        self.remember_route(&info);
+        Ok(info)
     }
 
-    /// Describes a stream: kind, hash and per-shard offsets.
+    /// Describes a stream: kind, hash and per-shard offsets and owner cores.
     pub async fn describe_stream(&self, name: &str) -> Result<StreamInfo, ClientError> {
         let name = name.to_owned();
         let frame = self
             .request(|request_id| Frame::DescribeStream { request_id, name })
             .await?;
-        expect_stream_info(frame)
+        let info = expect_stream_info(frame)?;
+        self.remember_route(&info);
+        Ok(info)
     }
 
     /// Every stream, sorted by name.
@@ -457,25 +696,26 @@ impl Client {
 
     /// Deletes a stream; its subscribers get `StreamNotFound`.
     pub async fn delete_stream(&self, name: &str) -> Result<(), ClientError> {
+        let forget = name.to_owned();
         let name = name.to_owned();
         match self
             .request(|request_id| Frame::DeleteStream { request_id, name })
             .await?
         {
-            Frame::Done { .. } => Ok(()),
+            Frame::Done { .. } => {
+                self.routes
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .remove(&forget);
+                Ok(())
+            }
             other => Err(unexpected("Done", &other)),
         }
     }
 
-    /// Encodes a publish as (header, records) chunks, checking the broker's limits first.
-    fn encode_publish(
-        &self,
-        request_id: u64,
-        ack: AckMode,
-        stream: &str,
-        records: &[Record],
-    ) -> Result<Vec<Bytes>, ClientError> {
-        let limits = &self.hello.limits;
+    /// Checks a batch against the broker's limits before anything is sent.
+    fn check_batch(&self, stream: &str, records: &[Record]) -> Result<(), ClientError> {
+        let limits = &self.primary.hello.limits;
         if records.is_empty() {
             return Err(ClientError::InvalidArgument(
                 "a publish needs at least one record".to_owned(),
@@ -495,6 +735,18 @@ impl Client {
                 limits.max_name_bytes
             )));
         }
+        Ok(())
+    }
+
+    /// Encodes a publish as (header, records) chunks, checking the broker's limits first.
+    fn encode_publish(
+        &self,
+        request_id: u64,
+        ack: AckMode,
+        stream: &str,
+        records: &[Record],
+    ) -> Result<Vec<Bytes>, ClientError> {
+        let limits = &self.primary.hello.limits;
         let mut body = BytesMut::new();
         let mut records_len = 0usize;
         for record in records {
@@ -515,7 +767,7 @@ impl Client {
             records_len += felix_wire::encode_record(&record.key, &record.payload, &mut body);
         }
         let mut header = BytesMut::new();
-        // The count was checked against max_batch_records (a u32) above.
+        // The count was checked against max_batch_records (a u32) in check_batch.
         let record_count = u32::try_from(records.len()).unwrap_or(u32::MAX);
         felix_wire::encode_publish_header(
             request_id,
@@ -548,21 +800,40 @@ impl Client {
             .map_err(|_| ClientError::Closed("the publish budget is closed".to_owned()))
     }
 
-    /// Queues an acked publish and returns once it is handed to the writer; the returned
-    /// future resolves to the acks. Keep several in flight for throughput; the in-flight byte
-    /// budget makes this wait when too much is outstanding.
+    /// Queues an acked publish and returns once it is handed to the writers; the returned
+    /// future resolves to the acks. Core-aware, each owner core's records go straight to that
+    /// core; the acks are merged (one per shard, ascending). Keep several in flight for
+    /// throughput; the in-flight byte budget makes this wait when too much is outstanding.
     pub async fn publish_pipelined(
         &self,
         stream: &str,
         records: &[Record],
     ) -> Result<PendingAck, ClientError> {
-        let request_id = self.next_request_id();
-        let chunks = self.encode_publish(request_id, AckMode::Acked, stream, records)?;
-        let bytes = chunks.iter().map(Bytes::len).sum();
-        let permit = self.acquire_budget(bytes).await?;
-        let answer = self.shared.register(request_id, Some(permit))?;
-        self.queue(chunks, None).await?;
-        Ok(PendingAck { answer })
+        let parts = self.parts(stream, records).await?;
+        let mut answers = Vec::with_capacity(parts.len());
+        for part in parts {
+            let conn = self.conn(part.core).await?;
+            let request_id = self.next_request_id();
+            let chunks = self.encode_publish(request_id, AckMode::Acked, stream, &part.records)?;
+            let bytes = chunks.iter().map(Bytes::len).sum();
+            let permit = self.acquire_budget(bytes).await?;
+            let answer = conn.shared.register(request_id, Some(permit))?;
+            let writer = conn.publish_writer(part.stream_index).await?;
+            conn.queue(writer, chunks, None).await?;
+            answers.push(answer);
+        }
+        if self.primary.pooled {
+            self.primary.next_pooled.fetch_add(1, Ordering::Relaxed);
+            for cell in &self.cores {
+                if let Some(conn) = cell.get() {
+                    conn.next_pooled.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        Ok(PendingAck {
+            answers: answers.into_iter().map(Some).collect(),
+            ready: Vec::new(),
+        })
     }
 
     /// Publishes `records` to `stream` and waits for the acks: one per shard touched, in
@@ -582,21 +853,92 @@ impl Client {
         stream: &str,
         records: &[Record],
     ) -> Result<(), ClientError> {
-        let chunks = self.encode_publish(0, AckMode::FireAndForget, stream, records)?;
-        let bytes = chunks.iter().map(Bytes::len).sum();
-        let permit = self.acquire_budget(bytes).await?;
-        self.queue(chunks, Some(permit)).await
+        let parts = self.parts(stream, records).await?;
+        for part in parts {
+            let conn = self.conn(part.core).await?;
+            let chunks = self.encode_publish(0, AckMode::FireAndForget, stream, &part.records)?;
+            let bytes = chunks.iter().map(Bytes::len).sum();
+            let permit = self.acquire_budget(bytes).await?;
+            let writer = conn.publish_writer(part.stream_index).await?;
+            conn.queue(writer, chunks, Some(permit)).await?;
+        }
+        if self.primary.pooled {
+            self.primary.next_pooled.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
     }
 
-    /// Opens a subscription stream. `Latest` delivers only records appended after this
-    /// returns; offsets resume from the replay ring (`TooOld` if already evicted).
+    /// Opens a subscription. `Latest` delivers only records appended after this returns;
+    /// offsets resume from the replay ring (`TooOld` if already evicted). Core-aware, it
+    /// subscribes on each owner core's connection and merges (per-shard order holds, since
+    /// each shard comes from one core).
     pub async fn subscribe(
         &self,
         stream: &str,
         shards: ShardSelection,
         from: StartPosition,
     ) -> Result<Subscription, ClientError> {
-        let mut handle = self.handle.clone();
+        let route = if self.cores.is_empty() {
+            None
+        } else {
+            self.route(stream).await
+        };
+        let Some(route) = route else {
+            let part = self
+                .subscribe_on(&self.primary, stream, shards, from)
+                .await?;
+            return Ok(Subscription::merged(vec![part]));
+        };
+        let shard_count = u32::try_from(route.len()).unwrap_or(u32::MAX);
+        let selected: Vec<u32> = match &shards {
+            ShardSelection::All => (0..shard_count).collect(),
+            ShardSelection::List(list) => list.clone(),
+        };
+        let mut by_core: Vec<(u16, Vec<u32>)> = Vec::new();
+        for shard in selected {
+            // An out-of-range shard goes to core 0, whose broker answer names the problem.
+            let core = route.get(shard as usize).copied().unwrap_or(0);
+            match by_core.iter_mut().find(|(c, _)| *c == core) {
+                Some((_, list)) => list.push(shard),
+                None => by_core.push((core, vec![shard])),
+            }
+        }
+        if by_core.is_empty() {
+            // An empty selection: let the broker refuse it.
+            let part = self
+                .subscribe_on(&self.primary, stream, shards, from)
+                .await?;
+            return Ok(Subscription::merged(vec![part]));
+        }
+        let mut parts = Vec::with_capacity(by_core.len());
+        for (core, list) in by_core {
+            let position = match &from {
+                StartPosition::Offsets(positions) => StartPosition::Offsets(
+                    positions
+                        .iter()
+                        .copied()
+                        .filter(|(shard, _)| list.contains(shard))
+                        .collect(),
+                ),
+                other => other.clone(),
+            };
+            let conn = self.conn(Some(core)).await?;
+            parts.push(
+                self.subscribe_on(conn, stream, ShardSelection::List(list), position)
+                    .await?,
+            );
+        }
+        Ok(Subscription::merged(parts))
+    }
+
+    async fn subscribe_on(
+        &self,
+        conn: &Conn,
+        stream: &str,
+        shards: ShardSelection,
+        from: StartPosition,
+    ) -> Result<subscription::SubscriptionPart, ClientError> {
+        let mut handle = conn.handle.clone();
         let bidirectional = handle
             .open_bidirectional_stream()
             .await
@@ -609,37 +951,28 @@ impl Client {
             shards,
             from,
         });
-        Subscription::open(receive, send, self.decoder.clone(), &frame).await
+        subscription::SubscriptionPart::open(receive, send, conn.decoder.clone(), &frame).await
     }
 
-    /// Finishes the request stream (waiting until the broker has every queued frame, bounded),
-    /// then closes the connection with code 0.
+    /// Finishes every stream (waiting until the broker has every queued frame, bounded), then
+    /// closes the connections with code 0.
     pub async fn close(self) {
-        let (done, finished) = oneshot::channel();
-        if self
-            .writer
-            .send(WriterCommand::Close { done })
-            .await
-            .is_ok()
-        {
-            let _ = finished.await;
+        for cell in &self.cores {
+            if let Some(conn) = cell.get() {
+                conn.close().await;
+            }
         }
-        self.handle.close(0u32.into());
-        let mut endpoint = self.endpoint.clone();
-        let _ = tokio::time::timeout(CLOSE_IDLE_TIMEOUT, endpoint.wait_idle()).await;
-    }
-}
-
-impl Drop for Client {
-    fn drop(&mut self) {
-        self.handle.close(0u32.into());
+        self.primary.close().await;
     }
 }
 
 /// The ack of a pipelined publish (see [`Client::publish_pipelined`]).
 #[must_use = "the publish is sent; await this to learn its offsets or its error"]
 pub struct PendingAck {
-    answer: oneshot::Receiver<Answer>,
+    /// One answer per part (owner core / publish stream) of the publish; `None` once taken.
+    answers: Vec<Option<oneshot::Receiver<Answer>>>,
+    /// Answers taken so far.
+    ready: Vec<Result<Answer, oneshot::error::RecvError>>,
 }
 
 impl std::fmt::Debug for PendingAck {
@@ -652,19 +985,39 @@ impl Future for PendingAck {
     type Output = Result<Vec<ShardAck>, ClientError>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let answer = match Pin::new(&mut self.answer).poll(cx) {
-            Poll::Pending => return Poll::Pending,
-            Poll::Ready(answer) => answer,
-        };
-        Poll::Ready(match answer {
-            Ok(Ok(Frame::Ack(ack))) => Ok(ack.shards),
-            Ok(Ok(Frame::Error(error))) => Err(ClientError::from_error_frame(error)),
-            Ok(Ok(other)) => Err(unexpected("Ack", &other)),
-            Ok(Err(failure)) => Err(failure.to_error()),
-            Err(_) => Err(ClientError::Closed(
-                "the connection ended before the ack".to_owned(),
-            )),
-        })
+        let this = &mut *self;
+        let mut waiting = false;
+        for slot in &mut this.answers {
+            let Some(answer) = slot else { continue };
+            match Pin::new(answer).poll(cx) {
+                Poll::Pending => waiting = true,
+                Poll::Ready(answer) => {
+                    this.ready.push(answer);
+                    *slot = None;
+                }
+            }
+        }
+        if waiting {
+            return Poll::Pending;
+        }
+        let mut acks = Vec::new();
+        for answer in this.ready.drain(..) {
+            match answer {
+                Ok(Ok(Frame::Ack(ack))) => acks.extend(ack.shards),
+                Ok(Ok(Frame::Error(error))) => {
+                    return Poll::Ready(Err(ClientError::from_error_frame(error)));
+                }
+                Ok(Ok(other)) => return Poll::Ready(Err(unexpected("Ack", &other))),
+                Ok(Err(failure)) => return Poll::Ready(Err(failure.to_error())),
+                Err(_) => {
+                    return Poll::Ready(Err(ClientError::Closed(
+                        "the connection ended before the ack".to_owned(),
+                    )));
+                }
+            }
+        }
+        acks.sort_unstable_by_key(|ack| ack.shard);
+        Poll::Ready(Ok(acks))
     }
 }
 

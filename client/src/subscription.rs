@@ -14,10 +14,8 @@ use crate::{ClientError, describe_stream_error, read_frame};
 /// QUIC application code used to stop a subscription: 0, "normal close".
 const STOP_CODE: u32 = 0;
 
-/// Records of one subscription, in per-shard order. Ends (`None`) when the broker finishes
-/// the stream; yields one `Err` (e.g. `SubscriberLagged`, `StreamNotFound`) before ending when
-/// the broker ends it with an error. Dropping it (or [`Subscription::close`]) stops it.
-pub struct Subscription {
+/// One subscription stream on one connection.
+pub(crate) struct SubscriptionPart {
     receive: ReceiveStream,
     send: SendStream,
     decoder: Decoder,
@@ -27,9 +25,9 @@ pub struct Subscription {
     done: bool,
 }
 
-impl std::fmt::Debug for Subscription {
+impl std::fmt::Debug for SubscriptionPart {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Subscription")
+        f.debug_struct("SubscriptionPart")
             .field("start", &self.start)
             .field("buffered", &self.ready.len())
             .field("done", &self.done)
@@ -37,14 +35,14 @@ impl std::fmt::Debug for Subscription {
     }
 }
 
-impl Subscription {
+impl SubscriptionPart {
     /// Sends `subscribe` and waits for `Subscribed` (or the broker's `Error`).
     pub(crate) async fn open(
         mut receive: ReceiveStream,
         mut send: SendStream,
         decoder: Decoder,
         subscribe: &Frame,
-    ) -> Result<Subscription, ClientError> {
+    ) -> Result<SubscriptionPart, ClientError> {
         let mut out = BytesMut::new();
         felix_wire::encode(subscribe, &mut out);
         send.send(out.freeze())
@@ -52,7 +50,7 @@ impl Subscription {
             .map_err(|error| ClientError::Closed(describe_stream_error(&error)))?;
         let mut buffer = BytesMut::new();
         match read_frame(&decoder, &mut receive, &mut buffer).await? {
-            Frame::Subscribed(subscribed) => Ok(Subscription {
+            Frame::Subscribed(subscribed) => Ok(SubscriptionPart {
                 receive,
                 send,
                 decoder,
@@ -68,17 +66,6 @@ impl Subscription {
         }
     }
 
-    /// `(shard, first offset delivered)` for every subscribed shard, ascending shard order.
-    #[must_use]
-    pub fn start(&self) -> &[(u32, u64)] {
-        &self.start
-    }
-
-    /// Stops the subscription: the broker forgets it and frees its queue.
-    pub async fn close(mut self) {
-        self.stop();
-    }
-
     fn stop(&mut self) {
         if !self.done {
             self.done = true;
@@ -89,13 +76,13 @@ impl Subscription {
     }
 }
 
-impl Drop for Subscription {
+impl Drop for SubscriptionPart {
     fn drop(&mut self) {
         self.stop();
     }
 }
 
-impl futures::Stream for Subscription {
+impl futures::Stream for SubscriptionPart {
     type Item = Result<DeliveredRecord, ClientError>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
@@ -150,5 +137,92 @@ impl futures::Stream for Subscription {
                 }
             }
         }
+    }
+}
+
+/// Records of one subscription, in per-shard order: one part per owner core (core-aware) or a
+/// single part, merged. Ends (`None`) when the broker finishes every part; yields one `Err`
+/// (e.g. `SubscriberLagged`, `StreamNotFound`) and ends when the broker ends any part with an
+/// error. Dropping it (or [`Subscription::close`]) stops every part.
+pub struct Subscription {
+    parts: Vec<SubscriptionPart>,
+    start: Vec<(u32, u64)>,
+    /// Part polled first next time, so no part starves the others.
+    next: usize,
+    done: bool,
+}
+
+impl std::fmt::Debug for Subscription {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Subscription")
+            .field("start", &self.start)
+            .field("parts", &self.parts.len())
+            .field("done", &self.done)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Subscription {
+    pub(crate) fn merged(parts: Vec<SubscriptionPart>) -> Subscription {
+        let mut start: Vec<(u32, u64)> = parts
+            .iter()
+            .flat_map(|part| part.start.iter().copied())
+            .collect();
+        start.sort_unstable_by_key(|(shard, _)| *shard);
+        Subscription {
+            parts,
+            start,
+            next: 0,
+            done: false,
+        }
+    }
+
+    /// `(shard, first offset delivered)` for every subscribed shard, ascending shard order.
+    #[must_use]
+    pub fn start(&self) -> &[(u32, u64)] {
+        &self.start
+    }
+
+    /// Stops the subscription: the broker forgets it and frees its queues.
+    pub async fn close(mut self) {
+        for part in &mut self.parts {
+            part.stop();
+        }
+    }
+}
+
+impl futures::Stream for Subscription {
+    type Item = Result<DeliveredRecord, ClientError>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        if this.done {
+            return Poll::Ready(None);
+        }
+        let count = this.parts.len();
+        let mut finished = 0;
+        for step in 0..count {
+            let index = (this.next + step) % count;
+            match Pin::new(&mut this.parts[index]).poll_next(cx) {
+                Poll::Ready(Some(Ok(record))) => {
+                    this.next = (index + 1) % count;
+                    return Poll::Ready(Some(Ok(record)));
+                }
+                Poll::Ready(Some(Err(error))) => {
+                    this.done = true;
+                    for part in &mut this.parts {
+                        part.stop();
+                    }
+                    return Poll::Ready(Some(Err(error)));
+                }
+                Poll::Ready(None) => finished += 1,
+                Poll::Pending => {}
+            }
+        }
+        if finished == count {
+            this.done = true;
+            return Poll::Ready(None);
+        }
+        Poll::Pending
     }
 }

@@ -112,6 +112,35 @@ pub struct Config {
     /// FELIX_LOG: tracing filter for the broker and the CLI, non-empty. Default `info`.
     /// Restart.
     pub log: String,
+    /// FELIX_DATAPLANE_CORES: `auto`, a count or a CPU list (parsed by felix-affinity).
+    /// Default `auto`. Restart.
+    pub dataplane_cores: String,
+    /// FELIX_QUIC_LISTENERS: `auto` (one per core) or a count >= 1. Default `auto`. Restart.
+    pub quic_listeners: String,
+    /// FELIX_UDP_RECV_BUFFER: SO_RCVBUF per UDP socket, 64 KiB..=1 GiB. Default 8 MiB. Restart.
+    pub udp_recv_buffer: u64,
+    /// FELIX_UDP_SEND_BUFFER: SO_SNDBUF per UDP socket, 64 KiB..=1 GiB. Default 8 MiB. Restart.
+    pub udp_send_buffer: u64,
+    /// FELIX_MTU_UPPER_BOUND: QUIC max MTU, 1200..=65507 (the broker clamps to 16384).
+    /// Default 4096. Restart.
+    pub mtu_upper_bound: u64,
+    /// FELIX_BROKER_PUB_CONN_RECV_WINDOW: connection receive window, 64 KiB..=1 GiB.
+    /// Default 32 MiB. Restart.
+    pub broker_pub_conn_recv_window: u64,
+    /// FELIX_BROKER_PUB_STREAM_RECV_WINDOW: per-stream receive window, 64 KiB..=1 GiB.
+    /// Default 8 MiB. Restart.
+    pub broker_pub_stream_recv_window: u64,
+    /// FELIX_INGRESS_QUEUE_DEPTH: jobs per core, 1..=1048576. Default 512. Restart.
+    pub ingress_queue_depth: u64,
+    /// FELIX_INGRESS_BYTE_BUDGET: payload bytes per core, 0..=64 GiB. Default 64 MiB. Restart.
+    pub ingress_byte_budget: u64,
+    /// FELIX_PUB_INGRESS_WAIT: fire-and-forget waits instead of being shed. Default 0. Restart.
+    pub pub_ingress_wait: bool,
+    /// FELIX_ACK_ON_COMMIT: ack after commit (waits for ingress room). Default 0. Restart.
+    pub ack_on_commit: bool,
+    /// FELIX_PUBLISH_QUEUE_WAIT_MS: ack-on-commit ingress wait, 0..=600000. Default 2000.
+    /// Restart.
+    pub publish_queue_wait_ms: u64,
     // ---- client / CLI ----
     /// FELIX_ADDR: broker address the CLI connects to. Default 127.0.0.1:7400.
     pub addr: SocketAddr,
@@ -126,6 +155,9 @@ pub struct Config {
     pub insecure: bool,
     /// FELIX_PUBLISH_INFLIGHT_BYTES: client publish budget, 4 KiB..=4 GiB. Default 4 MiB.
     pub publish_inflight_bytes: u64,
+    /// FELIX_PUB_SHARD_STREAMS: client publish streams per connection, 0..=64 (0 = pooled).
+    /// Default 4.
+    pub pub_shard_streams: u64,
     // ---- bookkeeping ----
     /// Where each value above came from, for `felix config`.
     pub sources: Sources,

@@ -31,6 +31,29 @@ const PUBLISH_INFLIGHT_BYTES_MIN: u64 = 4 * KIB;
 /// More than 4 GiB in flight from one client would only queue inside the broker.
 const PUBLISH_INFLIGHT_BYTES_MAX: u64 = 4 * GIB;
 
+/// 64 KiB: below this a loaded core drops datagrams during any scheduling hiccup.
+const UDP_BUFFER_MIN: u64 = 64 * KIB;
+/// 1 GiB of kernel socket buffer per socket is far beyond any useful burst.
+const UDP_BUFFER_MAX: u64 = GIB;
+/// QUIC requires every path to carry 1200-byte datagrams (RFC 9000 section 14).
+const MTU_UPPER_BOUND_MIN: u64 = 1200;
+/// The largest UDP payload an IPv4 datagram can carry; the broker clamps further (16384).
+const MTU_UPPER_BOUND_MAX: u64 = 65_507;
+/// A receive window below 64 KiB cannot hold one ordinary publish batch.
+const RECV_WINDOW_MIN: u64 = 64 * KIB;
+/// 1 GiB of flow-control credit per connection exceeds any broker's memory budget.
+const RECV_WINDOW_MAX: u64 = GIB;
+/// 64 publish streams per connection is 16 times the default; more only costs state.
+const PUB_SHARD_STREAMS_MAX: u64 = 64;
+/// The ingress queue holds at least one job.
+const INGRESS_QUEUE_DEPTH_MIN: u64 = 1;
+/// 2^20 jobs per core is far beyond what the byte budget lets queue usefully.
+const INGRESS_QUEUE_DEPTH_MAX: u64 = 1 << 20;
+/// 64 GiB of queued payload per core exceeds any broker's memory.
+const INGRESS_BYTE_BUDGET_MAX: u64 = 64 * GIB;
+/// Ten minutes: a publish waiting longer than that is surely a stuck broker.
+const PUBLISH_QUEUE_WAIT_MS_MAX: u64 = 600_000;
+
 // The u32 fields must be able to hold their whole accepted range.
 const _: () = assert!(MAX_FRAME_BYTES_MAX <= u32::MAX as u64);
 const _: () = assert!(MAX_BATCH_RECORDS_MAX <= u32::MAX as u64);
@@ -256,6 +279,104 @@ settings! {
         doc: "Log filter (tracing `EnvFilter` syntax, e.g. `info,felix_broker=debug`), for \
               the broker and the CLI.",
     }
+    dataplane_cores {
+        env: "FELIX_DATAPLANE_CORES",
+        kind: Kind::Text { what: "auto, a core count (e.g. 2) or a CPU list (e.g. 0,2-3)" },
+        default: Fixed("auto"),
+        restart: Restart::Broker,
+        doc: "Data-plane cores: `auto` (every usable CPU below 4 CPUs, else all but one kept \
+              for housekeeping), a count, or a CPU list (`3-3` for the single CPU 3). Each \
+              core is one pinned thread owning shards `s % cores`.",
+    }
+    quic_listeners {
+        env: "FELIX_QUIC_LISTENERS",
+        kind: Kind::Text { what: "auto or a whole number of endpoints (at least 1)" },
+        default: Fixed("auto"),
+        restart: Restart::Broker,
+        doc: "QUIC endpoints on the shared port (SO_REUSEPORT group), spread over the \
+              data-plane cores: `auto` is one per core. Each core also has its own port \
+              (base + 1 + core index).",
+    }
+    udp_recv_buffer {
+        env: "FELIX_UDP_RECV_BUFFER",
+        kind: Kind::Size { min: UDP_BUFFER_MIN, max: UDP_BUFFER_MAX },
+        default: Fixed("8MiB"),
+        restart: Restart::Broker,
+        doc: "SO_RCVBUF of every broker UDP socket. Above net.core.rmem_max the broker uses \
+              SO_RCVBUFFORCE when root; the effective size is logged at start-up.",
+    }
+    udp_send_buffer {
+        env: "FELIX_UDP_SEND_BUFFER",
+        kind: Kind::Size { min: UDP_BUFFER_MIN, max: UDP_BUFFER_MAX },
+        default: Fixed("8MiB"),
+        restart: Restart::Broker,
+        doc: "SO_SNDBUF of every broker UDP socket (SO_SNDBUFFORCE above net.core.wmem_max \
+              when root); the effective size is logged at start-up.",
+    }
+    mtu_upper_bound {
+        env: "FELIX_MTU_UPPER_BOUND",
+        kind: Kind::Count { min: MTU_UPPER_BOUND_MIN, max: MTU_UPPER_BOUND_MAX },
+        default: Fixed("4096"),
+        restart: Restart::Broker,
+        doc: "Largest QUIC datagram the broker probes for (path MTU discovery upper bound). \
+              Values above 16384 are clamped to 16384 with a warning: s2n-quic corrupts \
+              memory with GSO above 32768.",
+    }
+    broker_pub_conn_recv_window {
+        env: "FELIX_BROKER_PUB_CONN_RECV_WINDOW",
+        kind: Kind::Size { min: RECV_WINDOW_MIN, max: RECV_WINDOW_MAX },
+        default: Fixed("32MiB"),
+        restart: Restart::Broker,
+        doc: "QUIC connection-level receive window the broker grants each client (flow \
+              control over all its streams).",
+    }
+    broker_pub_stream_recv_window {
+        env: "FELIX_BROKER_PUB_STREAM_RECV_WINDOW",
+        kind: Kind::Size { min: RECV_WINDOW_MIN, max: RECV_WINDOW_MAX },
+        default: Fixed("8MiB"),
+        restart: Restart::Broker,
+        doc: "QUIC receive window the broker grants each client-opened stream.",
+    }
+    ingress_queue_depth {
+        env: "FELIX_INGRESS_QUEUE_DEPTH",
+        kind: Kind::Count { min: INGRESS_QUEUE_DEPTH_MIN, max: INGRESS_QUEUE_DEPTH_MAX },
+        default: Fixed("512"),
+        restart: Restart::Broker,
+        doc: "Publish jobs one data-plane core holds from admission until they complete; \
+              when full, publishes are shed, wait or are refused (see docs/operations.md).",
+    }
+    ingress_byte_budget {
+        env: "FELIX_INGRESS_BYTE_BUDGET",
+        kind: Kind::Size { min: 0, max: INGRESS_BYTE_BUDGET_MAX },
+        default: Fixed("64MiB"),
+        restart: Restart::Broker,
+        doc: "Payload bytes of the publish jobs one data-plane core holds; a single larger \
+              job is admitted only when the queue is empty.",
+    }
+    pub_ingress_wait {
+        env: "FELIX_PUB_INGRESS_WAIT",
+        kind: Kind::Bool,
+        default: Fixed("0"),
+        restart: Restart::Broker,
+        doc: "When the ingress queue is full, fire-and-forget publishes wait for room \
+              instead of being shed (and counted).",
+    }
+    ack_on_commit {
+        env: "FELIX_ACK_ON_COMMIT",
+        kind: Kind::Bool,
+        default: Fixed("0"),
+        restart: Restart::Broker,
+        doc: "Ack after the write is committed; such acked publishes wait up to \
+              FELIX_PUBLISH_QUEUE_WAIT_MS for ingress room instead of being refused at once.",
+    }
+    publish_queue_wait_ms {
+        env: "FELIX_PUBLISH_QUEUE_WAIT_MS",
+        kind: Kind::Count { min: 0, max: PUBLISH_QUEUE_WAIT_MS_MAX },
+        default: Fixed("2000"),
+        restart: Restart::Broker,
+        doc: "Milliseconds an ack-on-commit publish waits for ingress room before it is \
+              refused with `publish ingress byte budget exhausted`.",
+    }
     // ---- client / CLI ----
     addr {
         env: "FELIX_ADDR",
@@ -293,5 +414,14 @@ settings! {
         default: Fixed("4MiB"),
         restart: Restart::PerCommand,
         doc: "Client publish budget: payload bytes sent and not yet acknowledged.",
+    }
+    pub_shard_streams {
+        env: "FELIX_PUB_SHARD_STREAMS",
+        kind: Kind::Count { min: 0, max: PUB_SHARD_STREAMS_MAX },
+        default: Fixed("4"),
+        restart: Restart::PerCommand,
+        doc: "Client publish streams per connection, assigned to shards first come first \
+              served (shard i of the order seen uses stream i % count); 0 = a pool used \
+              round-robin.",
     }
 }

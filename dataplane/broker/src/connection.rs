@@ -13,7 +13,9 @@ use felix_wire::{Delivery, ErrorCode, ErrorFrame, Frame, Subscribed, WireError};
 use s2n_quic::connection::Connection;
 use s2n_quic::stream::{BidirectionalStream, ReceiveStream, SendStream};
 
-use crate::core_runtime::{CoreState, Next, Registered, frame_name};
+use tokio::sync::mpsc;
+
+use crate::core_runtime::{Batch, CoreState, Next, PublishOutcome, Registered, frame_name};
 
 /// Time a new connection has to open its first stream and send `Hello`: generous for a slow
 /// client, short enough that idle handshakes do not pile up.
@@ -257,7 +259,14 @@ async fn serve_stream(state: Rc<CoreState>, stream: BidirectionalStream) {
     }
 }
 
-/// A request stream: decode pipelined frames, answer each on the same stream, in order.
+/// Publishes a request stream handles before it yields to the core's other tasks, so one
+/// busy publisher cannot starve the rest.
+const PUBLISHES_PER_YIELD: u32 = 64;
+
+/// A request stream: decode pipelined frames and answer each on the same stream. Publishes
+/// whose records go to other cores are answered later, through `completions`; the stream is
+/// finished only once every such answer is written. A publish waiting for ingress room holds
+/// up the later frames of this stream only (other streams have their own tasks).
 async fn serve_requests(
     state: Rc<CoreState>,
     mut receive: ReceiveStream,
@@ -268,32 +277,56 @@ async fn serve_requests(
     let mut out = BytesMut::new();
     let mut pending = first;
     let mut chunks_since_yield = 0u32;
+    let mut publishes_since_yield = 0u32;
+    let (completions_tx, mut completions) = mpsc::unbounded_channel::<Frame>();
+    let mut completions_tx = Some(completions_tx);
     loop {
         let mut next = Next::Continue;
-        if let Some(frame) = pending.take() {
-            next = state.handle_request(frame, &mut out);
-        }
         while next == Next::Continue {
-            match state.decoder.decode(&mut buffer) {
-                Ok(Some(frame)) => next = state.handle_request(frame, &mut out),
-                Ok(None) => break,
-                Err(error) => {
-                    tracing::debug!(%error, "undecodable frame; finishing the stream");
-                    state.write_error(
-                        ErrorFrame {
-                            request_id: 0,
-                            code: error.code(),
-                            detail: 0,
-                            message: error.to_string(),
-                        },
-                        &mut out,
-                    );
-                    next = Next::Finish;
+            let frame = match pending.take() {
+                Some(frame) => frame,
+                None => match state.decoder.decode(&mut buffer) {
+                    Ok(Some(frame)) => frame,
+                    Ok(None) => break,
+                    Err(error) => {
+                        tracing::debug!(%error, "undecodable frame; finishing the stream");
+                        state.write_error(
+                            ErrorFrame {
+                                request_id: 0,
+                                code: error.code(),
+                                detail: 0,
+                                message: error.to_string(),
+                            },
+                            &mut out,
+                        );
+                        next = Next::Finish;
+                        break;
+                    }
+                },
+            };
+            next = match frame {
+                Frame::Publish(publish) => {
+                    if let Some(sender) = &completions_tx {
+                        handle_publish(&state, publish, &mut out, sender).await;
+                    }
+                    publishes_since_yield += 1;
+                    if publishes_since_yield >= PUBLISHES_PER_YIELD {
+                        publishes_since_yield = 0;
+                        tokio::task::yield_now().await;
+                    }
+                    Next::Continue
                 }
+                other => state.handle_request(other, &mut out).await,
+            };
+            while let Ok(frame) = completions.try_recv() {
+                felix_wire::encode(&frame, &mut out);
             }
             if out.len() >= ANSWER_FLUSH_BYTES && send.send(out.split().freeze()).await.is_err() {
                 return;
             }
+        }
+        while let Ok(frame) = completions.try_recv() {
+            felix_wire::encode(&frame, &mut out);
         }
         if !out.is_empty() && send.send(out.split().freeze()).await.is_err() {
             return;
@@ -302,41 +335,81 @@ async fn serve_requests(
             let _ = send.finish();
             return;
         }
-        match receive.receive().await {
-            Ok(Some(chunk)) => append(&mut buffer, chunk),
-            Ok(None) => {
-                if !buffer.is_empty() {
-                    refuse_stream(&state, &mut send, &truncated()).await;
+        if completions_tx.is_none() {
+            // The client finished sending: wait for the answers still owed, then finish.
+            match completions.recv().await {
+                Some(frame) => {
+                    felix_wire::encode(&frame, &mut out);
+                    continue;
+                }
+                None => {
+                    let _ = send.finish();
                     return;
                 }
-                // The client is done sending; every answer is written.
-                let _ = send.finish();
-                return;
             }
-            Err(_) => return,
         }
-        chunks_since_yield += 1;
-        if chunks_since_yield >= REQUEST_CHUNKS_PER_YIELD {
-            chunks_since_yield = 0;
-            tokio::task::yield_now().await;
+        tokio::select! {
+            biased;
+            Some(frame) = completions.recv() => felix_wire::encode(&frame, &mut out),
+            received = receive.receive() => match received {
+                Ok(Some(chunk)) => {
+                    append(&mut buffer, chunk);
+                    chunks_since_yield += 1;
+                    if chunks_since_yield >= REQUEST_CHUNKS_PER_YIELD {
+                        chunks_since_yield = 0;
+                        tokio::task::yield_now().await;
+                    }
+                }
+                Ok(None) => {
+                    if !buffer.is_empty() {
+                        refuse_stream(&state, &mut send, &truncated()).await;
+                        return;
+                    }
+                    // Dropping our sender lets `recv` end once the owed answers are in.
+                    completions_tx = None;
+                }
+                Err(_) => return,
+            },
         }
+    }
+}
+
+/// Admits a publish through the core's ingress queue, then runs it.
+async fn handle_publish(
+    state: &Rc<CoreState>,
+    publish: felix_wire::Publish,
+    out: &mut BytesMut,
+    completions: &mpsc::UnboundedSender<Frame>,
+) {
+    let payload_bytes: u64 = publish
+        .records
+        .iter()
+        .map(|record| record.payload.len() as u64)
+        .sum();
+    if state.admit(&publish, payload_bytes, out).await.is_err() {
+        return;
+    }
+    if let PublishOutcome::Done(Some(frame)) =
+        state.publish(publish, payload_bytes, completions).await
+    {
+        felix_wire::encode(&frame, out);
     }
 }
 
 /// Unregisters a subscription when its task ends, however it ends.
 struct SubscriptionGuard {
     state: Rc<CoreState>,
-    id: felix_engine::SubscriptionId,
+    slot: u64,
 }
 
 impl Drop for SubscriptionGuard {
     fn drop(&mut self) {
-        self.state.unsubscribe(self.id);
+        self.state.subscription_closed(self.slot);
     }
 }
 
 /// A subscription stream: `Subscribed`, then `Delivery` frames until the client goes away or
-/// the engine ends the subscription (then `Error` and FIN).
+/// an owner ends the subscription (then `Error` and FIN).
 async fn serve_subscription(
     state: Rc<CoreState>,
     mut receive: ReceiveStream,
@@ -346,7 +419,11 @@ async fn serve_subscription(
 ) {
     let request_id = subscribe.request_id;
     let mut out = BytesMut::new();
-    let Registered { id, start, notify } = match state.subscribe(&subscribe) {
+    let Registered {
+        slot,
+        start,
+        notify,
+    } = match state.subscribe(&subscribe).await {
         Ok(registered) => registered,
         Err(error) => {
             tracing::debug!(%error, stream = subscribe.stream, "subscribe refused");
@@ -359,7 +436,7 @@ async fn serve_subscription(
     };
     let _guard = SubscriptionGuard {
         state: Rc::clone(&state),
-        id,
+        slot,
     };
     if !buffer.is_empty() {
         refuse_after_subscribe(&state, &mut send).await;
@@ -378,20 +455,15 @@ async fn serve_subscription(
     let mut receive_open = true;
     let mut deliveries_since_yield = 0u32;
     loop {
-        if let Some(error) = state.take_ended(id) {
-            tracing::debug!(%error, "subscription ended by the engine");
-            state.write_error(error.to_frame(request_id), &mut out);
-            if send.send(out.split().freeze()).await.is_ok() {
-                let _ = send.finish();
-            }
-            return;
-        }
-        let records = state.poll_delivery(id);
+        let Batch { records, credit } = state.poll_delivery(slot);
         if !records.is_empty() {
             let count = records.len() as u64;
             felix_wire::encode(&Frame::Delivery(Delivery { records }), &mut out);
             if send.send(out.split().freeze()).await.is_err() {
                 return;
+            }
+            if let Some((owner, id)) = credit {
+                state.return_credit(owner, id);
             }
             state.metrics.delivered_records.inc_by(count);
             deliveries_since_yield += 1;
@@ -400,6 +472,15 @@ async fn serve_subscription(
                 tokio::task::yield_now().await;
             }
             continue;
+        }
+        // Records already queued go out before the error that ended the subscription.
+        if let Some(error) = state.take_ended(slot) {
+            tracing::debug!(%error, "subscription ended by an owner core");
+            state.write_error(error.to_frame(request_id), &mut out);
+            if send.send(out.split().freeze()).await.is_ok() {
+                let _ = send.finish();
+            }
+            return;
         }
         tokio::select! {
             () = notify.notified() => {}

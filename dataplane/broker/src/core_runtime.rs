@@ -1,33 +1,49 @@
-//! One data-plane core: a thread running a current-thread tokio runtime and a `LocalSet`, one
-//! s2n-quic server endpoint and one engine. Everything in [`CoreState`] lives on that thread
-//! only (`Rc`, `RefCell`); no lock is taken on the data path. This is the unit the thread-per-core
-//! broker replicates per pinned core.
+//! One data-plane core: a pinned thread running a current-thread tokio runtime and a
+//! `LocalSet`, its s2n-quic endpoints (its own port, plus its listeners on the shared
+//! SO_REUSEPORT port), its engine and its ingress queue. Everything in [`CoreState`] lives on
+//! that thread only (`Rc`, `RefCell`, `Cell`); other cores are reached through the
+//! [`Mesh`](crate::mesh::Mesh) queues only. No lock is taken on the data path.
+//!
+//! Every core's engine holds the whole stream catalogue (every stream with all its shards) but
+//! only ever receives publishes for the shards it owns (`shard % cores`), so the state of a
+//! shard lives on its owner. Catalogue changes go through core 0; describe gathers per-shard
+//! state from the owners; subscriptions register on each owner core, which pushes delivery
+//! batches back under a credit bound.
 
-use std::cell::RefCell;
-use std::collections::HashMap;
+use std::cell::{Cell, RefCell};
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::rc::Rc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::BytesMut;
-use felix_engine::{Engine, EngineConfig, EngineError, EngineEvent, SubscriptionId};
+use felix_engine::{
+    Engine, EngineConfig, EngineError, EngineEvent, ShardState, StreamDescription, SubscriptionId,
+};
 use felix_wire::{
     AckMode, Decoder, DeliveredRecord, ErrorCode, ErrorFrame, Frame, HashKind, HelloOk, Limits,
-    PROTOCOL_VERSION, Publish, ShardInfo, StreamInfo, StreamRoute, StreamSummary,
+    PROTOCOL_VERSION, Publish, Record, ShardAck, ShardInfo, ShardSelection, StartPosition,
+    StreamInfo, StreamRoute, StreamSummary,
 };
 use s2n_quic::Server;
-use tokio::sync::Notify;
+use tokio::io::unix::AsyncFd;
+use tokio::sync::{Notify, mpsc, oneshot};
 
 use crate::BrokerError;
+use crate::admission::{Admission, AdmissionEvent, Decision, Policy, Ticket};
 use crate::connection;
-use crate::metrics::Metrics;
+use crate::mesh::{AdminRequest, CoreMessage, DRAIN_BATCH, Mesh, SPIN_BEFORE_PARK, reset_eventfd};
+use crate::metrics::{CoreMetrics, Metrics};
 use crate::tls::CertificatePair;
+use crate::udp::BoundSocket;
 
 /// Open connections per core beyond which new ones are closed at once with `LimitExceeded`:
 /// bounds per-connection state (tasks, buffers); far above what one core serves usefully.
 const MAX_CONNECTIONS_PER_CORE: usize = 10_000;
-/// Client-opened bidirectional streams per connection (request and subscription streams);
-/// enough for a busy client, small enough that one connection cannot exhaust a core.
+/// Client-opened bidirectional streams per connection (request, publish and subscription
+/// streams); enough for a busy client, small enough that one connection cannot exhaust a core.
 const MAX_STREAMS_PER_CONNECTION: u64 = 256;
 /// How long shutdown waits for connection tasks to end after closing them.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
@@ -42,48 +58,96 @@ pub(crate) const DELIVERY_MAX_BYTES: usize = 1024 * 1024;
 /// A shard map larger than this share of the frame limit is cut short in `HelloOk` (clients
 /// can still describe any stream); half leaves room for the rest of the frame.
 const HELLO_SHARD_MAP_FRAME_SHARE: usize = 2;
+/// Delivery batches an owner core may have in flight to a subscriber core per subscription:
+/// 4 x 1 MiB keeps the subscriber's writer busy while bounding cross-core memory; the rest
+/// waits in the owner's engine queue, where the lag bound applies as for local subscribers.
+const REMOTE_DELIVERY_CREDITS: u32 = 4;
+/// Poll interval of the test-only pause knob (TEST_FELIX_PAUSE_CORE_EXECUTOR).
+const TEST_PAUSE_POLL: Duration = Duration::from_millis(2);
+/// The exact refusal text of SPEC section 3.
+pub(crate) const INGRESS_EXHAUSTED_MESSAGE: &str = "publish ingress byte budget exhausted";
+
+/// Ingress queue settings of one core.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct IngressSettings {
+    pub depth: u64,
+    pub budget_bytes: u64,
+    pub fire_and_forget_waits: bool,
+    pub ack_on_commit: bool,
+    pub commit_wait: Duration,
+}
+
+/// QUIC endpoint settings shared by every endpoint of a core.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct QuicSettings {
+    pub max_mtu: u16,
+    pub conn_recv_window: u64,
+    pub stream_recv_window: u64,
+}
 
 /// What a core needs to start.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(crate) struct CoreSettings {
     pub core_index: u16,
-    pub bind: SocketAddr,
+    pub cpu: usize,
+    pub own_socket: BoundSocket,
+    pub shared_sockets: Vec<BoundSocket>,
+    pub core_ports: Vec<u16>,
     pub limits: Limits,
     pub engine: EngineConfig,
+    pub quic: QuicSettings,
+    pub ingress: IngressSettings,
+    /// Test-only: while this file exists, cores other than 0 leave their inbound queues alone.
+    pub test_pause_file: Option<PathBuf>,
+}
+
+/// What a core reports once it is pinned and its endpoints listen.
+#[derive(Debug, Clone)]
+pub struct CoreReport {
+    pub index: u16,
+    pub cpu: usize,
+    /// The thread's allowed CPUs read back with sched_getaffinity after pinning.
+    pub allowed_cpus: Vec<usize>,
+    pub own_addr: SocketAddr,
+    pub shared_addrs: Vec<SocketAddr>,
+    /// Effective SO_RCVBUF / SO_SNDBUF of the own-port socket, as the kernel reports them.
+    pub recv_buffer_bytes: usize,
+    pub send_buffer_bytes: usize,
 }
 
 /// A running core thread.
 pub struct CoreRuntime {
-    local_addr: SocketAddr,
+    report: CoreReport,
     thread: std::thread::JoinHandle<Result<(), BrokerError>>,
 }
 
 impl std::fmt::Debug for CoreRuntime {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CoreRuntime")
-            .field("local_addr", &self.local_addr)
+            .field("report", &self.report)
             .finish_non_exhaustive()
     }
 }
 
 impl CoreRuntime {
-    /// Starts the core thread and returns once its endpoint is bound (or failed to bind).
+    /// Starts the core thread and returns once it is pinned and its endpoints are started.
     pub(crate) fn spawn(
         settings: CoreSettings,
         pair: CertificatePair,
         metrics: Metrics,
+        mesh: Arc<Mesh>,
         shutdown: tokio::sync::watch::Receiver<bool>,
     ) -> Result<CoreRuntime, BrokerError> {
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
         let thread = std::thread::Builder::new()
             .name(format!("felix-core-{}", settings.core_index))
-            .spawn(move || run_thread(settings, pair, metrics, shutdown, ready_tx))
+            .spawn(move || run_thread(settings, pair, metrics, mesh, shutdown, ready_tx))
             .map_err(|source| BrokerError::Thread {
                 name: "felix-core",
                 source,
             })?;
         match ready_rx.recv() {
-            Ok(Ok(local_addr)) => Ok(CoreRuntime { local_addr, thread }),
+            Ok(Ok(report)) => Ok(CoreRuntime { report, thread }),
             Ok(Err(error)) => {
                 let _ = thread.join();
                 Err(error)
@@ -102,8 +166,8 @@ impl CoreRuntime {
     }
 
     #[must_use]
-    pub fn local_addr(&self) -> SocketAddr {
-        self.local_addr
+    pub fn report(&self) -> &CoreReport {
+        &self.report
     }
 
     /// Waits for the core thread to end.
@@ -119,57 +183,129 @@ fn run_thread(
     settings: CoreSettings,
     pair: CertificatePair,
     metrics: Metrics,
+    mesh: Arc<Mesh>,
     shutdown: tokio::sync::watch::Receiver<bool>,
-    ready: std::sync::mpsc::SyncSender<Result<SocketAddr, BrokerError>>,
+    ready: std::sync::mpsc::SyncSender<Result<CoreReport, BrokerError>>,
 ) -> Result<(), BrokerError> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
+    let core_error = |what: &str, error: &dyn std::fmt::Display| {
+        BrokerError::Core(format!("core {}: {what}: {error}", settings.core_index))
+    };
+    // Pin first, then record the tid, so the CPU time read later is this core's only.
+    if let Err(error) = felix_affinity::pin_current_thread(settings.cpu) {
+        let _ = ready.send(Err(core_error("cannot pin the thread", &error)));
+        return Ok(());
+    }
+    let core_metrics = metrics.core(settings.core_index);
+    core_metrics.set_tid(felix_affinity::Tid::current().0);
+    let allowed_cpus = match felix_affinity::current_thread_allowed_cpus() {
+        Ok(cpus) => cpus,
+        Err(error) => {
+            let _ = ready.send(Err(core_error("cannot read the affinity", &error)));
+            return Ok(());
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .map_err(|error| BrokerError::Core(format!("cannot build the tokio runtime: {error}")))?;
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            let _ = ready.send(Err(core_error("cannot build the tokio runtime", &error)));
+            return Ok(());
+        }
+    };
     let local = tokio::task::LocalSet::new();
     local.block_on(&runtime, async move {
-        let server = match start_endpoint(&settings, &pair) {
-            Ok(server) => server,
+        let CoreSettings {
+            core_index,
+            cpu,
+            own_socket,
+            shared_sockets,
+            core_ports,
+            limits,
+            engine,
+            quic,
+            ingress,
+            test_pause_file,
+        } = settings;
+        let own_addr = own_socket.local_addr;
+        let recv_buffer_bytes = own_socket.recv_buffer_bytes;
+        let send_buffer_bytes = own_socket.send_buffer_bytes;
+        let shared_addrs: Vec<SocketAddr> = shared_sockets
+            .iter()
+            .map(|socket| socket.local_addr)
+            .collect();
+        let mut servers = Vec::with_capacity(1 + shared_sockets.len());
+        for socket in std::iter::once(own_socket).chain(shared_sockets) {
+            match start_endpoint(socket, &pair, quic) {
+                Ok(server) => servers.push(server),
+                Err(error) => {
+                    let _ = ready.send(Err(error));
+                    return Ok(());
+                }
+            }
+        }
+        let eventfd = match mesh.eventfd_of(core_index).and_then(|fd| {
+            // SAFETY: `fd` is an OwnedFd this AsyncFd takes by value: it stays open exactly as
+            // long as the registration and nothing else can close it under the reactor.
+            unsafe { AsyncFd::register(fd) }.map_err(std::io::Error::from)
+        }) {
+            Ok(fd) => fd,
             Err(error) => {
-                let _ = ready.send(Err(error));
+                let _ = ready.send(Err(core_error("cannot watch the wake-up eventfd", &error)));
                 return Ok(());
             }
         };
-        let local_addr = server.local_addr().map_err(|error| BrokerError::QuicBind {
-            addr: settings.bind,
-            reason: error.to_string(),
-        });
-        let local_addr = match local_addr {
-            Ok(addr) => addr,
-            Err(error) => {
-                let _ = ready.send(Err(error));
-                return Ok(());
-            }
-        };
-        let state = Rc::new(CoreState::new(&settings, local_addr.port(), metrics));
-        let _ = ready.send(Ok(local_addr));
-        tracing::info!(core = settings.core_index, %local_addr, "core serving");
-        serve(state, server, shutdown).await;
+        let state = Rc::new(CoreState::new(
+            core_index,
+            &mesh,
+            core_ports,
+            limits,
+            engine,
+            ingress,
+            metrics,
+            core_metrics,
+        ));
+        let _ = ready.send(Ok(CoreReport {
+            index: core_index,
+            cpu,
+            allowed_cpus,
+            own_addr,
+            shared_addrs,
+            recv_buffer_bytes,
+            send_buffer_bytes,
+        }));
+        tracing::info!(core = core_index, cpu, %own_addr, "core serving");
+        tokio::task::spawn_local(pump(Rc::clone(&state), eventfd, test_pause_file));
+        serve(state, servers, shutdown).await;
         Ok(())
     })
 }
 
-fn start_endpoint(settings: &CoreSettings, pair: &CertificatePair) -> Result<Server, BrokerError> {
-    let bind_error = |reason: String| BrokerError::QuicBind {
-        addr: settings.bind,
-        reason,
-    };
+fn start_endpoint(
+    socket: BoundSocket,
+    pair: &CertificatePair,
+    quic: QuicSettings,
+) -> Result<Server, BrokerError> {
+    let addr = socket.local_addr;
+    let bind_error = |reason: String| BrokerError::QuicBind { addr, reason };
     let tls = s2n_quic::provider::tls::default::Server::builder()
         .with_certificate(pair.cert_pem.as_str(), pair.key_pem.as_str())
         .and_then(|builder| builder.with_application_protocols([felix_wire::ALPN]))
         .and_then(|builder| builder.build())
         .map_err(|error| BrokerError::Tls(error.to_string()))?;
     let io = s2n_quic::provider::io::tokio::Builder::default()
-        .with_receive_address(settings.bind)
+        .with_rx_socket(socket.socket)
+        .and_then(|builder| builder.with_gso(true))
+        .and_then(|builder| builder.with_gro(true))
+        .and_then(|builder| builder.with_max_mtu(quic.max_mtu))
         .and_then(|builder| builder.build())
         .map_err(|error| bind_error(error.to_string()))?;
     let limits = s2n_quic::provider::limits::Limits::new()
         .with_max_open_remote_bidirectional_streams(MAX_STREAMS_PER_CONNECTION)
+        .and_then(|limits| limits.with_data_window(quic.conn_recv_window))
+        .and_then(|limits| limits.with_bidirectional_remote_data_window(quic.stream_recv_window))
+        .and_then(|limits| limits.with_bidirectional_local_data_window(quic.stream_recv_window))
         .map_err(|error| bind_error(error.to_string()))?;
     Server::builder()
         .with_tls(tls)
@@ -182,39 +318,46 @@ fn start_endpoint(settings: &CoreSettings, pair: &CertificatePair) -> Result<Ser
         .map_err(|error| bind_error(error.to_string()))
 }
 
+async fn accept_loop(state: Rc<CoreState>, mut server: Server) {
+    while let Some(connection) = server.accept().await {
+        if state.connections.borrow().len() >= MAX_CONNECTIONS_PER_CORE {
+            tracing::warn!(
+                max = MAX_CONNECTIONS_PER_CORE,
+                "connection refused: too many connections"
+            );
+            state.metrics.error(ErrorCode::LimitExceeded);
+            connection.close(u32::from(ErrorCode::LimitExceeded as u16).into());
+            continue;
+        }
+        tokio::task::spawn_local(connection::serve_connection(Rc::clone(&state), connection));
+    }
+}
+
 async fn serve(
     state: Rc<CoreState>,
-    mut server: Server,
+    servers: Vec<Server>,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
+    let accept_tasks: Vec<_> = servers
+        .into_iter()
+        .map(|server| tokio::task::spawn_local(accept_loop(Rc::clone(&state), server)))
+        .collect();
     loop {
-        tokio::select! {
-            accepted = server.accept() => {
-                let Some(connection) = accepted else { break };
-                if state.connections.borrow().len() >= MAX_CONNECTIONS_PER_CORE {
-                    tracing::warn!(max = MAX_CONNECTIONS_PER_CORE, "connection refused: too many connections");
-                    state.metrics.error(ErrorCode::LimitExceeded);
-                    connection.close(u32::from(ErrorCode::LimitExceeded as u16).into());
-                    continue;
-                }
-                tokio::task::spawn_local(connection::serve_connection(Rc::clone(&state), connection));
-            }
-            changed = shutdown.changed() => {
-                // An error means every trigger is gone: nobody can ask us to stop any more,
-                // so stop now rather than run unowned.
-                if changed.is_err() || *shutdown.borrow() {
-                    break;
-                }
-            }
+        // An error means every trigger is gone: nobody can ask us to stop any more, so stop
+        // now rather than run unowned.
+        if shutdown.changed().await.is_err() || *shutdown.borrow() {
+            break;
         }
     }
-    tracing::info!("shutting down: closing connections");
+    tracing::info!(core = state.index, "shutting down: closing connections");
     let handles: Vec<s2n_quic::connection::Handle> =
         state.connections.borrow().values().cloned().collect();
     for handle in &handles {
         handle.close(u32::from(ErrorCode::ShuttingDown as u16).into());
     }
-    drop(server);
+    for task in &accept_tasks {
+        task.abort();
+    }
     let all_closed = async {
         while !state.connections.borrow().is_empty() {
             state.connections_changed.notified().await;
@@ -229,6 +372,57 @@ async fn serve(
     tokio::time::sleep(CLOSE_PACKET_LINGER).await;
 }
 
+/// The core's message pump: drains its inbound queues in batches, spins briefly when idle,
+/// then parks on its eventfd.
+async fn pump(
+    state: Rc<CoreState>,
+    eventfd: AsyncFd<std::os::fd::OwnedFd>,
+    pause: Option<PathBuf>,
+) {
+    let mesh = Rc::clone(&state.mesh_handle);
+    let index = state.index;
+    let mut batch = Vec::with_capacity(DRAIN_BATCH);
+    let mut idle_since = Instant::now();
+    loop {
+        if index != 0
+            && let Some(path) = &pause
+        {
+            while path.exists() {
+                tokio::time::sleep(TEST_PAUSE_POLL).await;
+            }
+        }
+        state.flush_overflow();
+        mesh.drain(index, DRAIN_BATCH, &mut batch);
+        if !batch.is_empty() {
+            for message in batch.drain(..) {
+                state.handle_message(message);
+            }
+            idle_since = Instant::now();
+            tokio::task::yield_now().await;
+            continue;
+        }
+        if idle_since.elapsed() < SPIN_BEFORE_PARK || state.has_overflow() {
+            tokio::task::yield_now().await;
+            continue;
+        }
+        if !mesh.park(index) {
+            continue;
+        }
+        match eventfd.readable().await {
+            Ok(mut guard) => {
+                reset_eventfd(guard.get_inner());
+                guard.clear_ready();
+            }
+            Err(error) => {
+                tracing::error!(%error, "wake-up eventfd failed; polling instead");
+                tokio::time::sleep(SPIN_BEFORE_PARK).await;
+            }
+        }
+        mesh.unpark(index);
+        idle_since = Instant::now();
+    }
+}
+
 /// Microseconds since the Unix epoch (0 if the clock is before 1970).
 fn now_us() -> u64 {
     SystemTime::now()
@@ -237,20 +431,38 @@ fn now_us() -> u64 {
         .unwrap_or(0)
 }
 
-/// A subscription's link between the engine's events and its stream task.
+/// A subscription served by a stream task of this core, fed by this core's engine (shards it
+/// owns) and by owner cores (`remote` batches).
 struct SubscriptionSlot {
     notify: Rc<Notify>,
-    /// Set when the engine ended the subscription (lagged, stream deleted).
+    /// Set when an owner ended the subscription (lagged, stream deleted).
     ended: Option<EngineError>,
+    local: Option<SubscriptionId>,
+    remotes: Vec<(u16, SubscriptionId)>,
+    /// Batches from owner cores; bounded by REMOTE_DELIVERY_CREDITS per owner.
+    remote_batches: VecDeque<(u16, SubscriptionId, Vec<DeliveredRecord>)>,
+}
+
+/// An owner-side subscription whose records go to another core.
+struct RemoteSubscription {
+    to: u16,
+    slot: u64,
+    credits: u32,
 }
 
 /// A subscription registered for a stream task.
 pub(crate) struct Registered {
-    pub id: SubscriptionId,
+    pub slot: u64,
     /// `(shard, first offset delivered)` per subscribed shard.
     pub start: Vec<(u32, u64)>,
-    /// Woken when records are queued or the engine ended the subscription.
+    /// Woken when records are queued or an owner ended the subscription.
     pub notify: Rc<Notify>,
+}
+
+/// A delivery batch and, if it came from another core, whom to give the credit back.
+pub(crate) struct Batch {
+    pub records: Vec<DeliveredRecord>,
+    pub credit: Option<(u16, SubscriptionId)>,
 }
 
 /// Whether a request stream goes on after a frame.
@@ -262,38 +474,185 @@ pub(crate) enum Next {
 }
 
 /// Per-core state shared by this core's tasks. Never leaves the core thread. No `RefCell`
-/// borrow is ever held across an `.await`: every method here is synchronous.
+/// borrow is ever held across an `.await`.
 pub(crate) struct CoreState {
-    pub engine: Rc<RefCell<Engine>>,
-    subscriptions: RefCell<HashMap<SubscriptionId, SubscriptionSlot>>,
+    pub index: u16,
+    core_count: u16,
+    engine: RefCell<Engine>,
+    slots: RefCell<HashMap<u64, SubscriptionSlot>>,
+    /// This core's engine subscriptions serving a local slot.
+    local_subscriptions: RefCell<HashMap<SubscriptionId, u64>>,
+    /// This core's engine subscriptions serving a slot on another core.
+    remote_subscriptions: RefCell<HashMap<SubscriptionId, RemoteSubscription>>,
+    /// Requests sent to other cores, by token, waiting for their answer.
+    pending: RefCell<HashMap<u64, oneshot::Sender<CoreMessage>>>,
+    next_token: Cell<u64>,
+    mesh_handle: Rc<MeshHandle>,
+    /// Messages that found their queue full, per destination, sent first by the pump (FIFO
+    /// per pair is kept: once something waits here, later sends queue behind it). Only
+    /// answers, credits and deliveries land here; each is bounded by the requests or credits
+    /// that caused it. Publishes wait for room instead ([`CoreState::send`]).
+    overflow: RefCell<Vec<VecDeque<CoreMessage>>>,
+    admission: RefCell<Admission>,
+    /// Parked publishes by ticket, with the payload bytes they asked for.
+    admission_waiters: RefCell<HashMap<Ticket, (oneshot::Sender<bool>, u64)>>,
+    ingress: IngressSettings,
     /// Open connections by id, so shutdown can close them.
     pub connections: RefCell<HashMap<u64, s2n_quic::connection::Handle>>,
     /// Notified whenever a connection leaves `connections`.
     pub connections_changed: Notify,
     pub metrics: Metrics,
+    pub core_metrics: CoreMetrics,
     pub limits: Limits,
     pub decoder: Decoder,
-    core_index: u16,
     core_ports: Vec<u16>,
 }
 
+/// The mesh as one core sees it.
+pub(crate) struct MeshHandle {
+    mesh: Arc<Mesh>,
+}
+
+impl std::ops::Deref for MeshHandle {
+    type Target = Mesh;
+    fn deref(&self) -> &Mesh {
+        &self.mesh
+    }
+}
+
+/// What a publish turned into once admitted.
+pub(crate) enum PublishOutcome {
+    /// Answer now (or nothing, for fire-and-forget).
+    Done(Option<Frame>),
+    /// Parts went to other cores; the answer comes later through the stream's completions.
+    Pending,
+}
+
 impl CoreState {
-    fn new(settings: &CoreSettings, port: u16, metrics: Metrics) -> CoreState {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        index: u16,
+        mesh: &Arc<Mesh>,
+        core_ports: Vec<u16>,
+        limits: Limits,
+        engine: EngineConfig,
+        ingress: IngressSettings,
+        metrics: Metrics,
+        core_metrics: CoreMetrics,
+    ) -> CoreState {
+        let core_count = mesh.cores();
         CoreState {
-            engine: Rc::new(RefCell::new(Engine::new(settings.engine))),
-            subscriptions: RefCell::new(HashMap::new()),
+            index,
+            core_count,
+            engine: RefCell::new(Engine::new(engine)),
+            slots: RefCell::new(HashMap::new()),
+            local_subscriptions: RefCell::new(HashMap::new()),
+            remote_subscriptions: RefCell::new(HashMap::new()),
+            pending: RefCell::new(HashMap::new()),
+            next_token: Cell::new(1),
+            mesh_handle: Rc::new(MeshHandle {
+                mesh: Arc::clone(mesh),
+            }),
+            overflow: RefCell::new((0..core_count).map(|_| VecDeque::new()).collect()),
+            admission: RefCell::new(Admission::new(ingress.depth, ingress.budget_bytes)),
+            admission_waiters: RefCell::new(HashMap::new()),
+            ingress,
             connections: RefCell::new(HashMap::new()),
             connections_changed: Notify::new(),
             metrics,
-            limits: settings.limits,
-            decoder: Decoder::new(settings.limits),
-            core_index: settings.core_index,
-            core_ports: vec![port],
+            core_metrics,
+            limits,
+            decoder: Decoder::new(limits),
+            core_ports,
         }
     }
 
-    /// The handshake answer: version, limits, ports, and every stream's route (all shards on
-    /// this core).
+    fn token(&self) -> u64 {
+        let token = self.next_token.get();
+        self.next_token.set(token + 1);
+        token
+    }
+
+    fn owner(&self, shard: u32) -> u16 {
+        felix_affinity::shard_core(shard, self.core_count)
+    }
+
+    // ---- sending ----
+
+    /// Sends without waiting: straight into the queue, or behind earlier overflow.
+    fn send_now(&self, to: u16, message: CoreMessage) {
+        let mut overflow = self.overflow.borrow_mut();
+        let waiting = &mut overflow[usize::from(to)];
+        if !waiting.is_empty() {
+            waiting.push_back(message);
+            return;
+        }
+        if let Err(message) = self.mesh_handle.try_send(self.index, to, message) {
+            waiting.push_back(message);
+        }
+    }
+
+    /// Sends, waiting (yielding) while the destination queue is full: backpressure.
+    async fn send(&self, to: u16, message: CoreMessage) {
+        let mut message = message;
+        loop {
+            let blocked = !self.overflow.borrow()[usize::from(to)].is_empty();
+            if !blocked {
+                match self.mesh_handle.try_send(self.index, to, message) {
+                    Ok(()) => return,
+                    Err(back) => message = back,
+                }
+            }
+            tokio::task::yield_now().await;
+            self.flush_overflow();
+        }
+    }
+
+    fn has_overflow(&self) -> bool {
+        self.overflow.borrow().iter().any(|queue| !queue.is_empty())
+    }
+
+    fn flush_overflow(&self) {
+        let mut overflow = self.overflow.borrow_mut();
+        for (to, waiting) in overflow.iter_mut().enumerate() {
+            // Core indices fit u16: the overflow has one entry per core.
+            let to = u16::try_from(to).unwrap_or(u16::MAX);
+            while let Some(message) = waiting.pop_front() {
+                if let Err(message) = self.mesh_handle.try_send(self.index, to, message) {
+                    waiting.push_front(message);
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Sends a request and returns the receiver of its answer.
+    async fn request(
+        &self,
+        to: u16,
+        build: impl FnOnce(u64) -> CoreMessage,
+    ) -> oneshot::Receiver<CoreMessage> {
+        let token = self.token();
+        let (sender, receiver) = oneshot::channel();
+        self.pending.borrow_mut().insert(token, sender);
+        self.send(to, build(token)).await;
+        receiver
+    }
+
+    /// Hands an answer to the task that asked; it may be gone (connection closed).
+    fn answer(&self, token: u64, message: CoreMessage) {
+        let waiter = self.pending.borrow_mut().remove(&token);
+        match waiter {
+            Some(waiter) => {
+                let _ = waiter.send(message);
+            }
+            None => tracing::debug!(token, "answer for a forgotten request"),
+        }
+    }
+
+    // ---- handshake ----
+
+    /// The handshake answer: version, limits, every core's own port, and every stream's route.
     pub fn hello_ok(&self) -> HelloOk {
         let streams = self.engine.borrow().list_streams();
         let budget = usize::try_from(self.limits.max_frame_bytes).unwrap_or(usize::MAX)
@@ -315,7 +674,7 @@ impl CoreState {
                 kind,
                 shard_count,
                 hash: HashKind::Fnv1a64Mod,
-                shard_cores: vec![self.core_index; usize::try_from(shard_count).unwrap_or(0)],
+                shard_cores: (0..shard_count).map(|shard| self.owner(shard)).collect(),
             });
         }
         HelloOk {
@@ -333,28 +692,25 @@ impl CoreState {
         felix_wire::encode(&Frame::Error(frame), out);
     }
 
-    /// Handles one frame of a request stream, appending its answer (if any) to `out`.
-    pub fn handle_request(&self, frame: Frame, out: &mut BytesMut) -> Next {
+    // ---- requests ----
+
+    /// Handles one non-publish frame of a request stream, appending its answer to `out`.
+    pub async fn handle_request(self: &Rc<Self>, frame: Frame, out: &mut BytesMut) -> Next {
         match frame {
-            Frame::Publish(publish) => {
-                self.publish(publish, out);
-                Next::Continue
-            }
             Frame::CreateStream(create) => {
-                let result = self.engine.borrow_mut().create_stream(
-                    &create.name,
-                    create.shard_count,
-                    create.kind,
-                );
-                match result {
+                let request = AdminRequest::Create {
+                    name: create.name,
+                    shard_count: create.shard_count,
+                    kind: create.kind,
+                };
+                match self.admin(request).await {
                     Ok(description) => self.write_stream_info(create.request_id, description, out),
                     Err(error) => self.write_error(error.to_frame(create.request_id), out),
                 }
                 Next::Continue
             }
             Frame::DescribeStream { request_id, name } => {
-                let result = self.engine.borrow().describe_stream(&name);
-                match result {
+                match self.describe(&name).await {
                     Ok(description) => self.write_stream_info(request_id, description, out),
                     Err(error) => self.write_error(error.to_frame(request_id), out),
                 }
@@ -382,12 +738,10 @@ impl CoreState {
                 Next::Continue
             }
             Frame::DeleteStream { request_id, name } => {
-                let result = self.engine.borrow_mut().delete_stream(&name);
-                match result {
-                    Ok(()) => felix_wire::encode(&Frame::Done { request_id }, out),
+                match self.admin(AdminRequest::Delete { name }).await {
+                    Ok(_) => felix_wire::encode(&Frame::Done { request_id }, out),
                     Err(error) => self.write_error(error.to_frame(request_id), out),
                 }
-                self.dispatch_events();
                 Next::Continue
             }
             Frame::Subscribe(subscribe) => {
@@ -424,7 +778,7 @@ impl CoreState {
     fn write_stream_info(
         &self,
         request_id: u64,
-        description: felix_engine::StreamDescription,
+        description: StreamDescription,
         out: &mut BytesMut,
     ) {
         let shards = description
@@ -432,7 +786,7 @@ impl CoreState {
             .iter()
             .map(|shard| ShardInfo {
                 shard: shard.shard,
-                core: self.core_index,
+                core: self.owner(shard.shard),
                 oldest_offset: shard.oldest_offset,
                 next_offset: shard.next_offset,
             })
@@ -447,106 +801,579 @@ impl CoreState {
         felix_wire::encode(&Frame::StreamInfo(info), out);
     }
 
-    fn publish(&self, publish: Publish, out: &mut BytesMut) {
+    // ---- catalogue (serialized through core 0) ----
+
+    async fn admin(
+        self: &Rc<Self>,
+        request: AdminRequest,
+    ) -> Result<StreamDescription, EngineError> {
+        if self.index == 0 {
+            return self.admin_on_core_zero(request).await;
+        }
+        let from = self.index;
+        let answer = self
+            .request(0, |token| CoreMessage::Admin {
+                from,
+                token,
+                request,
+            })
+            .await;
+        match answer.await {
+            Ok(CoreMessage::AdminDone { result, .. }) => result,
+            _ => Err(shutting_down()),
+        }
+    }
+
+    /// Core 0: validate and apply locally, then on every other core; answer once all applied.
+    async fn admin_on_core_zero(
+        self: &Rc<Self>,
+        request: AdminRequest,
+    ) -> Result<StreamDescription, EngineError> {
+        assert_eq!(
+            self.index, 0,
+            "catalogue changes are serialized through core 0"
+        );
+        let result = self.apply(&request);
+        let description = result?;
+        let mut answers = Vec::with_capacity(usize::from(self.core_count));
+        for core in 1..self.core_count {
+            let request = request.clone();
+            answers.push(
+                self.request(core, |token| CoreMessage::Apply { token, request })
+                    .await,
+            );
+        }
+        for answer in answers {
+            if !matches!(answer.await, Ok(CoreMessage::Applied { .. })) {
+                return Err(shutting_down());
+            }
+        }
+        Ok(description)
+    }
+
+    /// Applies a catalogue change to this core's engine.
+    fn apply(&self, request: &AdminRequest) -> Result<StreamDescription, EngineError> {
+        let result = match request {
+            AdminRequest::Create {
+                name,
+                shard_count,
+                kind,
+            } => self
+                .engine
+                .borrow_mut()
+                .create_stream(name, *shard_count, *kind),
+            AdminRequest::Delete { name } => {
+                let described = self.engine.borrow().describe_stream(name);
+                described.and_then(|description| {
+                    self.engine.borrow_mut().delete_stream(name)?;
+                    Ok(description)
+                })
+            }
+        };
+        self.dispatch_events();
+        result
+    }
+
+    /// The stream with each shard's state taken from its owner core.
+    async fn describe(self: &Rc<Self>, name: &str) -> Result<StreamDescription, EngineError> {
+        let mut description = self.engine.borrow().describe_stream(name)?;
+        let mut answers = Vec::new();
+        for core in 0..self.core_count {
+            if core == self.index || u32::from(core) >= description.shards.len() as u32 {
+                continue;
+            }
+            let from = self.index;
+            let stream = name.to_owned();
+            answers.push(
+                self.request(core, |token| CoreMessage::Describe {
+                    from,
+                    token,
+                    stream,
+                })
+                .await,
+            );
+        }
+        for answer in answers {
+            match answer.await {
+                Ok(CoreMessage::DescribeDone { result, .. }) => {
+                    for state in result? {
+                        if let Some(slot) = description.shards.get_mut(state.shard as usize) {
+                            *slot = state;
+                        }
+                    }
+                }
+                _ => return Err(shutting_down()),
+            }
+        }
+        Ok(description)
+    }
+
+    // ---- publishing ----
+
+    /// Admits a publish through this core's ingress queue, waiting if its policy says so.
+    /// `Err(())` means it was shed or refused (already answered into `out` / counted).
+    pub async fn admit(
+        &self,
+        publish: &Publish,
+        payload_bytes: u64,
+        out: &mut BytesMut,
+    ) -> Result<(), ()> {
+        let now = Instant::now();
+        let policy = match publish.ack {
+            AckMode::FireAndForget if self.ingress.fire_and_forget_waits => {
+                Policy::Wait { deadline: None }
+            }
+            AckMode::FireAndForget => Policy::Shed,
+            AckMode::Acked if self.ingress.ack_on_commit => Policy::Wait {
+                deadline: Some(now + self.ingress.commit_wait),
+            },
+            AckMode::Acked => Policy::Refuse,
+        };
+        let decision = self
+            .admission
+            .borrow_mut()
+            .handle_request(now, payload_bytes, policy);
+        self.dispatch_admission();
+        let admitted = match decision {
+            Decision::Admitted => true,
+            Decision::Shed => false,
+            Decision::Refused => false,
+            Decision::Waiting(ticket) => {
+                self.core_metrics.waits.inc();
+                let (sender, mut receiver) = oneshot::channel();
+                self.admission_waiters
+                    .borrow_mut()
+                    .insert(ticket, (sender, payload_bytes));
+                let waited = match policy {
+                    Policy::Wait {
+                        deadline: Some(deadline),
+                    } => tokio::time::timeout_at(deadline.into(), &mut receiver)
+                        .await
+                        .ok(),
+                    _ => Some((&mut receiver).await),
+                };
+                match waited {
+                    Some(Ok(admitted)) => admitted,
+                    Some(Err(_)) => false,
+                    None => {
+                        // Deadline: expire it in the queue; it may have been admitted just now.
+                        self.admission.borrow_mut().handle_timeout(Instant::now());
+                        self.dispatch_admission();
+                        receiver.try_recv().unwrap_or(false)
+                    }
+                }
+            }
+        };
+        if admitted {
+            self.core_metrics.ingress_depth.inc();
+            self.metrics.ingress_depth.inc();
+            return Ok(());
+        }
+        match publish.ack {
+            AckMode::FireAndForget => {
+                self.core_metrics.shed.inc();
+                self.metrics.publishes_shed.inc();
+            }
+            AckMode::Acked => {
+                self.core_metrics.refused.inc();
+                self.metrics.publishes_refused.inc();
+                self.write_error(
+                    ErrorFrame {
+                        request_id: publish.request_id,
+                        code: ErrorCode::IngressBudgetExhausted,
+                        detail: 0,
+                        message: INGRESS_EXHAUSTED_MESSAGE.to_owned(),
+                    },
+                    out,
+                );
+            }
+        }
+        Err(())
+    }
+
+    /// Wakes the waiters the admission queue admitted or expired.
+    fn dispatch_admission(&self) {
+        loop {
+            let event = self.admission.borrow_mut().poll_event();
+            let Some(event) = event else { break };
+            let (ticket, admitted) = match event {
+                AdmissionEvent::Admitted(ticket) => (ticket, true),
+                AdmissionEvent::Expired(ticket) => (ticket, false),
+            };
+            let waiter = self.admission_waiters.borrow_mut().remove(&ticket);
+            if let Some((waiter, bytes)) = waiter
+                && waiter.send(admitted).is_err()
+                && admitted
+            {
+                // The publisher went away after being admitted: give the room back.
+                tracing::debug!("admitted waiter went away");
+                self.admission
+                    .borrow_mut()
+                    .handle_complete(Instant::now(), bytes);
+            }
+        }
+    }
+
+    /// An admitted publish finished (applied, or answered by its owners).
+    fn complete_job(&self, payload_bytes: u64) {
+        self.admission
+            .borrow_mut()
+            .handle_complete(Instant::now(), payload_bytes);
+        self.core_metrics.ingress_depth.dec();
+        self.metrics.ingress_depth.dec();
+        self.dispatch_admission();
+    }
+
+    /// Runs an admitted publish: the locally owned records go to this engine, the rest to their
+    /// owners; the merged answer is returned or sent to `completions` later.
+    pub async fn publish(
+        self: &Rc<Self>,
+        publish: Publish,
+        payload_bytes: u64,
+        completions: &mpsc::UnboundedSender<Frame>,
+    ) -> PublishOutcome {
         let Publish {
             request_id,
             ack,
             stream,
             records,
         } = publish;
-        let payload_bytes: u64 = records
-            .iter()
-            .map(|record| record.payload.len() as u64)
-            .sum();
         let record_count = records.len() as u64;
-        let result = self.engine.borrow_mut().publish(now_us(), &stream, records);
+        self.core_metrics.publishes.inc();
+        let now = now_us();
+        let shard_count = self.engine.borrow().shard_count(&stream);
+        let split = match shard_count {
+            Some(count) if self.core_count > 1 => self.split(records, count),
+            // One core, or an unknown stream (the engine answers StreamNotFound).
+            _ => Split::Local(records),
+        };
+        match split {
+            Split::Local(records) => {
+                let result = self.engine.borrow_mut().publish(now, &stream, records);
+                self.dispatch_events();
+                self.complete_job(payload_bytes);
+                PublishOutcome::Done(self.finish_publish(
+                    request_id,
+                    ack,
+                    result,
+                    payload_bytes,
+                    record_count,
+                ))
+            }
+            Split::Spread(parts) => {
+                let mut local_result = Ok(Vec::new());
+                let mut answers = Vec::new();
+                for (core, records) in parts.into_iter().enumerate() {
+                    if records.is_empty() {
+                        continue;
+                    }
+                    // Core indices come from the mesh's u16 core count.
+                    let core = u16::try_from(core).unwrap_or(u16::MAX);
+                    if core == self.index {
+                        local_result = self.engine.borrow_mut().publish(now, &stream, records);
+                        self.dispatch_events();
+                        continue;
+                    }
+                    self.core_metrics.cross_core_hops.inc();
+                    let from = self.index;
+                    let stream = stream.clone();
+                    answers.push(
+                        self.request(core, |token| CoreMessage::Publish {
+                            from,
+                            token,
+                            stream,
+                            records,
+                            now_us: now,
+                        })
+                        .await,
+                    );
+                }
+                let state = Rc::clone(self);
+                let completions = completions.clone();
+                tokio::task::spawn_local(async move {
+                    let mut result = local_result;
+                    for answer in answers {
+                        let part = match answer.await {
+                            Ok(CoreMessage::PublishDone { result, .. }) => result,
+                            _ => Err(shutting_down()),
+                        };
+                        result = match (result, part) {
+                            (Ok(mut acks), Ok(more)) => {
+                                acks.extend(more);
+                                Ok(acks)
+                            }
+                            (Err(error), _) | (Ok(_), Err(error)) => Err(error),
+                        };
+                    }
+                    let result = result.map(|mut acks| {
+                        acks.sort_unstable_by_key(|ack| ack.shard);
+                        acks
+                    });
+                    state.complete_job(payload_bytes);
+                    if let Some(frame) =
+                        state.finish_publish(request_id, ack, result, payload_bytes, record_count)
+                    {
+                        // The stream task may be gone (client reset): nothing to answer then.
+                        let _ = completions.send(frame);
+                    }
+                });
+                PublishOutcome::Pending
+            }
+        }
+    }
+
+    fn split(&self, records: Vec<Record>, shard_count: u32) -> Split {
+        let index = usize::from(self.index);
+        let mut parts: Vec<Vec<Record>> = Vec::new();
+        for (position, record) in records.iter().enumerate() {
+            let core = usize::from(self.owner(felix_wire::shard_for_key(&record.key, shard_count)));
+            if core != index && parts.is_empty() {
+                // First foreign record: from here on, split.
+                parts = (0..self.core_count).map(|_| Vec::new()).collect();
+                parts[index].extend(records[..position].iter().cloned());
+            }
+            if !parts.is_empty() {
+                parts[core].push(record.clone());
+            }
+        }
+        if parts.is_empty() {
+            Split::Local(records)
+        } else {
+            Split::Spread(parts)
+        }
+    }
+
+    /// Counts a finished publish and builds its answer.
+    fn finish_publish(
+        &self,
+        request_id: u64,
+        ack: AckMode,
+        result: Result<Vec<ShardAck>, EngineError>,
+        payload_bytes: u64,
+        record_count: u64,
+    ) -> Option<Frame> {
         match result {
             Ok(shards) => {
                 self.metrics.payload_bytes.inc_by(payload_bytes);
                 self.metrics.records.inc_by(record_count);
+                self.core_metrics.payload_bytes.inc_by(payload_bytes);
+                self.core_metrics.records.inc_by(record_count);
                 match ack {
                     AckMode::Acked => {
                         self.metrics.publishes_acked.inc();
                         self.metrics.acks.inc();
-                        felix_wire::encode(
-                            &Frame::Ack(felix_wire::Ack { request_id, shards }),
-                            out,
-                        );
+                        Some(Frame::Ack(felix_wire::Ack { request_id, shards }))
                     }
                     AckMode::FireAndForget => {
                         self.metrics.publishes_fire_and_forget.inc();
+                        None
                     }
                 }
             }
-            Err(error) => match ack {
-                AckMode::Acked => self.write_error(error.to_frame(request_id), out),
-                AckMode::FireAndForget => {
-                    // No answer, ever: count it and say it in the debug log.
-                    self.metrics.error(error.code);
-                    tracing::debug!(%error, stream, "fire-and-forget publish refused");
+            Err(error) => {
+                self.metrics.error(error.code);
+                match ack {
+                    AckMode::Acked => Some(Frame::Error(error.to_frame(request_id))),
+                    AckMode::FireAndForget => {
+                        tracing::debug!(%error, "fire-and-forget publish refused");
+                        None
+                    }
                 }
-            },
+            }
         }
-        self.dispatch_events();
     }
 
-    /// Registers a subscription for a stream task; catch-up may already be queued.
-    pub fn subscribe(&self, subscribe: &felix_wire::Subscribe) -> Result<Registered, EngineError> {
-        let subscription = self.engine.borrow_mut().subscribe(
-            &subscribe.stream,
-            &subscribe.shards,
-            &subscribe.from,
-        )?;
+    // ---- subscriptions ----
+
+    /// Registers a subscription: locally for the shards this core owns, on each owner core for
+    /// the others. Catch-up may already be queued.
+    pub async fn subscribe(
+        self: &Rc<Self>,
+        subscribe: &felix_wire::Subscribe,
+    ) -> Result<Registered, EngineError> {
+        let shard_count = self
+            .engine
+            .borrow()
+            .shard_count(&subscribe.stream)
+            .ok_or_else(|| {
+                engine_error(
+                    ErrorCode::StreamNotFound,
+                    format!("stream {:?} does not exist", subscribe.stream),
+                )
+            })?;
+        let selected = select_shards(&subscribe.shards, &subscribe.from, shard_count)?;
+        let slot_id = self.token();
         let notify = Rc::new(Notify::new());
-        self.subscriptions.borrow_mut().insert(
-            subscription.id,
+        self.slots.borrow_mut().insert(
+            slot_id,
             SubscriptionSlot {
                 notify: Rc::clone(&notify),
                 ended: None,
+                local: None,
+                remotes: Vec::new(),
+                remote_batches: VecDeque::new(),
             },
         );
+        let mut start = Vec::with_capacity(selected.len());
+        let mut failure = None;
+        for core in 0..self.core_count {
+            let shards: Vec<u32> = selected
+                .iter()
+                .copied()
+                .filter(|&shard| self.owner(shard) == core)
+                .collect();
+            if shards.is_empty() {
+                continue;
+            }
+            let position = match &subscribe.from {
+                StartPosition::Offsets(positions) => StartPosition::Offsets(
+                    positions
+                        .iter()
+                        .copied()
+                        .filter(|(shard, _)| self.owner(*shard) == core)
+                        .collect(),
+                ),
+                other => other.clone(),
+            };
+            let result = if core == self.index {
+                let result = self.engine.borrow_mut().subscribe(
+                    &subscribe.stream,
+                    &ShardSelection::List(shards),
+                    &position,
+                );
+                result.map(|subscription| {
+                    self.local_subscriptions
+                        .borrow_mut()
+                        .insert(subscription.id, slot_id);
+                    if let Some(slot) = self.slots.borrow_mut().get_mut(&slot_id) {
+                        slot.local = Some(subscription.id);
+                    }
+                    subscription.start
+                })
+            } else {
+                let from = self.index;
+                let stream = subscribe.stream.clone();
+                let answer = self
+                    .request(core, |token| CoreMessage::Subscribe {
+                        from,
+                        token,
+                        slot: slot_id,
+                        stream,
+                        shards,
+                        start: position,
+                    })
+                    .await;
+                match answer.await {
+                    Ok(CoreMessage::SubscribeDone { result, .. }) => result.map(|(id, start)| {
+                        if let Some(slot) = self.slots.borrow_mut().get_mut(&slot_id) {
+                            slot.remotes.push((core, id));
+                        }
+                        start
+                    }),
+                    _ => Err(shutting_down()),
+                }
+            };
+            match result {
+                Ok(part) => start.extend(part),
+                Err(error) => {
+                    failure = Some(error);
+                    break;
+                }
+            }
+        }
+        if let Some(error) = failure {
+            self.unsubscribe(slot_id);
+            return Err(error);
+        }
+        start.sort_unstable_by_key(|(shard, _)| *shard);
         self.metrics.subscribers.inc();
         self.dispatch_events();
         Ok(Registered {
-            id: subscription.id,
-            start: subscription.start,
+            slot: slot_id,
+            start,
             notify,
         })
     }
 
-    /// Forgets a subscription (its stream is gone). Safe to call for ended subscriptions.
-    pub fn unsubscribe(&self, id: SubscriptionId) {
-        if self.subscriptions.borrow_mut().remove(&id).is_some() {
-            self.metrics.subscribers.dec();
+    /// Forgets a subscription here and on its owner cores. Safe to call more than once.
+    pub fn unsubscribe(&self, slot_id: u64) {
+        let Some(slot) = self.slots.borrow_mut().remove(&slot_id) else {
+            return;
+        };
+        if let Some(id) = slot.local {
+            self.local_subscriptions.borrow_mut().remove(&id);
+            match self.engine.try_borrow_mut() {
+                Ok(mut engine) => engine.unsubscribe(id),
+                // Only reachable if a task were dropped while the engine is borrowed, which the
+                // synchronous borrow discipline rules out; the engine ends it on its own later.
+                Err(_) => tracing::error!(?id, "engine busy while unsubscribing"),
+            }
         }
-        match self.engine.try_borrow_mut() {
-            Ok(mut engine) => engine.unsubscribe(id),
-            // Only reachable if a task were dropped while the engine is borrowed, which the
-            // synchronous borrow discipline rules out; the engine ends it on its own later.
-            Err(_) => tracing::error!(?id, "engine busy while unsubscribing"),
+        for (core, id) in slot.remotes {
+            self.send_now(core, CoreMessage::Unsubscribe { id });
         }
     }
 
-    /// The error that ended the subscription, if the engine ended it.
-    pub fn take_ended(&self, id: SubscriptionId) -> Option<EngineError> {
-        self.subscriptions
+    /// Counts a subscription that was registered (paired with `subscribe`'s increment).
+    pub fn subscription_closed(&self, slot_id: u64) {
+        self.unsubscribe(slot_id);
+        self.metrics.subscribers.dec();
+    }
+
+    /// The error that ended the subscription, if an owner ended it.
+    pub fn take_ended(&self, slot_id: u64) -> Option<EngineError> {
+        self.slots
             .borrow_mut()
-            .get_mut(&id)
+            .get_mut(&slot_id)
             .and_then(|slot| slot.ended.take())
     }
 
     /// Next batch of records for a subscription (empty when nothing is queued).
-    pub fn poll_delivery(&self, id: SubscriptionId) -> Vec<DeliveredRecord> {
+    pub fn poll_delivery(&self, slot_id: u64) -> Batch {
         let max_records = DELIVERY_MAX_RECORDS
             .min(usize::try_from(self.limits.max_batch_records).unwrap_or(usize::MAX));
         let max_bytes = DELIVERY_MAX_BYTES
             .min(usize::try_from(self.limits.max_frame_bytes / 2).unwrap_or(usize::MAX));
-        self.engine
+        let local = self
+            .slots
+            .borrow()
+            .get(&slot_id)
+            .and_then(|slot| slot.local);
+        if let Some(id) = local {
+            let records = self
+                .engine
+                .borrow_mut()
+                .poll_delivery(id, max_records, max_bytes);
+            if !records.is_empty() {
+                return Batch {
+                    records,
+                    credit: None,
+                };
+            }
+        }
+        let remote = self
+            .slots
             .borrow_mut()
-            .poll_delivery(id, max_records, max_bytes)
+            .get_mut(&slot_id)
+            .and_then(|slot| slot.remote_batches.pop_front());
+        match remote {
+            Some((owner, id, records)) => Batch {
+                records,
+                credit: Some((owner, id)),
+            },
+            None => Batch {
+                records: Vec::new(),
+                credit: None,
+            },
+        }
     }
 
-    /// Drains the engine's events and wakes the subscription tasks they concern.
+    /// Gives one delivery credit back to an owner core.
+    pub fn return_credit(&self, owner: u16, id: SubscriptionId) {
+        self.send_now(owner, CoreMessage::Credit { id });
+    }
+
+    /// Drains the engine's events: wakes local subscription tasks, pushes remote ones' records.
     pub fn dispatch_events(&self) {
         loop {
             // The borrow ends with this statement, before any slot is touched.
@@ -554,19 +1381,280 @@ impl CoreState {
             let Some(event) = event else { break };
             match event {
                 EngineEvent::DeliveryReady(id) => {
-                    if let Some(slot) = self.subscriptions.borrow().get(&id) {
-                        slot.notify.notify_one();
+                    let local = self.local_subscriptions.borrow().get(&id).copied();
+                    if let Some(slot_id) = local {
+                        if let Some(slot) = self.slots.borrow().get(&slot_id) {
+                            slot.notify.notify_one();
+                        }
+                    } else {
+                        self.pump_remote(id);
                     }
                 }
                 EngineEvent::SubscriptionEnded(id, error) => {
-                    if let Some(slot) = self.subscriptions.borrow_mut().get_mut(&id) {
-                        slot.ended = Some(error);
-                        slot.notify.notify_one();
+                    let local = self.local_subscriptions.borrow_mut().remove(&id);
+                    if let Some(slot_id) = local {
+                        self.end_slot(slot_id, Some(id), error);
+                    } else if let Some(remote) = self.remote_subscriptions.borrow_mut().remove(&id)
+                    {
+                        self.send_now(
+                            remote.to,
+                            CoreMessage::Ended {
+                                slot: remote.slot,
+                                error,
+                            },
+                        );
                     }
                 }
             }
         }
     }
+
+    fn end_slot(&self, slot_id: u64, local: Option<SubscriptionId>, error: EngineError) {
+        if let Some(slot) = self.slots.borrow_mut().get_mut(&slot_id) {
+            if local.is_some() && slot.local == local {
+                // The engine already forgot it.
+                slot.local = None;
+            }
+            if slot.ended.is_none() {
+                slot.ended = Some(error);
+            }
+            slot.notify.notify_one();
+        }
+    }
+
+    /// Sends queued records of an owner-side subscription while it has credits.
+    fn pump_remote(&self, id: SubscriptionId) {
+        let max_records = DELIVERY_MAX_RECORDS
+            .min(usize::try_from(self.limits.max_batch_records).unwrap_or(usize::MAX));
+        let max_bytes = DELIVERY_MAX_BYTES
+            .min(usize::try_from(self.limits.max_frame_bytes / 2).unwrap_or(usize::MAX));
+        loop {
+            let target = {
+                let mut remotes = self.remote_subscriptions.borrow_mut();
+                let Some(remote) = remotes.get_mut(&id) else {
+                    return;
+                };
+                if remote.credits == 0 {
+                    return;
+                }
+                (remote.to, remote.slot)
+            };
+            let records = self
+                .engine
+                .borrow_mut()
+                .poll_delivery(id, max_records, max_bytes);
+            if records.is_empty() {
+                return;
+            }
+            if let Some(remote) = self.remote_subscriptions.borrow_mut().get_mut(&id) {
+                remote.credits -= 1;
+            }
+            self.send_now(
+                target.0,
+                CoreMessage::Deliver {
+                    slot: target.1,
+                    owner: self.index,
+                    id,
+                    records,
+                },
+            );
+        }
+    }
+
+    // ---- messages from other cores ----
+
+    fn handle_message(self: &Rc<Self>, message: CoreMessage) {
+        match message {
+            CoreMessage::Publish {
+                from,
+                token,
+                stream,
+                records,
+                now_us,
+            } => {
+                let result = self.engine.borrow_mut().publish(now_us, &stream, records);
+                self.send_now(from, CoreMessage::PublishDone { token, result });
+                self.dispatch_events();
+            }
+            CoreMessage::Admin {
+                from,
+                token,
+                request,
+            } => {
+                let state = Rc::clone(self);
+                tokio::task::spawn_local(async move {
+                    let result = state.admin_on_core_zero(request).await;
+                    state.send_now(from, CoreMessage::AdminDone { token, result });
+                });
+            }
+            CoreMessage::Apply { token, request } => {
+                if let Err(error) = self.apply(&request) {
+                    // Core 0 validated it against the same catalogue: a mismatch is a defect.
+                    tracing::error!(%error, ?request, "catalogue change refused on a non-zero core");
+                }
+                self.send_now(0, CoreMessage::Applied { token });
+            }
+            CoreMessage::Describe {
+                from,
+                token,
+                stream,
+            } => {
+                let result = self
+                    .engine
+                    .borrow()
+                    .describe_stream(&stream)
+                    .map(|description| {
+                        description
+                            .shards
+                            .into_iter()
+                            .filter(|state: &ShardState| self.owner(state.shard) == self.index)
+                            .collect()
+                    });
+                self.send_now(from, CoreMessage::DescribeDone { token, result });
+            }
+            CoreMessage::Subscribe {
+                from,
+                token,
+                slot,
+                stream,
+                shards,
+                start,
+            } => {
+                let result = self.engine.borrow_mut().subscribe(
+                    &stream,
+                    &ShardSelection::List(shards),
+                    &start,
+                );
+                let answer = result.map(|subscription| {
+                    self.remote_subscriptions.borrow_mut().insert(
+                        subscription.id,
+                        RemoteSubscription {
+                            to: from,
+                            slot,
+                            credits: REMOTE_DELIVERY_CREDITS,
+                        },
+                    );
+                    (subscription.id, subscription.start)
+                });
+                // The answer goes first, so the subscriber knows the part before records come.
+                self.send_now(
+                    from,
+                    CoreMessage::SubscribeDone {
+                        token,
+                        result: answer,
+                    },
+                );
+                self.dispatch_events();
+            }
+            CoreMessage::Deliver {
+                slot,
+                owner,
+                id,
+                records,
+            } => {
+                let mut slots = self.slots.borrow_mut();
+                // No slot: the subscriber left; its Unsubscribe is on the way to the owner.
+                if let Some(target) = slots.get_mut(&slot) {
+                    target.remote_batches.push_back((owner, id, records));
+                    target.notify.notify_one();
+                }
+            }
+            CoreMessage::Ended { slot, error } => self.end_slot(slot, None, error),
+            CoreMessage::Credit { id } => {
+                if let Some(remote) = self.remote_subscriptions.borrow_mut().get_mut(&id) {
+                    remote.credits = (remote.credits + 1).min(REMOTE_DELIVERY_CREDITS);
+                }
+                self.pump_remote(id);
+            }
+            CoreMessage::Unsubscribe { id } => {
+                if self.remote_subscriptions.borrow_mut().remove(&id).is_some() {
+                    self.engine.borrow_mut().unsubscribe(id);
+                }
+            }
+            CoreMessage::PublishDone { token, .. }
+            | CoreMessage::Applied { token }
+            | CoreMessage::AdminDone { token, .. }
+            | CoreMessage::DescribeDone { token, .. }
+            | CoreMessage::SubscribeDone { token, .. } => {
+                self.answer(token, message);
+            }
+        }
+    }
+}
+
+enum Split {
+    Local(Vec<Record>),
+    /// Records per owner core, in batch order.
+    Spread(Vec<Vec<Record>>),
+}
+
+fn shutting_down() -> EngineError {
+    engine_error(
+        ErrorCode::ShuttingDown,
+        "a data-plane core stopped before answering".to_owned(),
+    )
+}
+
+/// An engine-style error raised by the shell (messages stay far below the frame's text limit).
+fn engine_error(code: ErrorCode, message: String) -> EngineError {
+    EngineError {
+        code,
+        detail: 0,
+        message,
+    }
+}
+
+fn invalid(message: String) -> EngineError {
+    engine_error(ErrorCode::InvalidArgument, message)
+}
+
+/// The shards a subscription selects, checked like the engine checks them (the engine checks
+/// again on each owner for the part it gets).
+fn select_shards(
+    selection: &ShardSelection,
+    from: &StartPosition,
+    shard_count: u32,
+) -> Result<Vec<u32>, EngineError> {
+    let out_of_range = |shard: u32| {
+        invalid(format!(
+            "shard {shard} is out of range: the stream has {shard_count} shards"
+        ))
+    };
+    let selected: Vec<u32> = match selection {
+        ShardSelection::All => (0..shard_count).collect(),
+        ShardSelection::List(list) => {
+            if list.is_empty() {
+                return Err(invalid(
+                    "a subscription selects at least one shard".to_owned(),
+                ));
+            }
+            if let Some(&shard) = list.iter().find(|&&shard| shard >= shard_count) {
+                return Err(out_of_range(shard));
+            }
+            let mut sorted = list.clone();
+            sorted.sort_unstable();
+            if let Some(pair) = sorted.windows(2).find(|pair| pair[0] == pair[1]) {
+                return Err(invalid(format!(
+                    "shard {} is selected more than once",
+                    pair[0]
+                )));
+            }
+            sorted
+        }
+    };
+    if let StartPosition::Offsets(positions) = from {
+        for &(shard, _) in positions {
+            if shard >= shard_count {
+                return Err(out_of_range(shard));
+            }
+            if selected.binary_search(&shard).is_err() {
+                return Err(invalid(format!(
+                    "shard {shard} has a start offset but is not selected"
+                )));
+            }
+        }
+    }
+    Ok(selected)
 }
 
 /// Frame name for messages.

@@ -1,32 +1,45 @@
-//! Felix broker: the IO shell around the sans-IO shard engine. It owns the QUIC glue (one
-//! s2n-quic server endpoint, TLS 1.3, ALPN `felix/1`), connection and stream handling per the
-//! "Connection and stream usage" section of `docs/wire-protocol.md`, the Prometheus metrics
-//! endpoint and the TLS certificates (including the generated development pair).
+//! Felix broker: the thread-per-core IO shell around the sans-IO shard engine. It owns the
+//! QUIC glue (s2n-quic server endpoints on sockets it creates itself, TLS 1.3, ALPN
+//! `felix/1`), connection and stream handling per the "Connection and stream usage" section of
+//! `docs/wire-protocol.md`, the cross-core mesh, the per-core ingress admission, the
+//! Prometheus metrics endpoint and the TLS certificates (including the generated development
+//! pair). The design is written down in `docs/design/per-core.md`.
 //!
 //! Threads and cores:
-//! - one data-plane core thread (`felix-core-0`): a [`CoreRuntime`] = one current-thread tokio
-//!   runtime + `LocalSet` + one s2n-quic endpoint + one `felix_engine::Engine`. The engine is
-//!   `Rc<RefCell<..>>`, never shared with another thread; every connection and stream handler is
-//!   a `spawn_local` task on that thread. The next step replicates this unit per pinned core.
-//! - one housekeeping thread (`felix-metrics`) serving `GET /metrics` with tiny_http; it only
-//!   reads prometheus-client atomics that the core thread updates.
-//! - the caller's thread starts both and joins them ([`Broker::start`], [`Broker::wait`]).
+//! - one pinned data-plane thread per core of the `felix_affinity::CorePlan`
+//!   (`felix-core-<i>`): a [`CoreRuntime`] = one current-thread tokio runtime + `LocalSet`, the
+//!   core's s2n-quic endpoints (its own port, plus its listeners on the shared SO_REUSEPORT
+//!   port), one `felix_engine::Engine` and one ingress queue. Core state is `Rc`/`RefCell`,
+//!   never shared with another thread; every connection and stream handler is a `spawn_local`
+//!   task on its core. Shard `s` is owned by core `s % cores`.
+//! - cores talk only through the mesh: one bounded lock-free queue (crossbeam `ArrayQueue`)
+//!   per ordered core pair plus an eventfd per core for wake-ups. **No `Mutex`, `RwLock` or
+//!   cross-thread `Notify` is used on the data path**; keep it that way.
+//! - one housekeeping thread (`felix-metrics`) serving `GET /metrics` with tiny_http; it reads
+//!   prometheus-client atomics the cores update and, on each scrape, each core thread's CPU
+//!   time from /proc.
+//! - the caller's thread starts them and joins them ([`Broker::start`], [`Broker::wait`]).
 
+mod admission;
 mod connection;
 mod core_runtime;
+mod mesh;
 mod metrics;
 mod tls;
+mod udp;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use felix_affinity::{CorePlan, CpuSelection, PlanOptions, Topology};
 use felix_engine::EngineConfig;
 use felix_tuning::Config;
 use felix_wire::Limits;
 
-pub use core_runtime::CoreRuntime;
-pub use metrics::{Metrics, MetricsServer};
+pub use admission::{Admission, AdmissionEvent, Decision, Policy, Ticket};
+pub use core_runtime::{CoreReport, CoreRuntime};
+pub use metrics::{CoreMetrics, Metrics, MetricsServer};
 pub use tls::{
     CertificatePair, DEV_CERT_NAMES, generate_self_signed, load_server_pair, write_pair,
 };
@@ -59,6 +72,74 @@ pub enum BrokerError {
     },
     #[error("core thread failed: {0}")]
     Core(String),
+    #[error("{0}")]
+    Plan(#[from] felix_affinity::AffinityError),
+    #[error("{env}={value:?}: {reason}")]
+    Setting {
+        env: &'static str,
+        value: String,
+        reason: String,
+    },
+}
+
+/// The largest QUIC MTU the broker uses: s2n-quic corrupts memory with GSO above 32768
+/// (MACHINE-NOTES), and 16384 measured fastest below that bound.
+pub const MTU_UPPER_BOUND_CLAMP: u16 = 16_384;
+/// The smallest: QUIC requires 1200-byte datagrams on every path (RFC 9000 section 14).
+pub const MTU_UPPER_BOUND_MIN: u16 = 1200;
+/// Test-only knob: while the file it names exists, cores other than 0 leave their inbound
+/// queues alone, so an integration test can hold cross-core publish jobs in core 0's ingress
+/// queue without timing assumptions. Never set it in production.
+pub const TEST_PAUSE_ENV: &str = "TEST_FELIX_PAUSE_CORE_EXECUTOR";
+
+/// Parses FELIX_DATAPLANE_CORES and FELIX_QUIC_LISTENERS (`auto` = the plan's default).
+pub fn plan_options(config: &Config) -> Result<PlanOptions, BrokerError> {
+    let dataplane_cores = match config.dataplane_cores.trim() {
+        "auto" => None,
+        text => Some(CpuSelection::parse(text)?),
+    };
+    let quic_listeners = match config.quic_listeners.trim() {
+        "auto" => None,
+        text => Some(text.parse::<u32>().map_err(|error| BrokerError::Setting {
+            env: "FELIX_QUIC_LISTENERS",
+            value: text.to_owned(),
+            reason: format!("expected auto or a whole number: {error}"),
+        })?),
+    };
+    Ok(PlanOptions {
+        dataplane_cores,
+        quic_listeners,
+        base_port: config.bind.port(),
+    })
+}
+
+/// Detects the topology and builds the core plan from the configuration.
+pub fn core_plan(config: &Config) -> Result<CorePlan, BrokerError> {
+    let topology = Topology::detect()?;
+    Ok(CorePlan::new(&topology, &plan_options(config)?)?)
+}
+
+/// FELIX_MTU_UPPER_BOUND as the broker applies it: below 1200 is an error, above 16384 is
+/// clamped with a warning.
+pub fn effective_mtu(config: &Config) -> Result<u16, BrokerError> {
+    let requested = config.mtu_upper_bound;
+    if requested < u64::from(MTU_UPPER_BOUND_MIN) {
+        return Err(BrokerError::Setting {
+            env: "FELIX_MTU_UPPER_BOUND",
+            value: requested.to_string(),
+            reason: format!("QUIC needs at least {MTU_UPPER_BOUND_MIN}"),
+        });
+    }
+    if requested > u64::from(MTU_UPPER_BOUND_CLAMP) {
+        tracing::warn!(
+            requested,
+            clamped = MTU_UPPER_BOUND_CLAMP,
+            "FELIX_MTU_UPPER_BOUND={requested} clamped to {MTU_UPPER_BOUND_CLAMP}: s2n-quic corrupts memory with GSO above 32768"
+        );
+        return Ok(MTU_UPPER_BOUND_CLAMP);
+    }
+    // Checked against the u16 clamp just above.
+    Ok(u16::try_from(requested).unwrap_or(MTU_UPPER_BOUND_CLAMP))
 }
 
 /// Asks a running broker to stop (close every connection with `ShuttingDown`, then exit).
@@ -74,24 +155,34 @@ impl ShutdownTrigger {
     }
 }
 
-/// A running broker: its core thread and its metrics thread.
+/// A running broker: its core threads and its metrics thread.
 pub struct Broker {
     quic_addr: SocketAddr,
     metrics_addr: Option<SocketAddr>,
     shutdown: ShutdownTrigger,
-    core: CoreRuntime,
+    cores: Vec<CoreRuntime>,
+    plan: CorePlan,
+    mtu: u16,
     // Held so the metrics thread lives as long as the broker; stopped on drop.
     _metrics_server: Option<MetricsServer>,
 }
 
+fn size(bytes: u64) -> usize {
+    usize::try_from(bytes).unwrap_or(usize::MAX)
+}
+
 impl Broker {
-    /// Loads (or generates) the TLS pair, binds the metrics endpoint and the QUIC endpoint, and
-    /// returns once both are listening. The bound addresses are the real ones (port 0 resolved).
+    /// Builds the core plan, loads (or generates) the TLS pair, binds the metrics endpoint and
+    /// every UDP socket, starts one pinned thread per data-plane core and returns once all
+    /// listen. The bound addresses are the real ones (port 0 resolved).
     pub fn start(config: &Config) -> Result<Broker, BrokerError> {
+        let plan = core_plan(config)?;
+        let mtu = effective_mtu(config)?;
         let pair = tls::load_server_pair(config)?;
-        let metrics = Metrics::new();
+        let core_count = plan.core_count();
+        let metrics = Metrics::new(core_count);
         let metrics_server = match config.metrics_bind {
-            Some(addr) => Some(MetricsServer::start(addr, metrics.registry())?),
+            Some(addr) => Some(MetricsServer::start(addr, metrics.clone())?),
             None => None,
         };
         let metrics_addr = metrics_server.as_ref().map(MetricsServer::local_addr);
@@ -109,32 +200,126 @@ impl Broker {
             max_shards: limits.max_shards,
             max_name_bytes: limits.max_name_bytes,
         };
-        let core = CoreRuntime::spawn(
-            core_runtime::CoreSettings {
-                core_index: 0,
-                bind: config.bind,
+        // Sockets first, on this thread: the shared port may be OS-assigned by its first bind.
+        let recv = size(config.udp_recv_buffer);
+        let send = size(config.udp_send_buffer);
+        let bind_error = |addr: SocketAddr, error: std::io::Error| BrokerError::QuicBind {
+            addr,
+            reason: error.to_string(),
+        };
+        let mut shared_addr = config.bind;
+        let mut own_sockets = Vec::with_capacity(usize::from(core_count));
+        let mut shared_sockets = Vec::with_capacity(usize::from(core_count));
+        for core in plan.cores() {
+            let mut sockets = Vec::new();
+            for _ in 0..core.listeners {
+                let socket = udp::bind(shared_addr, true, recv, send)
+                    .map_err(|error| bind_error(shared_addr, error))?;
+                shared_addr = socket.local_addr;
+                sockets.push(socket);
+            }
+            shared_sockets.push(sockets);
+            let own_addr = SocketAddr::new(config.bind.ip(), core.own_port);
+            let socket = udp::bind(own_addr, false, recv, send)
+                .map_err(|error| bind_error(own_addr, error))?;
+            tracing::info!(
+                core = core.index,
+                addr = %socket.local_addr,
+                recv_buffer_bytes = socket.recv_buffer_bytes,
+                send_buffer_bytes = socket.send_buffer_bytes,
+                "UDP socket bound (effective kernel buffer sizes)"
+            );
+            own_sockets.push(socket);
+        }
+        let core_ports: Vec<u16> = own_sockets.iter().map(|s| s.local_addr.port()).collect();
+        let mesh =
+            Arc::new(mesh::Mesh::new(core_count).map_err(|error| {
+                BrokerError::Core(format!("cannot build the core mesh: {error}"))
+            })?);
+        let ingress = core_runtime::IngressSettings {
+            depth: config.ingress_queue_depth,
+            budget_bytes: config.ingress_byte_budget,
+            fire_and_forget_waits: config.pub_ingress_wait,
+            ack_on_commit: config.ack_on_commit,
+            commit_wait: std::time::Duration::from_millis(config.publish_queue_wait_ms),
+        };
+        let quic = core_runtime::QuicSettings {
+            max_mtu: mtu,
+            conn_recv_window: config.broker_pub_conn_recv_window,
+            stream_recv_window: config.broker_pub_stream_recv_window,
+        };
+        let test_pause_file = std::env::var_os(TEST_PAUSE_ENV).map(PathBuf::from);
+        let shutdown = ShutdownTrigger {
+            sender: Arc::new(sender),
+        };
+        let mut cores = Vec::with_capacity(usize::from(core_count));
+        for ((core, own_socket), shared) in plan.cores().iter().zip(own_sockets).zip(shared_sockets)
+        {
+            let settings = core_runtime::CoreSettings {
+                core_index: core.index,
+                cpu: core.cpu.os_index,
+                own_socket,
+                shared_sockets: shared,
+                core_ports: core_ports.clone(),
                 limits,
                 engine,
-            },
-            pair,
-            metrics,
-            receiver,
-        )?;
+                quic,
+                ingress,
+                test_pause_file: test_pause_file.clone(),
+            };
+            match CoreRuntime::spawn(
+                settings,
+                pair.clone(),
+                metrics.clone(),
+                Arc::clone(&mesh),
+                receiver.clone(),
+            ) {
+                Ok(runtime) => cores.push(runtime),
+                Err(error) => {
+                    shutdown.trigger();
+                    for started in cores {
+                        let _ = started.join();
+                    }
+                    return Err(error);
+                }
+            }
+        }
         Ok(Broker {
-            quic_addr: core.local_addr(),
+            quic_addr: shared_addr,
             metrics_addr,
-            shutdown: ShutdownTrigger {
-                sender: Arc::new(sender),
-            },
-            core,
+            shutdown,
+            cores,
+            plan,
+            mtu,
             _metrics_server: metrics_server,
         })
     }
 
-    /// The UDP address the QUIC endpoint is bound to.
+    /// The shared UDP address (SO_REUSEPORT group) any client may use.
     #[must_use]
     pub fn quic_addr(&self) -> SocketAddr {
         self.quic_addr
+    }
+
+    /// Each core's report: pinning, own address, shared listeners.
+    #[must_use]
+    pub fn core_reports(&self) -> Vec<CoreReport> {
+        self.cores
+            .iter()
+            .map(|core| core.report().clone())
+            .collect()
+    }
+
+    /// The core plan the broker runs.
+    #[must_use]
+    pub fn plan(&self) -> &CorePlan {
+        &self.plan
+    }
+
+    /// The QUIC MTU upper bound in force (after clamping).
+    #[must_use]
+    pub fn mtu(&self) -> u16 {
+        self.mtu
     }
 
     /// The TCP address of the metrics endpoint, if enabled.
@@ -148,8 +333,17 @@ impl Broker {
         self.shutdown.clone()
     }
 
-    /// Blocks until the core thread stops (after a shutdown trigger, or on a fatal error).
+    /// Blocks until every core thread stops (after a shutdown trigger, or on a fatal error).
     pub fn wait(self) -> Result<(), BrokerError> {
-        self.core.join()
+        let mut result = Ok(());
+        for core in self.cores {
+            if let Err(error) = core.join() {
+                tracing::error!(%error, "core thread failed");
+                result = Err(error);
+                // One core failing stops the broker: the others cannot serve its shards.
+                self.shutdown.trigger();
+            }
+        }
+        result
     }
 }

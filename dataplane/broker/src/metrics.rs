@@ -4,6 +4,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicI32, AtomicU64};
 
 use felix_wire::ErrorCode;
 use prometheus_client::metrics::counter::Counter;
@@ -14,6 +15,39 @@ use prometheus_client::registry::Registry;
 use crate::BrokerError;
 
 type Label = [(&'static str, &'static str); 1];
+type CoreLabel = [(&'static str, String); 1];
+/// A float gauge (CPU seconds).
+type CpuGauge = Gauge<f64, AtomicU64>;
+
+/// One data-plane core's handles (label `core="i"`), resolved once at start-up.
+#[derive(Clone)]
+pub struct CoreMetrics {
+    /// Publish requests that arrived on this core (`felix_core_publishes_total`).
+    pub publishes: Counter,
+    /// Payload bytes of accepted publishes that arrived on this core.
+    pub payload_bytes: Counter,
+    /// Records of accepted publishes that arrived on this core.
+    pub records: Counter,
+    /// Messages carrying publish work sent to another core (`felix_core_cross_core_hops_total`).
+    pub cross_core_hops: Counter,
+    /// Jobs in this core's ingress queue.
+    pub ingress_depth: Gauge,
+    /// Publishes shed by this core's ingress queue.
+    pub shed: Counter,
+    /// Publishes refused by this core's ingress queue.
+    pub refused: Counter,
+    /// Publishes that waited for ingress room.
+    pub waits: Counter,
+    /// Kernel thread id of this core's thread, 0 until the thread started (read on scrape).
+    tid: Arc<AtomicI32>,
+}
+
+impl CoreMetrics {
+    /// Records the core thread's id, so scrapes can read its CPU time.
+    pub fn set_tid(&self, tid: i32) {
+        self.tid.store(tid, std::sync::atomic::Ordering::Relaxed);
+    }
+}
 
 /// The broker's counters and gauges. Cloning shares the same atomics.
 #[derive(Clone)]
@@ -37,6 +71,14 @@ pub struct Metrics {
     pub delivered_records: Counter,
     /// Open QUIC connections (`felix_connections`).
     pub connections: Gauge,
+    /// Publishes shed by the ingress queues, all cores (`felix_publishes_shed_total`).
+    pub publishes_shed: Counter,
+    /// Publishes refused by the ingress queues, all cores (`felix_publishes_refused_total`).
+    pub publishes_refused: Counter,
+    /// Jobs in all ingress queues (`felix_ingress_queue_depth`).
+    pub ingress_depth: Gauge,
+    cores: Arc<[CoreMetrics]>,
+    cpu_seconds: Arc<[CpuGauge]>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -47,7 +89,7 @@ impl std::fmt::Debug for Metrics {
 
 impl Default for Metrics {
     fn default() -> Self {
-        Metrics::new()
+        Metrics::new(1)
     }
 }
 
@@ -55,7 +97,7 @@ impl Metrics {
     /// Registers every metric (all error codes pre-registered, so they show 0 before the
     /// first error) and resolves every handle.
     #[must_use]
-    pub fn new() -> Metrics {
+    pub fn new(core_count: u16) -> Metrics {
         let mut registry = Registry::default();
         // prometheus-client appends `_total` to counter names when encoding.
         let payload_bytes = Counter::default();
@@ -108,8 +150,32 @@ impl Metrics {
             "Open QUIC connections",
             connections.clone(),
         );
+        let publishes_shed = Counter::default();
+        registry.register(
+            "felix_publishes_shed",
+            "Publishes shed by the ingress queues (all cores)",
+            publishes_shed.clone(),
+        );
+        let publishes_refused = Counter::default();
+        registry.register(
+            "felix_publishes_refused",
+            "Publishes refused by the ingress queues (all cores)",
+            publishes_refused.clone(),
+        );
+        let ingress_depth = Gauge::default();
+        registry.register(
+            "felix_ingress_queue_depth",
+            "Jobs in the ingress queues (all cores)",
+            ingress_depth.clone(),
+        );
+        let (cores, cpu_seconds) = register_cores(&mut registry, core_count);
         Metrics {
             registry: Arc::new(registry),
+            publishes_shed,
+            publishes_refused,
+            ingress_depth,
+            cores,
+            cpu_seconds,
             payload_bytes,
             records,
             publishes_acked,
@@ -135,11 +201,116 @@ impl Metrics {
         Arc::clone(&self.registry)
     }
 
-    /// The registry in the Prometheus/OpenMetrics text format.
+    /// Core `index`'s handles.
+    #[must_use]
+    pub fn core(&self, index: u16) -> CoreMetrics {
+        self.cores[usize::from(index)].clone()
+    }
+
+    /// Reads each started core thread's CPU time from /proc into its gauge. Called by the
+    /// metrics thread before each render, never by a data-plane core.
+    pub fn refresh_cpu(&self) {
+        for (core, gauge) in self.cores.iter().zip(self.cpu_seconds.iter()) {
+            let tid = core.tid.load(std::sync::atomic::Ordering::Relaxed);
+            if tid == 0 {
+                continue;
+            }
+            match felix_affinity::thread_cpu_seconds_of(felix_affinity::Tid(tid)) {
+                Ok(seconds) => {
+                    gauge.set(seconds);
+                }
+                Err(error) => tracing::debug!(%error, tid, "cannot read a core's CPU time"),
+            }
+        }
+    }
+
+    /// The registry in the Prometheus/OpenMetrics text format (CPU gauges refreshed first).
     #[must_use]
     pub fn render(&self) -> String {
+        self.refresh_cpu();
         render(&self.registry)
     }
+}
+
+/// Registers the per-core families and resolves one handle set per core.
+fn register_cores(
+    registry: &mut Registry,
+    core_count: u16,
+) -> (Arc<[CoreMetrics]>, Arc<[CpuGauge]>) {
+    let counter = |registry: &mut Registry, name: &str, help: &str| {
+        let family = Family::<CoreLabel, Counter>::default();
+        registry.register(name, help, family.clone());
+        family
+    };
+    let gauge = |registry: &mut Registry, name: &str, help: &str| {
+        let family = Family::<CoreLabel, Gauge>::default();
+        registry.register(name, help, family.clone());
+        family
+    };
+    let publishes = counter(
+        registry,
+        "felix_core_publishes",
+        "Publish requests that arrived on the core",
+    );
+    let payload = counter(
+        registry,
+        "felix_core_payload_bytes",
+        "Payload bytes of accepted publishes that arrived on the core",
+    );
+    let records = counter(
+        registry,
+        "felix_core_records",
+        "Records of accepted publishes that arrived on the core",
+    );
+    let hops = counter(
+        registry,
+        "felix_core_cross_core_hops",
+        "Messages carrying publish work sent to another core",
+    );
+    let depth = gauge(
+        registry,
+        "felix_core_ingress_queue_depth",
+        "Jobs in the core's ingress queue",
+    );
+    let shed = counter(
+        registry,
+        "felix_core_ingress_shed",
+        "Publishes shed by the core's ingress queue",
+    );
+    let refused = counter(
+        registry,
+        "felix_core_ingress_refused",
+        "Publishes refused by the core's ingress queue",
+    );
+    let waits = counter(
+        registry,
+        "felix_core_ingress_waits",
+        "Publishes that waited for ingress room",
+    );
+    let cpu = Family::<CoreLabel, Gauge<f64, AtomicU64>>::default();
+    registry.register(
+        "felix_core_cpu_seconds",
+        "CPU seconds used by the core's thread (read from /proc on scrape)",
+        cpu.clone(),
+    );
+    let mut cores = Vec::with_capacity(usize::from(core_count));
+    let mut cpus = Vec::with_capacity(usize::from(core_count));
+    for index in 0..core_count {
+        let label: CoreLabel = [("core", index.to_string())];
+        cores.push(CoreMetrics {
+            publishes: publishes.get_or_create_owned(&label),
+            payload_bytes: payload.get_or_create_owned(&label),
+            records: records.get_or_create_owned(&label),
+            cross_core_hops: hops.get_or_create_owned(&label),
+            ingress_depth: depth.get_or_create_owned(&label),
+            shed: shed.get_or_create_owned(&label),
+            refused: refused.get_or_create_owned(&label),
+            waits: waits.get_or_create_owned(&label),
+            tid: Arc::new(AtomicI32::new(0)),
+        });
+        cpus.push(cpu.get_or_create_owned(&label));
+    }
+    (cores.into(), cpus.into())
 }
 
 fn render(registry: &Registry) -> String {
@@ -170,7 +341,7 @@ const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset
 
 impl MetricsServer {
     /// Binds `addr` and starts serving `GET /metrics` from `registry`.
-    pub fn start(addr: SocketAddr, registry: Arc<Registry>) -> Result<MetricsServer, BrokerError> {
+    pub fn start(addr: SocketAddr, metrics: Metrics) -> Result<MetricsServer, BrokerError> {
         let bind_error = |reason: String| BrokerError::MetricsBind { addr, reason };
         let server =
             tiny_http::Server::http(addr).map_err(|error| bind_error(error.to_string()))?;
@@ -182,7 +353,7 @@ impl MetricsServer {
         let serving = Arc::clone(&server);
         let thread = std::thread::Builder::new()
             .name("felix-metrics".to_owned())
-            .spawn(move || serve(&serving, &registry))
+            .spawn(move || serve(&serving, &metrics))
             .map_err(|source| BrokerError::Thread {
                 name: "felix-metrics",
                 source,
@@ -209,13 +380,13 @@ impl Drop for MetricsServer {
     }
 }
 
-fn serve(server: &tiny_http::Server, registry: &Registry) {
+fn serve(server: &tiny_http::Server, metrics: &Metrics) {
     // Ends when `unblock` is called (the iterator then yields None).
     for request in server.incoming_requests() {
         let is_metrics = *request.method() == tiny_http::Method::Get
             && (request.url() == "/metrics" || request.url().starts_with("/metrics?"));
         let response = if is_metrics {
-            let mut response = tiny_http::Response::from_string(render(registry));
+            let mut response = tiny_http::Response::from_string(metrics.render());
             if let Ok(header) = tiny_http::Header::from_bytes("Content-Type", CONTENT_TYPE) {
                 response.add_header(header);
             }
@@ -236,8 +407,9 @@ mod tests {
     // Proves every required metric name is exported and every error code is pre-registered.
     #[test]
     fn render_lists_every_metric_and_code() {
-        let metrics = Metrics::new();
+        let metrics = Metrics::new(2);
         metrics.payload_bytes.inc_by(42);
+        metrics.core(1).cross_core_hops.inc();
         metrics.error(ErrorCode::TooOld);
         let text = metrics.render();
         for name in [
@@ -250,6 +422,12 @@ mod tests {
             "felix_delivered_records_total 0",
             "felix_connections 0",
             "felix_errors_total{code=\"too_old\"} 1",
+            "felix_publishes_shed_total 0",
+            "felix_publishes_refused_total 0",
+            "felix_ingress_queue_depth 0",
+            "felix_core_cross_core_hops_total{core=\"1\"} 1",
+            "felix_core_ingress_queue_depth{core=\"0\"} 0",
+            "felix_core_cpu_seconds{core=\"1\"} 0",
         ] {
             assert!(text.contains(name), "missing {name} in\n{text}");
         }

@@ -94,15 +94,20 @@ pub(crate) fn block_on<F: Future<Output = anyhow::Result<()>>>(future: F) -> any
     runtime.block_on(future)
 }
 
+/// Set once by `main` from `--no-core-aware`, before any client command runs.
+pub(crate) static NO_CORE_AWARE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
 fn client_config(config: &Config) -> ClientConfig {
-    ClientConfig {
-        addr: config.addr,
-        server_name: config.server_name.clone(),
-        ca: Some(config.ca_path()),
-        insecure: config.insecure,
-        publish_inflight_bytes: config.publish_inflight_bytes,
-        client_name: concat!("felix-cli/", env!("CARGO_PKG_VERSION")).to_owned(),
-    }
+    let mut client = ClientConfig::new(config.addr);
+    client.server_name = config.server_name.clone();
+    client.ca = Some(config.ca_path());
+    client.insecure = config.insecure;
+    client.publish_inflight_bytes = config.publish_inflight_bytes;
+    client.client_name = concat!("felix-cli/", env!("CARGO_PKG_VERSION")).to_owned();
+    client.core_aware = !NO_CORE_AWARE.get().copied().unwrap_or(false);
+    // The tuning crate bounds FELIX_PUB_SHARD_STREAMS to 0..=64.
+    client.pub_shard_streams = u32::try_from(config.pub_shard_streams).unwrap_or(4);
+    client
 }
 
 async fn connect(config: &Config) -> anyhow::Result<Client> {

@@ -57,6 +57,10 @@ struct GlobalArgs {
     /// Log filter, e.g. `info` or `felix_broker=debug` (FELIX_LOG).
     #[arg(long, global = true, value_name = "FILTER")]
     log: Option<String>,
+    /// Client commands: send everything through FELIX_ADDR instead of straight to each
+    /// shard's owner core (the broker then hops between cores).
+    #[arg(long, global = true)]
+    no_core_aware: bool,
 }
 
 impl GlobalArgs {
@@ -146,6 +150,7 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     let flags = cli.global.flags();
+    let _ = client_commands::NO_CORE_AWARE.set(cli.global.no_core_aware);
     let config = Config::from_process(cli.global.config.as_deref(), &flags)?;
     init_logging(&config)?;
     match cli.command {
@@ -155,6 +160,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 print!("{}", felix_tuning::reference_markdown());
             } else {
                 print!("{}", config.render_table());
+                match felix_broker::core_plan(&config) {
+                    Ok(plan) => print!("\n{}", plan.render()),
+                    Err(error) => println!("\ncore plan: {error}"),
+                }
             }
             Ok(())
         }
@@ -196,6 +205,27 @@ fn run_broker(config: &Config) -> anyhow::Result<()> {
         .context("cannot start the signal thread")?;
     // The thread reports once the handlers are installed (or failed).
     let _ = ready_rx.recv();
+    print!("{}", broker.plan().render());
+    println!("felix: quic max mtu {}", broker.mtu());
+    for core in broker.core_reports() {
+        let allowed: Vec<String> = core.allowed_cpus.iter().map(ToString::to_string).collect();
+        println!(
+            "felix: core {} pinned to cpu {} allowed {}",
+            core.index,
+            core.cpu,
+            allowed.join(",")
+        );
+        println!(
+            "felix: core {} udp buffers recv {} send {} (kernel-reported)",
+            core.index, core.recv_buffer_bytes, core.send_buffer_bytes
+        );
+        println!(
+            "felix: core {} shared listeners {}",
+            core.index,
+            core.shared_addrs.len()
+        );
+        println!("felix: core {} listening on {}", core.index, core.own_addr);
+    }
     println!("felix: quic listening on {}", broker.quic_addr());
     if let Some(addr) = broker.metrics_addr() {
         println!("felix: metrics listening on {addr}");

@@ -310,7 +310,8 @@ async fn raw_connect(broker: &BrokerProcess) -> RawConnection {
     match read_frame(&decoder, &mut hello_stream, &mut buffer).await {
         Some(Frame::HelloOk(hello_ok)) => {
             assert_eq!(hello_ok.version, 1);
-            assert_eq!(hello_ok.core_ports, vec![broker.quic_addr.port()]);
+            let own_ports: Vec<u16> = broker.core_addrs.iter().map(|addr| addr.port()).collect();
+            assert_eq!(hello_ok.core_ports, own_ports);
         }
         other => panic!("expected HelloOk, got {other:?}"),
     }
@@ -432,7 +433,9 @@ async fn undecodable_frames_get_error_and_broker_keeps_serving() {
 #[tokio::test]
 async fn metrics_count_payload_and_records() {
     let broker = BrokerProcess::start(&[]);
-    let client = broker.client().await;
+    let client = within(felix_client::Client::connect(broker.naive_client_config()))
+        .await
+        .expect("client connects");
     within(client.create_stream("metered", 2, StreamKind::InMemory))
         .await
         .expect("stream created");

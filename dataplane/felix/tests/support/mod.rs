@@ -83,6 +83,10 @@ pub struct BrokerProcess {
     pub quic_addr: SocketAddr,
     pub metrics_addr: SocketAddr,
     pub stderr: Arc<Mutex<String>>,
+    /// Every stdout line printed up to the `quic listening` line (plan, pinning, buffers).
+    pub startup_lines: Vec<String>,
+    /// Each data-plane core's own address (`felix: core <i> listening on <addr>`), by index.
+    pub core_addrs: Vec<SocketAddr>,
     stdout: mpsc::Receiver<String>,
 }
 
@@ -107,6 +111,8 @@ impl BrokerProcess {
         let deadline = Instant::now() + DEADLINE;
         let mut quic_addr = None;
         let mut metrics_addr = None;
+        let mut startup_lines = Vec::new();
+        let mut core_addrs = Vec::new();
         while quic_addr.is_none() || metrics_addr.is_none() {
             let Some(line) = next_line(&stdout, deadline) else {
                 drop(child);
@@ -115,6 +121,14 @@ impl BrokerProcess {
                     stderr.lock().map(|text| text.clone()).unwrap_or_default()
                 );
             };
+            startup_lines.push(line.clone());
+            if let Some(rest) = line.strip_prefix("felix: core ")
+                && let Some((index, addr)) = rest.split_once(" listening on ")
+            {
+                let index: usize = index.parse().expect("core index parses");
+                assert_eq!(index, core_addrs.len(), "cores are announced in order");
+                core_addrs.push(addr.parse().expect("core address parses"));
+            }
             if let Some(addr) = line.strip_prefix("felix: quic listening on ") {
                 quic_addr = Some(addr.parse().expect("quic address parses"));
             } else if let Some(addr) = line.strip_prefix("felix: metrics listening on ") {
@@ -127,6 +141,8 @@ impl BrokerProcess {
             quic_addr: quic_addr.expect("loop ends with an address"),
             metrics_addr: metrics_addr.expect("loop ends with an address"),
             stderr,
+            startup_lines,
+            core_addrs,
             stdout,
         }
     }
@@ -140,6 +156,15 @@ impl BrokerProcess {
         let mut config = ClientConfig::new(self.quic_addr);
         config.ca = Some(self.ca_path());
         config.client_name = "felix-tests".to_owned();
+        config
+    }
+
+    /// A client that ignores the shard map: one connection to the shared port, one publish
+    /// stream, so each publish call is exactly one request at the broker.
+    pub fn naive_client_config(&self) -> ClientConfig {
+        let mut config = self.client_config();
+        config.core_aware = false;
+        config.pub_shard_streams = 1;
         config
     }
 
@@ -213,4 +238,20 @@ pub fn metric_value(body: &str, name: &str) -> Option<u64> {
         let rest = line.strip_prefix(name)?;
         rest.strip_prefix(' ')?.trim().parse().ok()
     })
+}
+
+/// The value of a labelled metric line `name{labels} value` in a Prometheus text body.
+pub fn labelled_value(body: &str, name_and_labels: &str) -> Option<f64> {
+    body.lines().find_map(|line| {
+        let rest = line.strip_prefix(name_and_labels)?;
+        rest.strip_prefix(' ')?.trim().parse().ok()
+    })
+}
+
+/// Sum over every core of a per-core counter `name{core="i"}`.
+pub fn sum_over_cores(body: &str, name: &str) -> f64 {
+    body.lines()
+        .filter(|line| line.starts_with(&format!("{name}{{core=")))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
