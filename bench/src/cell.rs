@@ -32,6 +32,9 @@ pub struct GeneratorReport {
     pub span: Span,
     /// What it sent (payload bytes and records), its own count at the end of the cell.
     pub sent: Counts,
+    /// Publishes the broker refused with an error (counted in `sent`, so they show as shed).
+    #[serde(default)]
+    pub refused_publishes: u64,
 }
 
 /// What a driver returns for one run.
@@ -66,6 +69,9 @@ pub struct Facts {
     /// Kernel release of the machine running felix-bench.
     pub kernel: Option<String>,
     pub hostname: Option<String>,
+    /// CPU model of the machine running felix-bench (`model name` in /proc/cpuinfo).
+    #[serde(default)]
+    pub cpu_model: Option<String>,
     /// Seconds since the Unix epoch when the run was recorded.
     pub unix_time_s: u64,
 }
@@ -85,10 +91,82 @@ impl Facts {
                 .filter(|s| !s.is_empty()),
             kernel: read("/proc/sys/kernel/osrelease"),
             hostname: read("/proc/sys/kernel/hostname"),
-            unix_time_s: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs()),
+            cpu_model: std::fs::read_to_string("/proc/cpuinfo")
+                .ok()
+                .and_then(|t| cpu_model(&t)),
+            unix_time_s: now_unix_s(),
         }
+    }
+
+    /// These facts with the time set to now (one record per run, same session facts).
+    pub fn now(&self) -> Facts {
+        Facts {
+            unix_time_s: now_unix_s(),
+            ..self.clone()
+        }
+    }
+}
+
+fn now_unix_s() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// The first `model name` of a /proc/cpuinfo text.
+pub fn cpu_model(cpuinfo: &str) -> Option<String> {
+    cpuinfo
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split_once(':'))
+        .map(|(_, v)| v.trim().to_string())
+        .filter(|v| !v.is_empty())
+}
+
+impl CellRecord {
+    /// One human line: the cell's result or its error.
+    pub fn result_line(&self) -> String {
+        let head = format!(
+            "{} trial {} arm {}",
+            self.cell.label(),
+            self.trial,
+            self.arm.name
+        );
+        let Some(o) = &self.outputs else {
+            return format!(
+                "{head}: FAILED: {}",
+                self.error.as_deref().unwrap_or("no outputs")
+            );
+        };
+        let t = &o.throughput;
+        let mut line = format!(
+            "{head}: {:.1} MB/s payload, {:.0} rec/s, {:.2} cores, shed {:.2}%, {} s steady",
+            t.payload_bytes_per_s / stats::BYTES_PER_MB,
+            t.records_per_s,
+            t.cpu_cores,
+            o.shed.bytes_fraction * 100.0,
+            t.points
+        );
+        if let Some(a) = &o.ack_latency {
+            line.push_str(&format!(
+                ", ack p50/p99/p999 {:.0}/{:.0}/{:.0} us",
+                a.p50_us, a.p99_us, a.p999_us
+            ));
+        }
+        if let Some(l) = &o.littles_law {
+            line.push_str(&format!(" (Little {:.0} us)", l.wait_s_from_bytes * 1e6));
+        }
+        let refused: u64 = self.generators.iter().map(|g| g.refused_publishes).sum();
+        if refused > 0 {
+            line.push_str(&format!(", {refused} publishes refused"));
+        }
+        if let Some(d) = &o.delivery_latency {
+            line.push_str(&format!(
+                ", delivery p50/p99/p999 {:.0}/{:.0}/{:.0} us",
+                d.p50_us, d.p99_us, d.p999_us
+            ));
+        }
+        line
     }
 }
 
@@ -286,6 +364,7 @@ pub(crate) mod tests {
                     bytes: rate * 20 + shed_bytes,
                     records: records_per_s * 20 + shed_bytes / 4096,
                 },
+                refused_publishes: 0,
             }],
             samples,
             ack_latency_ns: Some(ack),
@@ -305,6 +384,7 @@ pub(crate) mod tests {
                 in_flight,
                 keys: Keys::Spread,
                 duration_s: 20,
+                measure: crate::plan::Measure::Throughput,
             },
         }
     }
@@ -315,6 +395,7 @@ pub(crate) mod tests {
             duration_s: 20,
             trials: 2,
             warmup_s: 0,
+            shards: crate::plan::DEFAULT_SHARDS,
         }
     }
 

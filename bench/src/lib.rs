@@ -6,26 +6,34 @@
 //! - [`stats`]: pure arithmetic on the broker's once-a-second counters: per-second rates, the
 //!   steady window, medians, trial aggregation, shed, Little's law, latency summaries.
 //! - [`cell`]: one run of one cell (inputs, raw samples, outputs) as a self-contained JSON line,
-//!   and the [`cell::CellDriver`] seam where the load generator plugs in.
+//!   and the [`cell::CellDriver`] seam where a load generator plugs in.
+//! - [`broker`]: the broker under test: `felix broker` started per cell (fresh data directory,
+//!   kernel-chosen ports read from its stdout, SIGTERM then SIGKILL) or one already running.
+//! - [`sampler`]: the broker's counters once a second (`/metrics`, `/proc/<pid>/stat`,
+//!   `/proc/net/snmp`); every metric name read is in [`sampler::metric_names`].
+//! - [`generator`]: the Felix load generator ([`generator::FelixDriver`]): publishers and the
+//!   latency subscriber over the Felix client, graceful finish, ack and delivery histograms.
 //! - [`runner`]: walks a plan's schedule through a driver and records every run.
 //! - [`report`]: `cells.csv`, `summary.md` and the PNG/SVG charts, re-renderable from records.
 //! - [`disk`]: the built-in fsync write probe (fio's "256 KiB sequential writes, fdatasync after
 //!   each, one job", plus a 4 KiB variant) used to baseline the disk in the same session.
 //! - [`progress`]: a small progress-bar wrapper for the runner.
 //!
-//! The load generator itself (publishers driving the Felix client over QUIC) is not here yet; it
-//! will implement [`cell::CellDriver`]. This crate depends on no other felix crate.
-//!
-//! Threads: everything runs on the calling thread of the `felix-bench` process, which runs on a
-//! load-generator or operator machine, never on a broker data-plane core. The disk probe blocks
-//! its thread on `fdatasync` by design.
+//! Threads: the runner, disk probe and broker supervision run on the calling thread of the
+//! `felix-bench` process (a load-generator or operator machine, never a broker data-plane
+//! core); the generator's publishers and subscriber are tasks on its own multi-thread tokio
+//! runtime; the sampler and the broker's stdout reader each have a housekeeping thread. The disk
+//! probe blocks its thread on `fdatasync` by design.
 
+pub mod broker;
 pub mod cell;
 pub mod disk;
+pub mod generator;
 pub mod plan;
 pub mod progress;
 pub mod report;
 pub mod runner;
+pub mod sampler;
 pub mod stats;
 
 use std::path::PathBuf;
@@ -142,6 +150,12 @@ pub enum BenchError {
     /// A disk probe argument is out of range.
     #[error("disk probe: {0}")]
     DiskProbe(String),
+    /// The broker under test could not be started, configured or stopped.
+    #[error("broker: {0}")]
+    Broker(String),
+    /// The broker's counters could not be read.
+    #[error("sampler: {0}")]
+    Sampler(String),
     /// The load generator failed to run a cell.
     #[error("{cell}: the load generator failed: {detail}")]
     Driver { cell: String, detail: String },

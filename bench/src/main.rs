@@ -4,15 +4,35 @@
 //! - `felix-bench plan check FILE`: validates a plan, prints the expanded cells and trial order.
 //! - `felix-bench report --cells DIR [--out DIR] [--font TTF]`: re-renders `cells.csv`,
 //!   `summary.md` and charts from recorded cell JSON lines.
+//! - `felix-bench run --plan FILE --out DIR [--felix BIN]`: runs a campaign (records the
+//!   session in `run.json`, every run in `cells.jsonl`, then renders the report).
+//! - `felix-bench cell [shape flags] [--out DIR]`: runs one cell quickly.
+//!
+//! Both `run` and `cell` start `felix broker` per cell unless `--broker-addr`,
+//! `--metrics-addr` and `--ca` name a broker already running.
 
-use std::path::PathBuf;
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
+use serde::Serialize;
 
-use felix_bench::disk;
-use felix_bench::plan::{Plan, trial_order};
+use felix_bench::broker::effective_config;
+use felix_bench::cell::Facts;
+use felix_bench::disk::{self, DiskBaseline};
+use felix_bench::generator::{FelixDriver, LatencyCounts, Target, external_endpoint};
+use felix_bench::plan::{BROKER_SPAWN, Plan, trial_order};
+use felix_bench::progress::Progress;
 use felix_bench::report::{self, DEFAULT_FONT_PATH, ReportOptions};
+use felix_bench::runner::run_plan;
+
+/// Session metadata file inside a campaign's output directory.
+const RUN_FILE: &str = "run.json";
+
+/// Default broker binary, relative to the working directory (the workspace root).
+const DEFAULT_FELIX: &str = "target/release/felix";
 
 #[derive(Debug, Parser)]
 #[command(name = "felix-bench", version, about = "Felix benchmark tool")]
@@ -35,6 +55,30 @@ enum Command {
         #[arg(long, default_value_t = disk::DEFAULT_SMALL_MIB)]
         small_mib: u64,
     },
+    /// Run a campaign: every cell x trial x arm of a plan, then the report.
+    Run {
+        /// The plan (TOML).
+        #[arg(long)]
+        plan: PathBuf,
+        /// Output directory (run.json, cells.jsonl, cells.csv, summary.md, charts, work/).
+        #[arg(long)]
+        out: PathBuf,
+        #[command(flatten)]
+        broker: BrokerArgs,
+        #[command(flatten)]
+        session: SessionArgs,
+    },
+    /// Run one cell against a broker this command starts (or the one given).
+    Cell {
+        #[command(flatten)]
+        shape: CellArgs,
+        /// Directory for the record (cells.jsonl) and the broker's work files (default: a
+        /// temporary directory, record printed only).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        #[command(flatten)]
+        broker: BrokerArgs,
+    },
     /// Campaign plans.
     Plan {
         #[command(subcommand)]
@@ -52,6 +96,329 @@ enum Command {
         #[arg(long, default_value = DEFAULT_FONT_PATH)]
         font: PathBuf,
     },
+}
+
+/// Where the broker under test comes from.
+#[derive(Debug, Args)]
+struct BrokerArgs {
+    /// The `felix` binary started per cell.
+    #[arg(long, default_value = DEFAULT_FELIX)]
+    felix: PathBuf,
+    /// QUIC address of a broker already running (then no broker is started).
+    #[arg(long, requires_all = ["metrics_addr", "ca"])]
+    broker_addr: Option<SocketAddr>,
+    /// Metrics address of that broker.
+    #[arg(long)]
+    metrics_addr: Option<SocketAddr>,
+    /// CA certificate (PEM) to trust for that broker.
+    #[arg(long)]
+    ca: Option<PathBuf>,
+    /// Process id of that broker, for its CPU time (when it exports no CPU metric).
+    #[arg(long)]
+    broker_pid: Option<u32>,
+    /// Warm-up publishes of a latency cell.
+    #[arg(long, default_value_t = LatencyCounts::default().warmup)]
+    latency_warmup: u64,
+    /// Measured publishes of a latency cell.
+    #[arg(long, default_value_t = LatencyCounts::default().measured)]
+    latency_measured: u64,
+}
+
+impl BrokerArgs {
+    fn target(&self, work_dir: &Path) -> Result<Target> {
+        Ok(match (self.broker_addr, self.metrics_addr, &self.ca) {
+            (Some(q), Some(m), Some(ca)) => {
+                Target::External(external_endpoint(q, m, ca.clone(), self.broker_pid))
+            }
+            (None, _, _) => {
+                if !self.felix.is_file() {
+                    bail!(
+                        "broker binary {} not found: build it (cargo build --release -p felix) \
+                         or pass --felix, or --broker-addr/--metrics-addr/--ca for a running broker",
+                        self.felix.display()
+                    );
+                }
+                std::fs::create_dir_all(work_dir)
+                    .with_context(|| format!("create {}", work_dir.display()))?;
+                Target::Spawn {
+                    felix: self.felix.clone(),
+                    work_dir: work_dir.to_path_buf(),
+                }
+            }
+            _ => bail!("--broker-addr needs --metrics-addr and --ca"),
+        })
+    }
+
+    fn latency(&self) -> Result<LatencyCounts> {
+        if self.latency_measured == 0 {
+            bail!("--latency-measured must be at least 1");
+        }
+        Ok(LatencyCounts {
+            warmup: self.latency_warmup,
+            measured: self.latency_measured,
+        })
+    }
+}
+
+/// Session facts recorded with a campaign.
+#[derive(Debug, Args)]
+struct SessionArgs {
+    /// TTF font for chart text.
+    #[arg(long, default_value = DEFAULT_FONT_PATH)]
+    font: PathBuf,
+    /// MiB the disk baseline writes in 256 KiB writes (on the broker data dir's filesystem).
+    #[arg(long, default_value_t = disk::DEFAULT_LARGE_MIB)]
+    disk_mib: u64,
+    /// MiB the disk baseline writes in 4 KiB writes.
+    #[arg(long, default_value_t = disk::DEFAULT_SMALL_MIB)]
+    disk_small_mib: u64,
+    /// Skip the disk baseline (run.json then says so).
+    #[arg(long)]
+    no_disk: bool,
+}
+
+/// One cell's shape as flags (validated like a plan).
+#[derive(Debug, Args)]
+struct CellArgs {
+    /// in-memory | durable
+    #[arg(long, default_value = "in-memory")]
+    kind: String,
+    /// Payload bytes per record.
+    #[arg(long, default_value_t = 256)]
+    payload: u32,
+    /// Records per publish.
+    #[arg(long, default_value_t = 1)]
+    batch: u32,
+    /// acked | fire-and-forget
+    #[arg(long, default_value = "acked")]
+    mode: String,
+    #[arg(long, default_value_t = 1)]
+    publishers: u32,
+    /// Publishes in flight per publisher (acked).
+    #[arg(long, default_value_t = 1)]
+    in_flight: u32,
+    /// spread | plain
+    #[arg(long, default_value = "spread")]
+    keys: String,
+    /// Measured seconds.
+    #[arg(long, default_value_t = 5)]
+    duration: u32,
+    /// Seconds of load before the measured duration.
+    #[arg(long, default_value_t = 0)]
+    warmup: u32,
+    /// Shards of the stream.
+    #[arg(long, default_value_t = felix_bench::plan::DEFAULT_SHARDS)]
+    shards: u32,
+    /// Service latency: counted publishes with one subscriber.
+    #[arg(long)]
+    latency: bool,
+    /// Broker environment, NAME=VALUE (repeatable).
+    #[arg(long = "env", value_name = "NAME=VALUE")]
+    env: Vec<String>,
+}
+
+impl CellArgs {
+    /// The one-cell, one-arm, one-trial plan these flags describe, validated as a plan.
+    fn plan(&self) -> Result<Plan> {
+        let q = |s: &str| toml::Value::String(s.to_string()).to_string();
+        let mut env = Vec::new();
+        for pair in &self.env {
+            let Some((k, v)) = pair.split_once('=') else {
+                bail!("--env {pair:?}: expected NAME=VALUE");
+            };
+            env.push(format!("{} = {}", q(k), q(v)));
+        }
+        let text = format!(
+            "[settings]\nduration_s = {}\ntrials = 1\nwarmup_s = {}\nshards = {}\n\
+             [[arms]]\nname = \"cli\"\nenv = {{ {} }}\n\
+             [[cells]]\nkind = {}\npayload = {}\nbatch = {}\nmode = {}\npublishers = {}\n\
+             in_flight = {}\nkeys = {}\nmeasure = {}\n",
+            self.duration,
+            self.warmup,
+            self.shards,
+            env.join(", "),
+            q(&self.kind),
+            self.payload,
+            self.batch,
+            q(&self.mode),
+            self.publishers,
+            self.in_flight,
+            q(&self.keys),
+            q(if self.latency {
+                "latency"
+            } else {
+                "throughput"
+            }),
+        );
+        Ok(Plan::parse(&text)?)
+    }
+}
+
+/// What `run.json` records about a campaign session.
+#[derive(Debug, Serialize)]
+struct RunMeta {
+    bench_version: &'static str,
+    facts: Facts,
+    /// `git rev-parse HEAD` of the working directory, `-dirty` when it has changes.
+    commit: Option<String>,
+    /// `spawn <felix binary>` or `external <addr>`.
+    broker: String,
+    /// `felix config` output per arm, with the environment the broker gets.
+    broker_config: BTreeMap<String, String>,
+    disk: Option<DiskBaseline>,
+    disk_error: Option<String>,
+    latency_warmup: u64,
+    latency_measured: u64,
+    plan: Plan,
+}
+
+fn git_commit() -> Option<String> {
+    let run = |args: &[&str]| {
+        std::process::Command::new("git")
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    let head = run(&["rev-parse", "HEAD"]).filter(|h| !h.is_empty())?;
+    let dirty =
+        run(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
+    Some(if dirty { format!("{head}-dirty") } else { head })
+}
+
+fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
+    let text = serde_json::to_string_pretty(value)?;
+    std::fs::write(path, text + "\n").with_context(|| format!("write {}", path.display()))
+}
+
+fn run_campaign(
+    plan_path: &Path,
+    out: &Path,
+    broker: &BrokerArgs,
+    session: &SessionArgs,
+) -> Result<()> {
+    let plan = Plan::load(plan_path).with_context(|| format!("plan {}", plan_path.display()))?;
+    std::fs::create_dir_all(out).with_context(|| format!("create {}", out.display()))?;
+    if plan.settings.broker != BROKER_SPAWN && broker.broker_addr.is_none() {
+        bail!(
+            "the plan names broker {}; pass --broker-addr, --metrics-addr and --ca for it, \
+             or set broker = \"{BROKER_SPAWN}\" (the default) to start one per cell",
+            plan.settings.broker
+        );
+    }
+    let work_dir = out.join("work");
+    let target = broker.target(&work_dir)?;
+    let commit = git_commit();
+    let mut facts = Facts::gather();
+    if facts.commit.is_none() {
+        facts.commit.clone_from(&commit);
+    }
+    let (broker_desc, broker_config) = match &target {
+        Target::Spawn { felix, work_dir } => {
+            let mut configs = BTreeMap::new();
+            for arm in &plan.arms {
+                let text = effective_config(felix, &arm.env, &work_dir.join("data"))
+                    .unwrap_or_else(|e| format!("(felix config failed: {e})"));
+                configs.insert(arm.name.clone(), text);
+            }
+            (format!("spawn {}", felix.display()), configs)
+        }
+        Target::External(e) => (format!("external {}", e.quic_addr), BTreeMap::new()),
+    };
+    let (disk, disk_error) = if session.no_disk {
+        (None, Some("skipped (--no-disk)".to_string()))
+    } else {
+        let dir = match &target {
+            Target::Spawn { work_dir, .. } => work_dir.clone(),
+            Target::External(_) => out.to_path_buf(),
+        };
+        eprintln!("disk baseline in {} ...", dir.display());
+        match disk::baseline(&dir, session.disk_mib, session.disk_small_mib) {
+            Ok(b) => {
+                eprintln!("{}", b.line());
+                (Some(b), None)
+            }
+            Err(e) => (None, Some(e.to_string())),
+        }
+    };
+    let latency = broker.latency()?;
+    let meta = RunMeta {
+        bench_version: env!("CARGO_PKG_VERSION"),
+        facts: facts.clone(),
+        commit,
+        broker: broker_desc,
+        broker_config,
+        disk,
+        disk_error,
+        latency_warmup: latency.warmup,
+        latency_measured: latency.measured,
+        plan: plan.clone(),
+    };
+    write_json(&out.join(RUN_FILE), &meta)?;
+    let mut driver = FelixDriver::new(target, latency)?;
+    let runs = plan.schedule().len() as u64;
+    let progress = Progress::new(runs);
+    let summary = run_plan(&plan, &mut driver, out, &progress, &facts)?;
+    println!(
+        "{} runs, {} failed -> {}",
+        summary.runs,
+        summary.failed,
+        summary.records_path.display()
+    );
+    render(out, &session.font)
+}
+
+fn render(dir: &Path, font: &Path) -> Result<()> {
+    let records = report::read_records(dir)?;
+    if records.is_empty() {
+        bail!("no cell records (*.jsonl) in {}", dir.display());
+    }
+    let files = report::write_report(
+        &records,
+        dir,
+        &ReportOptions {
+            font_path: font.to_path_buf(),
+        },
+    )?;
+    println!(
+        "report: {} {} ({} charts)",
+        files.csv.display(),
+        files.summary.display(),
+        files.charts.len()
+    );
+    Ok(())
+}
+
+fn run_one_cell(shape: &CellArgs, out: Option<&Path>, broker: &BrokerArgs) -> Result<()> {
+    let plan = shape.plan()?;
+    let temp;
+    let dir = match out {
+        Some(d) => d.to_path_buf(),
+        None => {
+            temp = tempfile::tempdir().context("temporary directory")?;
+            temp.path().to_path_buf()
+        }
+    };
+    let target = broker.target(&dir.join("work"))?;
+    let mut facts = Facts::gather();
+    if facts.commit.is_none() {
+        facts.commit = git_commit();
+    }
+    let mut driver = FelixDriver::new(target, broker.latency()?)?;
+    let progress = Progress::hidden(1);
+    let summary = run_plan(&plan, &mut driver, &dir, &progress, &facts)?;
+    let records = report::read_records(&dir)?;
+    if let Some(last) = records.last() {
+        println!("{}", last.to_json_line()?);
+    }
+    if out.is_some() {
+        println!("record appended to {}", summary.records_path.display());
+    }
+    if summary.failed > 0 {
+        bail!("the cell failed");
+    }
+    Ok(())
 }
 
 #[derive(Debug, Subcommand)]
@@ -75,6 +442,13 @@ fn main() -> Result<()> {
             println!("{}", b.line());
             println!("{}", serde_json::to_string(&b)?);
         }
+        Command::Run {
+            plan,
+            out,
+            broker,
+            session,
+        } => run_campaign(&plan, &out, &broker, &session)?,
+        Command::Cell { shape, out, broker } => run_one_cell(&shape, out.as_deref(), &broker)?,
         Command::Plan {
             command: PlanCommand::Check { file },
         } => {
@@ -108,8 +482,8 @@ fn main() -> Result<()> {
 fn print_plan(plan: &Plan) {
     let s = &plan.settings;
     println!(
-        "broker {}  duration {} s  warm-up {} s  trials {}",
-        s.broker, s.duration_s, s.warmup_s, s.trials
+        "broker {}  duration {} s  warm-up {} s  trials {}  shards {}",
+        s.broker, s.duration_s, s.warmup_s, s.trials, s.shards
     );
     println!("arms:");
     for (i, arm) in plan.arms.iter().enumerate() {

@@ -81,6 +81,20 @@ pub const MAX_CELLS: usize = 10_000;
 /// Most arms: each arm multiplies the campaign; 16 covers Felix variants plus NATS peers.
 pub const MAX_ARMS: usize = 16;
 
+/// Shards of the benchmark stream when the plan does not say: 8. On this 2-vCPU machine that
+/// is 4 per core, enough for the spread keys to hit every core's shards evenly; the reference's
+/// 8-vCPU broker used 48.
+pub const DEFAULT_SHARDS: u32 = 8;
+
+/// Most shards a plan may ask for: 4096, the wire protocol's default `max_shards` bound.
+pub const MAX_SHARDS: u32 = 4096;
+
+/// Smallest payload of a latency cell: the first 8 bytes carry the send timestamp.
+pub const LATENCY_MIN_PAYLOAD_BYTES: u32 = 8;
+
+/// The settings' `broker` value meaning "the runner starts a broker per cell".
+pub const BROKER_SPAWN: &str = "spawn";
+
 /// Stream kind under test.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -103,6 +117,27 @@ pub enum Mode {
 pub enum Keys {
     Spread,
     Plain,
+}
+
+/// What a cell measures: broker throughput over a fixed time, or service latency (a counted
+/// run of warm-up and measured publishes with one subscriber; SPEC.md section 7).
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum Measure {
+    #[default]
+    Throughput,
+    Latency,
+}
+
+impl Measure {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Measure::Throughput => "throughput",
+            Measure::Latency => "latency",
+        }
+    }
 }
 
 impl StreamKind {
@@ -135,7 +170,8 @@ impl Keys {
 /// Global settings of a campaign.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Settings {
-    /// `host:port` of the broker under test.
+    /// `spawn` ([`BROKER_SPAWN`], the default: the runner starts a broker per cell) or the
+    /// `host:port` of a broker already running.
     pub broker: String,
     /// Default measured duration of a cell, MIN_DURATION_S..=MAX_DURATION_S.
     pub duration_s: u32,
@@ -143,6 +179,13 @@ pub struct Settings {
     pub trials: u32,
     /// Seconds of load before each cell's measured duration, 0..=MAX_WARMUP_S.
     pub warmup_s: u32,
+    /// Shards of the benchmark stream, 1..=MAX_SHARDS (default [`DEFAULT_SHARDS`]).
+    #[serde(default = "default_shards")]
+    pub shards: u32,
+}
+
+fn default_shards() -> u32 {
+    DEFAULT_SHARDS
 }
 
 /// A named set of broker environment variables.
@@ -163,6 +206,9 @@ pub struct Shape {
     pub in_flight: u32,
     pub keys: Keys,
     pub duration_s: u32,
+    /// Throughput (default) or service latency with a subscriber.
+    #[serde(default)]
+    pub measure: Measure,
 }
 
 impl Shape {
@@ -190,8 +236,12 @@ impl Shape {
             Keys::Spread => "",
             Keys::Plain => " plain",
         };
+        let measure = match self.measure {
+            Measure::Throughput => "",
+            Measure::Latency => " lat",
+        };
         format!(
-            "{kind} {} b{} {mode} p{}x{}{keys}",
+            "{kind} {} b{} {mode} p{}x{}{keys}{measure}",
             human_bytes(self.payload_bytes),
             self.batch,
             self.publishers,
@@ -213,7 +263,11 @@ impl fmt::Display for Shape {
             self.in_flight,
             self.keys.as_str(),
             self.duration_s
-        )
+        )?;
+        if self.measure == Measure::Latency {
+            write!(f, " latency")?;
+        }
+        Ok(())
     }
 }
 
@@ -341,11 +395,12 @@ struct RawPlan {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawSettings {
-    broker: String,
+    broker: Option<String>,
     duration_s: i64,
     trials: i64,
     #[serde(default)]
     warmup_s: i64,
+    shards: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -367,6 +422,7 @@ struct RawCells {
     in_flight: OneOrMany<i64>,
     keys: Option<OneOrMany<String>>,
     duration_s: Option<OneOrMany<i64>>,
+    measure: Option<OneOrMany<String>>,
 }
 
 /// One expanded, not yet validated cell.
@@ -380,6 +436,7 @@ struct RawCell {
     in_flight: i64,
     keys: String,
     duration_s: i64,
+    measure: String,
 }
 
 fn in_range(what: &str, field: &str, v: i64, lo: u32, hi: u32) -> Result<u32, BenchError> {
@@ -393,9 +450,12 @@ fn in_range(what: &str, field: &str, v: i64, lo: u32, hi: u32) -> Result<u32, Be
 }
 
 fn check_broker(addr: &str) -> Result<(), BenchError> {
+    if addr == BROKER_SPAWN {
+        return Ok(());
+    }
     let bad = || {
         BenchError::Plan(format!(
-            "settings: broker must be host:port (e.g. 10.0.0.4:5000), got {addr:?}"
+            "settings: broker must be \"spawn\" or host:port (e.g. 10.0.0.4:5000), got {addr:?}"
         ))
     };
     let (host, port) = addr.rsplit_once(':').ok_or_else(bad)?;
@@ -425,9 +485,10 @@ fn is_arm_name(name: &str) -> bool {
 impl RawPlan {
     fn validate(self) -> Result<Plan, BenchError> {
         let s = &self.settings;
-        check_broker(&s.broker)?;
+        let broker = s.broker.clone().unwrap_or_else(|| BROKER_SPAWN.to_string());
+        check_broker(&broker)?;
         let settings = Settings {
-            broker: s.broker.clone(),
+            broker,
             duration_s: in_range(
                 "settings",
                 "duration_s",
@@ -437,6 +498,13 @@ impl RawPlan {
             )?,
             trials: in_range("settings", "trials", s.trials, 1, MAX_TRIALS)?,
             warmup_s: in_range("settings", "warmup_s", s.warmup_s, 0, MAX_WARMUP_S)?,
+            shards: in_range(
+                "settings",
+                "shards",
+                s.shards.unwrap_or(i64::from(DEFAULT_SHARDS)),
+                1,
+                MAX_SHARDS,
+            )?,
         };
 
         if self.arms.is_empty() {
@@ -534,6 +602,10 @@ fn expand(
         .duration_s
         .as_ref()
         .map_or_else(|| vec![i64::from(default_duration_s)], OneOrMany::values);
+    let measures = e.measure.as_ref().map_or_else(
+        || vec![Measure::Throughput.as_str().to_string()],
+        OneOrMany::values,
+    );
     let lens = [
         ("kind", kinds.len()),
         ("payload", payloads.len()),
@@ -543,6 +615,7 @@ fn expand(
         ("in_flight", in_flights.len()),
         ("keys", keys.len()),
         ("duration_s", durations.len()),
+        ("measure", measures.len()),
     ];
     let mut product: usize = 1;
     for (field, len) in lens {
@@ -566,16 +639,19 @@ fn expand(
                         for &f in &in_flights {
                             for k in &keys {
                                 for &d in &durations {
-                                    out.push(RawCell {
-                                        kind: kind.clone(),
-                                        payload,
-                                        batch,
-                                        mode: mode.clone(),
-                                        publishers: p,
-                                        in_flight: f,
-                                        keys: k.clone(),
-                                        duration_s: d,
-                                    });
+                                    for m in &measures {
+                                        out.push(RawCell {
+                                            kind: kind.clone(),
+                                            payload,
+                                            batch,
+                                            mode: mode.clone(),
+                                            publishers: p,
+                                            in_flight: f,
+                                            keys: k.clone(),
+                                            duration_s: d,
+                                            measure: m.clone(),
+                                        });
+                                    }
                                 }
                             }
                         }
@@ -619,7 +695,35 @@ fn validate_cell(number: usize, raw: &RawCell) -> Result<Cell, BenchError> {
             )));
         }
     };
+    let measure = match raw.measure.as_str() {
+        "throughput" => Measure::Throughput,
+        "latency" => Measure::Latency,
+        other => {
+            return Err(BenchError::Plan(format!(
+                "{what}: measure must be throughput or latency, got {other:?}"
+            )));
+        }
+    };
+    if measure == Measure::Latency && mode != Mode::Acked {
+        return Err(BenchError::Plan(format!(
+            "{what}: a latency cell measures acks, so its mode must be acked"
+        )));
+    }
+    if measure == Measure::Latency && raw.publishers != 1 {
+        return Err(BenchError::Plan(format!(
+            "{what}: a latency cell has one publisher (SPEC.md section 7), got {}",
+            raw.publishers
+        )));
+    }
+    if measure == Measure::Latency && raw.payload < i64::from(LATENCY_MIN_PAYLOAD_BYTES) {
+        return Err(BenchError::Plan(format!(
+            "{what}: a latency cell carries an 8-byte send timestamp, so payload must be at \
+             least {LATENCY_MIN_PAYLOAD_BYTES}, got {}",
+            raw.payload
+        )));
+    }
     let shape = Shape {
+        measure,
         kind,
         payload_bytes: in_range(&what, "payload", raw.payload, 1, MAX_PAYLOAD_BYTES)?,
         batch: in_range(&what, "batch", raw.batch, 1, MAX_BATCH)?,
@@ -813,11 +917,11 @@ keys = ["spread", "plain"]
             ),
             (
                 with("broker = ", "broker = \"localhost\""),
-                "settings: broker must be host:port (e.g. 10.0.0.4:5000), got \"localhost\"",
+                "settings: broker must be \"spawn\" or host:port (e.g. 10.0.0.4:5000), got \"localhost\"",
             ),
             (
                 with("broker = ", "broker = \"host:0\""),
-                "settings: broker must be host:port (e.g. 10.0.0.4:5000), got \"host:0\"",
+                "settings: broker must be \"spawn\" or host:port (e.g. 10.0.0.4:5000), got \"host:0\"",
             ),
             (
                 with("name = \"felix-ack-on-commit\"", "name = \"felix-default\""),

@@ -22,12 +22,14 @@ pub struct RunSummary {
     pub failed: usize,
 }
 
-/// Runs every scheduled run of `plan` through `driver`, recording each to `out/cells.jsonl`.
+/// Runs every scheduled run of `plan` through `driver`, recording each to `out/cells.jsonl`
+/// with the session's `facts` (time set per run) and printing one result line per run.
 pub fn run_plan(
     plan: &Plan,
     driver: &mut dyn CellDriver,
     out: &Path,
     progress: &Progress,
+    facts: &Facts,
 ) -> Result<RunSummary, BenchError> {
     std::fs::create_dir_all(out).map_err(|e| BenchError::io(out, e))?;
     let records_path = out.join(RECORDS_FILE);
@@ -47,15 +49,15 @@ pub fn run_plan(
             run.trial,
             arm.name
         ));
-        let facts = Facts::gather();
+        let facts = facts.now();
         let record = match driver.run_cell(&plan.settings, cell, arm, run.trial) {
             Ok(result) => CellRecord::from_run(&plan.settings, cell, arm, run.trial, facts, result),
             Err(e) => CellRecord::failed(&plan.settings, cell, arm, run.trial, facts, &e),
         };
-        if let Some(e) = &record.error {
+        if record.error.is_some() {
             failed += 1;
-            progress.println(&format!("trial {} arm {}: {e}", run.trial, arm.name));
         }
+        progress.println(&record.result_line());
         let line = record.to_json_line()?;
         writeln!(file, "{line}")
             .and_then(|()| file.flush())
@@ -119,7 +121,14 @@ mod tests {
             calls: Vec::new(),
             fail_arm: "b",
         };
-        let summary = run_plan(&plan, &mut driver, dir.path(), &Progress::hidden(8)).unwrap();
+        let summary = run_plan(
+            &plan,
+            &mut driver,
+            dir.path(),
+            &Progress::hidden(8),
+            &Facts::default(),
+        )
+        .unwrap();
         assert_eq!((summary.runs, summary.failed), (8, 4));
         let order: Vec<(usize, u32, &str)> = driver
             .calls
