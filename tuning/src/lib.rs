@@ -141,6 +141,20 @@ pub struct Config {
     /// FELIX_PUBLISH_QUEUE_WAIT_MS: ack-on-commit ingress wait, 0..=600000. Default 2000.
     /// Restart.
     pub publish_queue_wait_ms: u64,
+    /// FELIX_DURABLE_FSYNC_MODE: `periodic` or `on_commit`. Default periodic. Restart.
+    pub durable_fsync_mode: String,
+    /// FELIX_DURABLE_FSYNC_INTERVAL_MS: periodic fsync interval, 1..=3600000. Default 250.
+    /// Restart.
+    pub durable_fsync_interval_ms: u64,
+    /// FELIX_STORAGE_IO_URING: io_uring writer (1) or pwrite (0). Default 1. Restart.
+    pub storage_io_uring: bool,
+    /// FELIX_DURABLE_SEGMENT_BYTES: log segment size, 16KiB..=64GiB. Default 1GiB. Restart.
+    pub durable_segment_bytes: u64,
+    /// FELIX_DURABLE_RETENTION_BYTES: per-core log size bound, 0 = none. Default 0. Restart.
+    pub durable_retention_bytes: u64,
+    /// FELIX_DURABLE_RETENTION_SECONDS: age bound of log segments, 0 = none. Default 0.
+    /// Restart.
+    pub durable_retention_seconds: u64,
     // ---- client / CLI ----
     /// FELIX_ADDR: broker address the CLI connects to. Default 127.0.0.1:7400.
     pub addr: SocketAddr,

@@ -53,6 +53,18 @@ const INGRESS_QUEUE_DEPTH_MAX: u64 = 1 << 20;
 const INGRESS_BYTE_BUDGET_MAX: u64 = 64 * GIB;
 /// Ten minutes: a publish waiting longer than that is surely a stuck broker.
 const PUBLISH_QUEUE_WAIT_MS_MAX: u64 = 600_000;
+/// One hour between fsyncs already risks an hour of data on power loss; more is a typo.
+const DURABLE_FSYNC_INTERVAL_MS_MAX: u64 = 3_600_000;
+/// The storage crate's segment bounds (felix_storage::MIN_SEGMENT_BYTES / MAX_SEGMENT_BYTES):
+/// 16 KiB holds a few records (tests), 64 GiB keeps one deleted segment a bounded amount.
+const DURABLE_SEGMENT_BYTES_MIN: u64 = 16 * KIB;
+const DURABLE_SEGMENT_BYTES_MAX: u64 = 64 * GIB;
+/// 1 PiB of log per core is beyond any disk we run on.
+const DURABLE_RETENTION_BYTES_MAX: u64 = 1024 * TIB;
+/// Ten years of retention by age.
+const DURABLE_RETENTION_SECONDS_MAX: u64 = 10 * 366 * 24 * 3600;
+/// The fsync modes of SPEC section 3.
+const FSYNC_MODES: &[&str] = &["periodic", "on_commit"];
 
 // The u32 fields must be able to hold their whole accepted range.
 const _: () = assert!(MAX_FRAME_BYTES_MAX <= u32::MAX as u64);
@@ -376,6 +388,56 @@ settings! {
         restart: Restart::Broker,
         doc: "Milliseconds an ack-on-commit publish waits for ingress room before it is \
               refused with `publish ingress byte budget exhausted`.",
+    }
+    durable_fsync_mode {
+        env: "FELIX_DURABLE_FSYNC_MODE",
+        kind: Kind::Choice { options: FSYNC_MODES },
+        default: Fixed("periodic"),
+        restart: Restart::Broker,
+        doc: "When durable records are fsynced. `on_commit`: before the ack, many waiting \
+              publishes sharing one fdatasync; a crash, power loss included, loses nothing \
+              acked. `periodic`: acks after the write (a process crash loses nothing acked) \
+              and fdatasync every FELIX_DURABLE_FSYNC_INTERVAL_MS (a power loss can lose up \
+              to one interval).",
+    }
+    durable_fsync_interval_ms {
+        env: "FELIX_DURABLE_FSYNC_INTERVAL_MS",
+        kind: Kind::Count { min: 1, max: DURABLE_FSYNC_INTERVAL_MS_MAX },
+        default: Fixed("250"),
+        restart: Restart::Broker,
+        doc: "Milliseconds between fdatasyncs of written durable records in `periodic` mode.",
+    }
+    storage_io_uring {
+        env: "FELIX_STORAGE_IO_URING",
+        kind: Kind::Bool,
+        default: Fixed("1"),
+        restart: Restart::Broker,
+        doc: "Write durable logs with io_uring (falls back to the pwrite writer thread, with \
+              a warning, where io_uring cannot be set up); 0 always uses pwrite + fdatasync.",
+    }
+    durable_segment_bytes {
+        env: "FELIX_DURABLE_SEGMENT_BYTES",
+        kind: Kind::Size { min: DURABLE_SEGMENT_BYTES_MIN, max: DURABLE_SEGMENT_BYTES_MAX },
+        default: Fixed("1GiB"),
+        restart: Restart::Broker,
+        doc: "Preallocated size of each durable log segment file (one log per data-plane \
+              core under `<data_dir>/log/core-<i>/`); retention deletes whole segments.",
+    }
+    durable_retention_bytes {
+        env: "FELIX_DURABLE_RETENTION_BYTES",
+        kind: Kind::Size { min: 0, max: DURABLE_RETENTION_BYTES_MAX },
+        default: Fixed("0"),
+        restart: Restart::Broker,
+        doc: "Per core: delete the oldest log segments while the core's log exceeds this \
+              many bytes (never the active segment). 0 keeps everything.",
+    }
+    durable_retention_seconds {
+        env: "FELIX_DURABLE_RETENTION_SECONDS",
+        kind: Kind::Count { min: 0, max: DURABLE_RETENTION_SECONDS_MAX },
+        default: Fixed("0"),
+        restart: Restart::Broker,
+        doc: "Delete log segments whose newest record is older than this many seconds \
+              (never the active segment). 0 keeps everything.",
     }
     // ---- client / CLI ----
     addr {

@@ -47,6 +47,7 @@ fn bad_values(kind: Kind) -> Vec<String> {
         Kind::Path => &["", "a\0b"],
         Kind::OptionalPath => &["a\0b"],
         Kind::Text { .. } => &["", "   "],
+        Kind::Choice { .. } => &["", "On_Commit", "always", " periodic"],
     };
     let mut values: Vec<String> = fixed.iter().map(|value| (*value).to_owned()).collect();
     if let Kind::Size { min, max } | Kind::Count { min, max } = kind {
@@ -72,6 +73,12 @@ fn defaults_are_the_documented_values() {
     assert_eq!(config.tls_key, None);
     assert_eq!(config.replay_ring_max_bytes, 64 << 20);
     assert_eq!(config.replay_ring_max_records, 1024);
+    assert_eq!(config.durable_fsync_mode, "periodic");
+    assert_eq!(config.durable_fsync_interval_ms, 250);
+    assert!(config.storage_io_uring);
+    assert_eq!(config.durable_segment_bytes, 1 << 30);
+    assert_eq!(config.durable_retention_bytes, 0);
+    assert_eq!(config.durable_retention_seconds, 0);
     assert_eq!(config.max_frame_bytes, 16 << 20);
     assert_eq!(config.max_batch_records, 4096);
     assert_eq!(config.subscriber_queue_max_bytes, 64 << 20);

@@ -34,6 +34,8 @@ pub(crate) enum Kind {
     OptionalPath,
     /// Free text that must not be blank; `what` names it in messages.
     Text { what: &'static str },
+    /// One of a fixed set of words (exact spelling).
+    Choice { options: &'static [&'static str] },
 }
 
 impl Kind {
@@ -55,6 +57,7 @@ impl Kind {
             Kind::Path => "a non-empty path".to_owned(),
             Kind::OptionalPath => "a path, or empty for unset".to_owned(),
             Kind::Text { what } => what.to_owned(),
+            Kind::Choice { options } => format!("one of {}", options.join(", ")),
         }
     }
 
@@ -74,7 +77,9 @@ impl Kind {
                     Some(format!("{bytes} or {suffixed}"))
                 }
             }
-            Kind::Count { .. } | Kind::Addr | Kind::Text { .. } => Some(default.to_owned()),
+            Kind::Count { .. } | Kind::Addr | Kind::Text { .. } | Kind::Choice { .. } => {
+                Some(default.to_owned())
+            }
             Kind::AddrOrOff => Some(format!("{default} or off")),
             Kind::Bool | Kind::Path | Kind::OptionalPath => None,
         }
@@ -208,6 +213,7 @@ impl FieldValue for String {
     fn parse(kind: Kind, raw: &str) -> Option<Self> {
         match kind {
             Kind::Text { .. } => (!raw.trim().is_empty()).then(|| raw.to_owned()),
+            Kind::Choice { options } => options.contains(&raw).then(|| raw.to_owned()),
             _ => kind_mismatch(kind, "String"),
         }
     }

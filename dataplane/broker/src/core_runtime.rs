@@ -9,6 +9,12 @@
 //! shard lives on its owner. Catalogue changes go through core 0; describe gathers per-shard
 //! state from the owners; subscriptions register on each owner core, which pushes delivery
 //! batches back under a credit bound.
+//!
+//! Durable streams: each core owns its log ([`DurableLog`], opened and recovered in
+//! `run_thread` before the core serves). A durable publish is tracked by the engine and
+//! answered (ack or error, locally or to the forwarding core) only once its records are
+//! committed; its ingress job stays in the queue until then. The `durable_loop` task pumps the
+//! log on its eventfd, its periodic-fsync deadline and when a publish or a catch-up read asks.
 
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, VecDeque};
@@ -20,12 +26,13 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::BytesMut;
 use felix_engine::{
-    Engine, EngineConfig, EngineError, EngineEvent, ShardState, StreamDescription, SubscriptionId,
+    Engine, EngineConfig, EngineError, EngineEvent, PublishCompletion, PublishToken, ShardState,
+    StreamDescription, SubscriptionId,
 };
 use felix_wire::{
     AckMode, Decoder, DeliveredRecord, ErrorCode, ErrorFrame, Frame, HashKind, HelloOk, Limits,
     PROTOCOL_VERSION, Publish, Record, ShardAck, ShardInfo, ShardSelection, StartPosition,
-    StreamInfo, StreamRoute, StreamSummary,
+    StreamInfo, StreamKind, StreamRoute, StreamSummary,
 };
 use s2n_quic::Server;
 use tokio::io::unix::AsyncFd;
@@ -33,8 +40,11 @@ use tokio::sync::{Notify, mpsc, oneshot};
 
 use crate::BrokerError;
 use crate::admission::{Admission, AdmissionEvent, Decision, Policy, Ticket};
+use crate::catalog::{Catalog, CatalogEntry};
 use crate::connection;
+use crate::durable::{DurableLog, DurableSettings, fatal_exit};
 use crate::mesh::{AdminRequest, CoreMessage, DRAIN_BATCH, Mesh, SPIN_BEFORE_PARK, reset_eventfd};
+use crate::metrics::DurableExported;
 use crate::metrics::{CoreMetrics, Metrics};
 use crate::tls::CertificatePair;
 use crate::udp::BoundSocket;
@@ -64,6 +74,11 @@ const HELLO_SHARD_MAP_FRAME_SHARE: usize = 2;
 const REMOTE_DELIVERY_CREDITS: u32 = 4;
 /// Poll interval of the test-only pause knob (TEST_FELIX_PAUSE_CORE_EXECUTOR).
 const TEST_PAUSE_POLL: Duration = Duration::from_millis(2);
+/// How often the durable loop applies retention (when FELIX_DURABLE_RETENTION_* is set):
+/// deleting whole segments is coarse, so checking every few seconds is plenty.
+const RETENTION_CHECK_INTERVAL: Duration = Duration::from_secs(5);
+/// How long a clean shutdown waits for the log to write and fdatasync what it holds.
+const DURABLE_SHUTDOWN_FLUSH: Duration = Duration::from_secs(10);
 /// The exact refusal text of SPEC section 3.
 pub(crate) const INGRESS_EXHAUSTED_MESSAGE: &str = "publish ingress byte budget exhausted";
 
@@ -99,6 +114,18 @@ pub(crate) struct CoreSettings {
     pub ingress: IngressSettings,
     /// Test-only: while this file exists, cores other than 0 leave their inbound queues alone.
     pub test_pause_file: Option<PathBuf>,
+    pub durable: DurableSetup,
+}
+
+/// What a core needs for durable streams.
+#[derive(Debug)]
+pub(crate) struct DurableSetup {
+    pub data_dir: PathBuf,
+    pub settings: DurableSettings,
+    /// The catalogue's streams, restored on every core at start-up.
+    pub entries: Vec<CatalogEntry>,
+    /// The catalogue itself: core 0 only (it serializes catalogue changes).
+    pub catalog: Option<Catalog>,
 }
 
 /// What a core reports once it is pinned and its endpoints listen.
@@ -227,7 +254,34 @@ fn run_thread(
             quic,
             ingress,
             test_pause_file,
+            durable,
         } = settings;
+        let DurableSetup {
+            data_dir,
+            settings: durable_settings,
+            entries,
+            catalog,
+        } = durable;
+        // Open and recover this core's log before serving (blocks while recovery scans).
+        let log =
+            match DurableLog::open_system(&data_dir, usize::from(core_index), &durable_settings) {
+                Ok(log) => log,
+                Err(error) => {
+                    let _ = ready.send(Err(error));
+                    return Ok(());
+                }
+            };
+        let wake = match log.wake_fd().try_clone_to_owned().and_then(|fd| {
+            // SAFETY: `fd` is a duplicate of the log's eventfd that this AsyncFd takes by value:
+            // it stays open exactly as long as the registration and nothing else can close it.
+            unsafe { AsyncFd::register(fd) }.map_err(std::io::Error::from)
+        }) {
+            Ok(wake) => wake,
+            Err(error) => {
+                let _ = ready.send(Err(core_error("cannot watch the log's eventfd", &error)));
+                return Ok(());
+            }
+        };
         let own_addr = own_socket.local_addr;
         let recv_buffer_bytes = own_socket.recv_buffer_bytes;
         let send_buffer_bytes = own_socket.send_buffer_bytes;
@@ -265,7 +319,13 @@ fn run_thread(
             ingress,
             metrics,
             core_metrics,
+            log,
+            catalog,
         ));
+        if let Err(error) = state.restore_durable(&entries) {
+            let _ = ready.send(Err(error));
+            return Ok(());
+        }
         let _ = ready.send(Ok(CoreReport {
             index: core_index,
             cpu,
@@ -277,7 +337,10 @@ fn run_thread(
         }));
         tracing::info!(core = core_index, cpu, %own_addr, "core serving");
         tokio::task::spawn_local(pump(Rc::clone(&state), eventfd, test_pause_file));
-        serve(state, servers, shutdown).await;
+        let durable_task = tokio::task::spawn_local(durable_loop(Rc::clone(&state), wake));
+        serve(Rc::clone(&state), servers, shutdown).await;
+        durable_task.abort();
+        state.shutdown_durable();
         Ok(())
     })
 }
@@ -423,6 +486,46 @@ async fn pump(
     }
 }
 
+/// The core's durable loop: pumps the log when its eventfd says a round finished, at its
+/// periodic-fsync deadline, and when asked (`durable_changed`: a catch-up read waits, or the
+/// deadline moved); applies retention every [`RETENTION_CHECK_INTERVAL`] when configured.
+async fn durable_loop(state: Rc<CoreState>, wake: AsyncFd<std::os::fd::OwnedFd>) {
+    let retention = state.durable.borrow().retention_configured();
+    let mut next_retention = Instant::now() + RETENTION_CHECK_INTERVAL;
+    loop {
+        let deadline = state.durable.borrow().next_deadline();
+        let wake_at = match (deadline, retention) {
+            (Some(deadline), true) => Some(deadline.min(next_retention)),
+            (Some(deadline), false) => Some(deadline),
+            (None, true) => Some(next_retention),
+            (None, false) => None,
+        };
+        let timer = async {
+            match wake_at {
+                Some(at) => tokio::time::sleep_until(at.into()).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            ready = wake.readable() => match ready {
+                // Clear before pumping: `drive` drains the eventfd, then reaps.
+                Ok(mut guard) => guard.clear_ready(),
+                Err(error) => {
+                    tracing::error!(%error, "log eventfd failed; polling instead");
+                    tokio::time::sleep(SPIN_BEFORE_PARK).await;
+                }
+            },
+            () = timer => {}
+            () = state.durable_changed.notified() => {}
+        }
+        if retention && Instant::now() >= next_retention {
+            state.apply_retention();
+            next_retention = Instant::now() + RETENTION_CHECK_INTERVAL;
+        }
+        state.pump_durable();
+    }
+}
+
 /// Microseconds since the Unix epoch (0 if the clock is before 1970).
 fn now_us() -> u64 {
     SystemTime::now()
@@ -506,6 +609,34 @@ pub(crate) struct CoreState {
     pub limits: Limits,
     pub decoder: Decoder,
     core_ports: Vec<u16>,
+    /// This core's durable log. Borrowed only inside `pump_durable` & co, never across an
+    /// `.await`, and always after (inside) the engine borrow order: log, then engine.
+    durable: RefCell<DurableLog>,
+    /// The durable catalogue: core 0 only.
+    catalog: Option<RefCell<Catalog>>,
+    /// Tracked durable publishes by token: their acks and whom to answer. Bounded by the
+    /// ingress queues (each waiting publish holds an ingress job on its origin core).
+    durable_waiters: RefCell<HashMap<u64, DurableWaiter>>,
+    /// Wakes the durable loop (a catch-up read waits, or the fsync deadline moved).
+    durable_changed: Notify,
+    /// The engine's log-read count when the durable loop was last asked to pump.
+    log_reads_seen: Cell<u64>,
+    /// Log counters already exported to the metrics.
+    durable_exported: RefCell<DurableExported>,
+}
+
+/// A durable publish waiting for its records to be committed.
+struct DurableWaiter {
+    acks: Vec<ShardAck>,
+    reply: Reply,
+}
+
+/// Whom a durable publish's outcome goes to.
+pub(crate) enum Reply {
+    /// A task on this core.
+    Local(oneshot::Sender<Result<Vec<ShardAck>, EngineError>>),
+    /// The core that forwarded the records, as `PublishDone { token }`.
+    Remote { from: u16, token: u64 },
 }
 
 /// The mesh as one core sees it.
@@ -539,12 +670,20 @@ impl CoreState {
         ingress: IngressSettings,
         metrics: Metrics,
         core_metrics: CoreMetrics,
+        log: DurableLog,
+        catalog: Option<Catalog>,
     ) -> CoreState {
         let core_count = mesh.cores();
+        let mut engine = Engine::new(engine);
+        engine.enable_durable();
+        let recovery = log.recovery();
+        core_metrics
+            .durable
+            .set_recovery(recovery.seconds, recovery.truncated_bytes);
         CoreState {
             index,
             core_count,
-            engine: RefCell::new(Engine::new(engine)),
+            engine: RefCell::new(engine),
             slots: RefCell::new(HashMap::new()),
             local_subscriptions: RefCell::new(HashMap::new()),
             remote_subscriptions: RefCell::new(HashMap::new()),
@@ -564,6 +703,160 @@ impl CoreState {
             limits,
             decoder: Decoder::new(limits),
             core_ports,
+            durable: RefCell::new(log),
+            catalog: catalog.map(RefCell::new),
+            durable_waiters: RefCell::new(HashMap::new()),
+            durable_changed: Notify::new(),
+            log_reads_seen: Cell::new(0),
+            durable_exported: RefCell::new(DurableExported::default()),
+        }
+    }
+
+    // ---- durable streams ----
+
+    /// Start-up: recreates every catalogued stream from this core's log offsets.
+    fn restore_durable(&self, entries: &[CatalogEntry]) -> Result<(), BrokerError> {
+        let log = self.durable.borrow();
+        let mut engine = self.engine.borrow_mut();
+        for entry in entries {
+            log.restore(&mut engine, entry)
+                .map_err(|error| BrokerError::Catalog {
+                    path: PathBuf::from(crate::catalog::CATALOG_FILE),
+                    reason: format!("cannot restore stream {:?}: {error}", entry.name),
+                })?;
+        }
+        Ok(())
+    }
+
+    /// Whether `stream` is durable (on this core's engine, which holds every stream).
+    fn is_durable(&self, stream: &str) -> bool {
+        self.engine.borrow().log_shard(stream, 0).is_some()
+    }
+
+    /// Moves appends into the log, drives it, and answers what completed. A fatal storage
+    /// error exits the process here, before any later ack can be sent.
+    fn pump_durable(&self) {
+        let mut completions: Vec<PublishCompletion> = Vec::new();
+        let outcome = {
+            let mut log = self.durable.borrow_mut();
+            let mut engine = self.engine.borrow_mut();
+            let before = log.next_deadline();
+            let result = log.pump(&mut engine, Instant::now(), &mut completions);
+            self.log_reads_seen.set(engine.durable_counters().log_reads);
+            let pending = engine.durable_counters().records_pending;
+            self.core_metrics.durable.observe(
+                log.counters(),
+                pending,
+                &mut self.durable_exported.borrow_mut(),
+            );
+            result.map(|report| (report.more, before != log.next_deadline()))
+        };
+        match outcome {
+            Err(error) => fatal_exit(usize::from(self.index), &error),
+            Ok((more, deadline_moved)) => {
+                if more || deadline_moved {
+                    self.durable_changed.notify_one();
+                }
+            }
+        }
+        for completion in completions {
+            self.complete_durable(completion);
+        }
+        self.dispatch_events();
+    }
+
+    /// Asks the durable loop to pump if the engine issued log reads since the last pump
+    /// (after subscribe and delivery polls, which may start or resume a catch-up).
+    fn wake_for_log_reads(&self) {
+        let issued = self.engine.borrow().durable_counters().log_reads;
+        if issued != self.log_reads_seen.get() {
+            self.log_reads_seen.set(issued);
+            self.durable_changed.notify_one();
+        }
+    }
+
+    /// Answers one finished durable publish.
+    fn complete_durable(&self, completion: PublishCompletion) {
+        let Some(waiter) = self
+            .durable_waiters
+            .borrow_mut()
+            .remove(&completion.token.0)
+        else {
+            tracing::error!(
+                token = completion.token.0,
+                "completion of an unknown publish"
+            );
+            return;
+        };
+        let result = completion.result.map(|()| waiter.acks);
+        match waiter.reply {
+            Reply::Local(sender) => {
+                // The publishing task may be gone (shutdown): nothing to answer then.
+                let _ = sender.send(result);
+            }
+            Reply::Remote { from, token } => {
+                self.send_now(from, CoreMessage::PublishDone { token, result });
+            }
+        }
+    }
+
+    /// Appends records this core owns. In-memory: the result now. Durable: the publish is
+    /// tracked and `reply` gets its outcome once committed (`None` is returned).
+    fn publish_here(
+        &self,
+        now_us: u64,
+        stream: &str,
+        records: Vec<Record>,
+        reply: Reply,
+    ) -> Option<Result<Vec<ShardAck>, EngineError>> {
+        if !self.is_durable(stream) {
+            let result = self.engine.borrow_mut().publish(now_us, stream, records);
+            self.dispatch_events();
+            return Some(result);
+        }
+        let token = self.token();
+        let result =
+            self.engine
+                .borrow_mut()
+                .publish_tracked(now_us, stream, records, PublishToken(token));
+        match result {
+            Err(error) => Some(Err(error)),
+            Ok(acks) => {
+                self.durable_waiters
+                    .borrow_mut()
+                    .insert(token, DurableWaiter { acks, reply });
+                self.pump_durable();
+                None
+            }
+        }
+    }
+
+    /// Deletes retained segments past the bounds (core's durable loop).
+    fn apply_retention(&self) {
+        let result = {
+            let mut log = self.durable.borrow_mut();
+            let mut engine = self.engine.borrow_mut();
+            log.apply_retention(&mut engine, now_us())
+        };
+        if let Err(error) = result {
+            if error.is_fatal() {
+                fatal_exit(usize::from(self.index), &error);
+            }
+            tracing::warn!(core = self.index, %error, "retention failed; retrying later");
+        }
+    }
+
+    /// Clean shutdown: write and fdatasync what the log holds.
+    fn shutdown_durable(&self) {
+        let result = {
+            let mut log = self.durable.borrow_mut();
+            let mut engine = self.engine.borrow_mut();
+            log.shutdown(&mut engine, DURABLE_SHUTDOWN_FLUSH)
+        };
+        match result {
+            Ok(()) => tracing::info!(core = self.index, "durable log flushed"),
+            Err(error) if error.is_fatal() => fatal_exit(usize::from(self.index), &error),
+            Err(error) => tracing::error!(core = self.index, %error, "durable log flush failed"),
         }
     }
 
@@ -702,6 +995,7 @@ impl CoreState {
                     name: create.name,
                     shard_count: create.shard_count,
                     kind: create.kind,
+                    stream_id: None,
                 };
                 match self.admin(request).await {
                     Ok(description) => self.write_stream_info(create.request_id, description, out),
@@ -833,8 +1127,35 @@ impl CoreState {
             self.index, 0,
             "catalogue changes are serialized through core 0"
         );
-        let result = self.apply(&request);
-        let description = result?;
+        let request = self.assign_stream_id(request);
+        if let AdminRequest::Delete { name } = &request {
+            // Persist the removal first: once answered, the stream stays deleted after a crash.
+            self.catalog_change(|catalog| catalog.remove(name).map(|_| ()))?;
+        }
+        let description = self.apply(&request)?;
+        if let AdminRequest::Create {
+            name,
+            shard_count,
+            stream_id: Some(stream_id),
+            ..
+        } = &request
+        {
+            // Persist before anyone is told (the other cores, the client): a create that was
+            // acknowledged exists after any crash.
+            let persisted = self.catalog_change(|catalog| {
+                let entry = catalog.add(name, *shard_count)?;
+                assert_eq!(
+                    entry.stream_id, *stream_id,
+                    "ids are assigned without an await"
+                );
+                Ok(())
+            });
+            if let Err(error) = persisted {
+                let _ = self.engine.borrow_mut().delete_stream(name);
+                self.dispatch_events();
+                return Err(error);
+            }
+        }
         let mut answers = Vec::with_capacity(usize::from(self.core_count));
         for core in 1..self.core_count {
             let request = request.clone();
@@ -851,13 +1172,75 @@ impl CoreState {
         Ok(description)
     }
 
+    /// Core 0: gives a durable create the catalogue's next stream id (persisted by `add`).
+    fn assign_stream_id(&self, request: AdminRequest) -> AdminRequest {
+        match request {
+            AdminRequest::Create {
+                name,
+                shard_count,
+                kind: StreamKind::Durable,
+                stream_id: None,
+            } => {
+                let stream_id = self
+                    .catalog
+                    .as_ref()
+                    .map(|catalog| catalog.borrow().next_stream_id());
+                AdminRequest::Create {
+                    name,
+                    shard_count,
+                    kind: StreamKind::Durable,
+                    stream_id,
+                }
+            }
+            other => other,
+        }
+    }
+
+    /// Core 0: applies a change to the durable catalogue (written and fsynced on this thread:
+    /// admin requests are rare, and the answer must wait for the disk anyway).
+    fn catalog_change(
+        &self,
+        change: impl FnOnce(&mut Catalog) -> Result<(), BrokerError>,
+    ) -> Result<(), EngineError> {
+        let Some(catalog) = &self.catalog else {
+            return Err(engine_error(
+                ErrorCode::StorageFailed,
+                "the durable catalogue lives on core 0".to_owned(),
+            ));
+        };
+        change(&mut catalog.borrow_mut()).map_err(|error| {
+            tracing::error!(%error, "durable catalogue change failed");
+            engine_error(
+                ErrorCode::StorageFailed,
+                format!("cannot persist the durable catalogue: {error}"),
+            )
+        })
+    }
+
     /// Applies a catalogue change to this core's engine.
     fn apply(&self, request: &AdminRequest) -> Result<StreamDescription, EngineError> {
         let result = match request {
             AdminRequest::Create {
                 name,
                 shard_count,
+                kind: StreamKind::Durable,
+                stream_id,
+            } => match stream_id {
+                Some(stream_id) => {
+                    self.engine
+                        .borrow_mut()
+                        .create_durable_stream(name, *shard_count, *stream_id)
+                }
+                None => Err(engine_error(
+                    ErrorCode::StorageFailed,
+                    "a durable stream needs a catalogue id from core 0".to_owned(),
+                )),
+            },
+            AdminRequest::Create {
+                name,
+                shard_count,
                 kind,
+                ..
             } => self
                 .engine
                 .borrow_mut()
@@ -924,9 +1307,12 @@ impl CoreState {
                 Policy::Wait { deadline: None }
             }
             AckMode::FireAndForget => Policy::Shed,
-            AckMode::Acked if self.ingress.ack_on_commit => Policy::Wait {
-                deadline: Some(now + self.ingress.commit_wait),
-            },
+            // Durable streams ack after commit by default (SPEC section 3).
+            AckMode::Acked if self.ingress.ack_on_commit || self.is_durable(&publish.stream) => {
+                Policy::Wait {
+                    deadline: Some(now + self.ingress.commit_wait),
+                }
+            }
             AckMode::Acked => Policy::Refuse,
         };
         let decision = self
@@ -1049,19 +1435,35 @@ impl CoreState {
         };
         match split {
             Split::Local(records) => {
-                let result = self.engine.borrow_mut().publish(now, &stream, records);
-                self.dispatch_events();
-                self.complete_job(payload_bytes);
-                PublishOutcome::Done(self.finish_publish(
-                    request_id,
-                    ack,
-                    result,
-                    payload_bytes,
-                    record_count,
-                ))
+                let (sender, receiver) = oneshot::channel();
+                if let Some(result) = self.publish_here(now, &stream, records, Reply::Local(sender))
+                {
+                    self.complete_job(payload_bytes);
+                    return PublishOutcome::Done(self.finish_publish(
+                        request_id,
+                        ack,
+                        result,
+                        payload_bytes,
+                        record_count,
+                    ));
+                }
+                // Durable: the ingress job and the answer wait for the commit.
+                let state = Rc::clone(self);
+                let completions = completions.clone();
+                tokio::task::spawn_local(async move {
+                    let result = receiver.await.unwrap_or_else(|_| Err(shutting_down()));
+                    state.complete_job(payload_bytes);
+                    if let Some(frame) =
+                        state.finish_publish(request_id, ack, result, payload_bytes, record_count)
+                    {
+                        let _ = completions.send(frame);
+                    }
+                });
+                PublishOutcome::Pending
             }
             Split::Spread(parts) => {
                 let mut local_result = Ok(Vec::new());
+                let mut local_waiting = None;
                 let mut answers = Vec::new();
                 for (core, records) in parts.into_iter().enumerate() {
                     if records.is_empty() {
@@ -1070,8 +1472,11 @@ impl CoreState {
                     // Core indices come from the mesh's u16 core count.
                     let core = u16::try_from(core).unwrap_or(u16::MAX);
                     if core == self.index {
-                        local_result = self.engine.borrow_mut().publish(now, &stream, records);
-                        self.dispatch_events();
+                        let (sender, receiver) = oneshot::channel();
+                        match self.publish_here(now, &stream, records, Reply::Local(sender)) {
+                            Some(result) => local_result = result,
+                            None => local_waiting = Some(receiver),
+                        }
                         continue;
                     }
                     self.core_metrics.cross_core_hops.inc();
@@ -1091,7 +1496,10 @@ impl CoreState {
                 let state = Rc::clone(self);
                 let completions = completions.clone();
                 tokio::task::spawn_local(async move {
-                    let mut result = local_result;
+                    let mut result = match local_waiting {
+                        Some(receiver) => receiver.await.unwrap_or_else(|_| Err(shutting_down())),
+                        None => local_result,
+                    };
                     for answer in answers {
                         let part = match answer.await {
                             Ok(CoreMessage::PublishDone { result, .. }) => result,
@@ -1288,6 +1696,7 @@ impl CoreState {
         start.sort_unstable_by_key(|(shard, _)| *shard);
         self.metrics.subscribers.inc();
         self.dispatch_events();
+        self.wake_for_log_reads();
         Ok(Registered {
             slot: slot_id,
             start,
@@ -1344,6 +1753,7 @@ impl CoreState {
                 .engine
                 .borrow_mut()
                 .poll_delivery(id, max_records, max_bytes);
+            self.wake_for_log_reads();
             if !records.is_empty() {
                 return Batch {
                     records,
@@ -1443,6 +1853,7 @@ impl CoreState {
                 .engine
                 .borrow_mut()
                 .poll_delivery(id, max_records, max_bytes);
+            self.wake_for_log_reads();
             if records.is_empty() {
                 return;
             }
@@ -1472,9 +1883,12 @@ impl CoreState {
                 records,
                 now_us,
             } => {
-                let result = self.engine.borrow_mut().publish(now_us, &stream, records);
-                self.send_now(from, CoreMessage::PublishDone { token, result });
-                self.dispatch_events();
+                // Durable records are answered once committed (`complete_durable`).
+                if let Some(result) =
+                    self.publish_here(now_us, &stream, records, Reply::Remote { from, token })
+                {
+                    self.send_now(from, CoreMessage::PublishDone { token, result });
+                }
             }
             CoreMessage::Admin {
                 from,
@@ -1545,6 +1959,7 @@ impl CoreState {
                     },
                 );
                 self.dispatch_events();
+                self.wake_for_log_reads();
             }
             CoreMessage::Deliver {
                 slot,

@@ -19,10 +19,19 @@
 //!   prometheus-client atomics the cores update and, on each scrape, each core thread's CPU
 //!   time from /proc.
 //! - the caller's thread starts them and joins them ([`Broker::start`], [`Broker::wait`]).
+//!
+//! Durable streams (`docs/design/durable.md`): each data-plane core owns one
+//! `felix_storage::Log` under `<data_dir>/log/core-<i>/`, opened and recovered on the core's
+//! thread before it serves, and driven from the core's event loop (`durable.rs`). The
+//! catalogue of durable streams (`catalog.rs`, `<data_dir>/catalog.json`) is loaded here,
+//! restored on every core, and changed only by core 0, which persists each change before it
+//! is acknowledged. A fatal storage error (failed fdatasync) exits the process.
 
 mod admission;
+pub mod catalog;
 mod connection;
 mod core_runtime;
+pub mod durable;
 mod mesh;
 mod metrics;
 mod tls;
@@ -74,6 +83,10 @@ pub enum BrokerError {
     Core(String),
     #[error("{0}")]
     Plan(#[from] felix_affinity::AffinityError),
+    #[error("durable catalogue {path}: {reason}")]
+    Catalog { path: PathBuf, reason: String },
+    #[error("durable log: {0}")]
+    Storage(#[from] felix_storage::StorageError),
     #[error("{env}={value:?}: {reason}")]
     Setting {
         env: &'static str,
@@ -117,6 +130,36 @@ pub fn plan_options(config: &Config) -> Result<PlanOptions, BrokerError> {
 pub fn core_plan(config: &Config) -> Result<CorePlan, BrokerError> {
     let topology = Topology::detect()?;
     Ok(CorePlan::new(&topology, &plan_options(config)?)?)
+}
+
+/// The durable settings (FELIX_DURABLE_*, FELIX_STORAGE_IO_URING) as the logs use them.
+pub fn durable_settings(config: &Config) -> Result<durable::DurableSettings, BrokerError> {
+    let fsync = match config.durable_fsync_mode.as_str() {
+        "on_commit" => felix_storage::FsyncMode::OnCommit,
+        "periodic" => felix_storage::FsyncMode::Periodic {
+            interval: std::time::Duration::from_millis(config.durable_fsync_interval_ms),
+        },
+        other => {
+            return Err(BrokerError::Setting {
+                env: "FELIX_DURABLE_FSYNC_MODE",
+                value: other.to_owned(),
+                reason: "expected periodic or on_commit".to_owned(),
+            });
+        }
+    };
+    Ok(durable::DurableSettings {
+        fsync,
+        backend: if config.storage_io_uring {
+            felix_storage::BackendChoice::IoUring
+        } else {
+            felix_storage::BackendChoice::Pwrite
+        },
+        segment_bytes: config.durable_segment_bytes,
+        retention_bytes: (config.durable_retention_bytes > 0)
+            .then_some(config.durable_retention_bytes),
+        retention_age: (config.durable_retention_seconds > 0)
+            .then(|| std::time::Duration::from_secs(config.durable_retention_seconds)),
+    })
 }
 
 /// FELIX_MTU_UPPER_BOUND as the broker applies it: below 1200 is an error, above 16384 is
@@ -180,6 +223,11 @@ impl Broker {
         let mtu = effective_mtu(config)?;
         let pair = tls::load_server_pair(config)?;
         let core_count = plan.core_count();
+        let durable_settings = durable_settings(config)?;
+        let mut catalog = catalog::Catalog::load(&config.data_dir)?;
+        catalog.bind_cores(core_count)?;
+        let catalog_entries: Vec<catalog::CatalogEntry> = catalog.entries().cloned().collect();
+        let mut catalog = Some(catalog);
         let metrics = Metrics::new(core_count);
         let metrics_server = match config.metrics_bind {
             Some(addr) => Some(MetricsServer::start(addr, metrics.clone())?),
@@ -266,6 +314,17 @@ impl Broker {
                 quic,
                 ingress,
                 test_pause_file: test_pause_file.clone(),
+                durable: core_runtime::DurableSetup {
+                    data_dir: config.data_dir.clone(),
+                    settings: durable_settings.clone(),
+                    entries: catalog_entries.clone(),
+                    // Core 0 owns the catalogue; the others get the entries only.
+                    catalog: if core.index == 0 {
+                        catalog.take()
+                    } else {
+                        None
+                    },
+                },
             };
             match CoreRuntime::spawn(
                 settings,

@@ -37,6 +37,8 @@ pub(crate) enum AdminRequest {
         name: String,
         shard_count: u32,
         kind: StreamKind,
+        /// A durable stream's catalogue id: `None` until core 0 assigns it.
+        stream_id: Option<u32>,
     },
     Delete {
         name: String,

@@ -10,6 +10,7 @@ use felix_wire::ErrorCode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use crate::BrokerError;
@@ -38,6 +39,8 @@ pub struct CoreMetrics {
     pub refused: Counter,
     /// Publishes that waited for ingress room.
     pub waits: Counter,
+    /// The core's durable log (per-core series and the totals they add to).
+    pub durable: DurableMetrics,
     /// Kernel thread id of this core's thread, 0 until the thread started (read on scrape).
     tid: Arc<AtomicI32>,
 }
@@ -46,6 +49,116 @@ impl CoreMetrics {
     /// Records the core thread's id, so scrapes can read its CPU time.
     pub fn set_tid(&self, tid: i32) {
         self.tid.store(tid, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// fdatasync latency buckets in seconds: powers of two from 2 us to ~8.4 s, aligned with the
+/// storage crate's log2 microsecond buckets so each sample lands in the matching bucket.
+const FSYNC_SECONDS_BUCKETS: usize = 23;
+const FSYNC_SECONDS_FIRST_BUCKET: f64 = 2e-6;
+
+/// One core's durable-log handles, plus the broker-wide totals each core adds to. Updated by
+/// the core from its log's counters after each pump ([`DurableMetrics::observe`]).
+#[derive(Clone)]
+pub struct DurableMetrics {
+    append_bytes: Counter,
+    fsyncs: Counter,
+    fsync_records: Counter,
+    fsync_bytes: Counter,
+    records_pending: Gauge,
+    recovery_seconds: CpuGauge,
+    recovery_truncated_bytes: Gauge,
+    total_append_bytes: Counter,
+    total_fsyncs: Counter,
+    total_fsync_records: Counter,
+    total_fsync_bytes: Counter,
+    total_records_pending: Gauge,
+    total_recovery_truncated_bytes: Gauge,
+    fsync_seconds: Histogram,
+}
+
+/// The log counters already exported by one core (the next update adds the difference).
+#[derive(Debug, Clone, Default)]
+pub struct DurableExported {
+    append_bytes: u64,
+    fsyncs: u64,
+    fsync_records: u64,
+    fsync_bytes: u64,
+    records_pending: i64,
+    latency_buckets: [u64; felix_storage::LATENCY_BUCKETS],
+}
+
+impl DurableMetrics {
+    /// Sets the recovery gauges (once, after the core's log opened).
+    pub fn set_recovery(&self, seconds: f64, truncated_bytes: u64) {
+        self.recovery_seconds.set(seconds);
+        let truncated = i64::try_from(truncated_bytes).unwrap_or(i64::MAX);
+        self.recovery_truncated_bytes.set(truncated);
+        self.total_recovery_truncated_bytes.inc_by(truncated);
+    }
+
+    /// Adds what changed in `counters` since `exported`, and sets the pending gauge.
+    pub fn observe(
+        &self,
+        counters: &felix_storage::Counters,
+        records_pending: u64,
+        exported: &mut DurableExported,
+    ) {
+        let add = |counter: &Counter, total: &Counter, now: u64, seen: &mut u64| {
+            let delta = now.saturating_sub(*seen);
+            if delta > 0 {
+                counter.inc_by(delta);
+                total.inc_by(delta);
+                *seen = now;
+            }
+        };
+        add(
+            &self.append_bytes,
+            &self.total_append_bytes,
+            counters.append_bytes,
+            &mut exported.append_bytes,
+        );
+        add(
+            &self.fsyncs,
+            &self.total_fsyncs,
+            counters.fsyncs,
+            &mut exported.fsyncs,
+        );
+        add(
+            &self.fsync_records,
+            &self.total_fsync_records,
+            counters.fsync_records,
+            &mut exported.fsync_records,
+        );
+        add(
+            &self.fsync_bytes,
+            &self.total_fsync_bytes,
+            counters.fsync_bytes,
+            &mut exported.fsync_bytes,
+        );
+        let pending = i64::try_from(records_pending).unwrap_or(i64::MAX);
+        if pending != exported.records_pending {
+            self.records_pending.set(pending);
+            self.total_records_pending
+                .inc_by(pending - exported.records_pending);
+            exported.records_pending = pending;
+        }
+        // Storage bucket i holds [2^i, 2^(i+1)) us: observe 1.5 * 2^i us, which falls in the
+        // histogram bucket whose upper bound is 2^(i+1) us (the sum is approximate). Bounded
+        // by the fsyncs since the last update.
+        for (bucket, (now, seen)) in counters
+            .fsync_latency
+            .buckets
+            .iter()
+            .zip(exported.latency_buckets.iter_mut())
+            .enumerate()
+        {
+            let value = 1.5e-6 * f64::from(1u32 << bucket.min(31));
+            for _ in *seen..*now {
+                self.fsync_seconds.observe(value);
+            }
+            *seen = *now;
+        }
     }
 }
 
@@ -287,6 +400,89 @@ fn register_cores(
         "felix_core_ingress_waits",
         "Publishes that waited for ingress room",
     );
+    let append_bytes = counter(
+        registry,
+        "felix_core_append_bytes",
+        "Bytes appended to the core's durable log: 28 bytes of framing + body (2-byte key \
+         length + key + payload) per record",
+    );
+    let fsyncs = counter(
+        registry,
+        "felix_core_fsyncs",
+        "fdatasyncs of the core's durable log",
+    );
+    let fsync_records = counter(
+        registry,
+        "felix_core_fsync_records",
+        "Records made durable by the core's fdatasyncs (divide by fsyncs for the fan-in)",
+    );
+    let fsync_bytes = counter(
+        registry,
+        "felix_core_fsync_bytes",
+        "Framed bytes made durable by the core's fdatasyncs",
+    );
+    let pending = gauge(
+        registry,
+        "felix_core_durable_records_pending",
+        "Durable records given an offset and not yet committed on the core",
+    );
+    let recovery_truncated = gauge(
+        registry,
+        "felix_core_recovery_truncated_bytes",
+        "Bytes the core's log recovery truncated at start-up (torn or corrupt tail)",
+    );
+    let recovery_seconds = Family::<CoreLabel, CpuGauge>::default();
+    registry.register(
+        "felix_core_recovery_seconds",
+        "Seconds the core's log recovery took at start-up",
+        recovery_seconds.clone(),
+    );
+    let total_append_bytes = Counter::default();
+    registry.register(
+        "felix_append_bytes",
+        "Bytes appended to the durable logs (all cores): payload + key + 2 + 28 per record",
+        total_append_bytes.clone(),
+    );
+    let total_fsyncs = Counter::default();
+    registry.register(
+        "felix_fsyncs",
+        "fdatasyncs of the durable logs (all cores)",
+        total_fsyncs.clone(),
+    );
+    let total_fsync_records = Counter::default();
+    registry.register(
+        "felix_fsync_records",
+        "Records made durable by fdatasyncs (all cores); records per fsync = this / fsyncs",
+        total_fsync_records.clone(),
+    );
+    let total_fsync_bytes = Counter::default();
+    registry.register(
+        "felix_fsync_bytes",
+        "Framed bytes made durable by fdatasyncs (all cores)",
+        total_fsync_bytes.clone(),
+    );
+    let total_pending = Gauge::default();
+    registry.register(
+        "felix_durable_records_pending",
+        "Durable records given an offset and not yet committed (all cores)",
+        total_pending.clone(),
+    );
+    let total_truncated = Gauge::default();
+    registry.register(
+        "felix_recovery_truncated_bytes",
+        "Bytes log recovery truncated at start-up (all cores)",
+        total_truncated.clone(),
+    );
+    let fsync_seconds = Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
+        FSYNC_SECONDS_FIRST_BUCKET,
+        2.0,
+        FSYNC_SECONDS_BUCKETS as u16,
+    ));
+    registry.register(
+        "felix_fsync_seconds",
+        "fdatasync latency of the durable logs (all cores), as measured by the writer",
+        fsync_seconds.clone(),
+    );
     let cpu = Family::<CoreLabel, Gauge<f64, AtomicU64>>::default();
     registry.register(
         "felix_core_cpu_seconds",
@@ -306,6 +502,22 @@ fn register_cores(
             shed: shed.get_or_create_owned(&label),
             refused: refused.get_or_create_owned(&label),
             waits: waits.get_or_create_owned(&label),
+            durable: DurableMetrics {
+                append_bytes: append_bytes.get_or_create_owned(&label),
+                fsyncs: fsyncs.get_or_create_owned(&label),
+                fsync_records: fsync_records.get_or_create_owned(&label),
+                fsync_bytes: fsync_bytes.get_or_create_owned(&label),
+                records_pending: pending.get_or_create_owned(&label),
+                recovery_seconds: recovery_seconds.get_or_create_owned(&label),
+                recovery_truncated_bytes: recovery_truncated.get_or_create_owned(&label),
+                total_append_bytes: total_append_bytes.clone(),
+                total_fsyncs: total_fsyncs.clone(),
+                total_fsync_records: total_fsync_records.clone(),
+                total_fsync_bytes: total_fsync_bytes.clone(),
+                total_records_pending: total_pending.clone(),
+                total_recovery_truncated_bytes: total_truncated.clone(),
+                fsync_seconds: fsync_seconds.clone(),
+            },
             tid: Arc::new(AtomicI32::new(0)),
         });
         cpus.push(cpu.get_or_create_owned(&label));

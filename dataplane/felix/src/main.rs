@@ -125,7 +125,7 @@ enum StreamCommand {
         /// Number of shards.
         #[arg(long, default_value_t = 1)]
         shards: u32,
-        /// A durable (logged) stream; refused until durable streams land.
+        /// A durable stream: records go to the per-core log and survive restarts.
         #[arg(long)]
         durable: bool,
     },

@@ -88,18 +88,69 @@ pub struct BrokerProcess {
     /// Each data-plane core's own address (`felix: core <i> listening on <addr>`), by index.
     pub core_addrs: Vec<SocketAddr>,
     stdout: mpsc::Receiver<String>,
+    /// The environment it was started with (kept for `restart`).
+    env: Vec<(String, String)>,
+}
+
+/// What one `felix broker` start produced.
+struct Started {
+    child: ChildGuard,
+    quic_addr: SocketAddr,
+    metrics_addr: SocketAddr,
+    stderr: Arc<Mutex<String>>,
+    startup_lines: Vec<String>,
+    core_addrs: Vec<SocketAddr>,
+    stdout: mpsc::Receiver<String>,
 }
 
 impl BrokerProcess {
     /// Starts `felix broker` with loopback ephemeral ports, a fresh data dir and `env`.
     pub fn start(env: &[(&str, &str)]) -> BrokerProcess {
         let data_dir = tempfile::tempdir().expect("temp dir");
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(name, value)| ((*name).to_owned(), (*value).to_owned()))
+            .collect();
+        let started = Self::spawn(data_dir.path(), &env);
+        BrokerProcess {
+            child: started.child,
+            data_dir,
+            quic_addr: started.quic_addr,
+            metrics_addr: started.metrics_addr,
+            stderr: started.stderr,
+            startup_lines: started.startup_lines,
+            core_addrs: started.core_addrs,
+            stdout: started.stdout,
+            env,
+        }
+    }
+
+    /// Kills the broker with SIGKILL (no shutdown of any kind) and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.child.0.kill();
+        self.child.0.wait().expect("broker reaped");
+    }
+
+    /// Starts the broker again on the same data directory and environment (new ports). The
+    /// previous process must have exited (`kill` or `terminate`).
+    pub fn restart(&mut self) {
+        let started = Self::spawn(self.data_dir.path(), &self.env);
+        self.child = started.child;
+        self.quic_addr = started.quic_addr;
+        self.metrics_addr = started.metrics_addr;
+        self.stderr = started.stderr;
+        self.startup_lines = started.startup_lines;
+        self.core_addrs = started.core_addrs;
+        self.stdout = started.stdout;
+    }
+
+    fn spawn(data_dir: &std::path::Path, env: &[(String, String)]) -> Started {
         let mut child = felix()
             .arg("broker")
-            .env("FELIX_DATA_DIR", data_dir.path())
+            .env("FELIX_DATA_DIR", data_dir)
             .env("FELIX_BIND", "127.0.0.1:0")
             .env("FELIX_METRICS_BIND", "127.0.0.1:0")
-            .envs(env.iter().copied())
+            .envs(env.iter().map(|(name, value)| (name, value)))
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -135,9 +186,8 @@ impl BrokerProcess {
                 metrics_addr = Some(addr.parse().expect("metrics address parses"));
             }
         }
-        BrokerProcess {
+        Started {
             child,
-            data_dir,
             quic_addr: quic_addr.expect("loop ends with an address"),
             metrics_addr: metrics_addr.expect("loop ends with an address"),
             stderr,

@@ -1,0 +1,327 @@
+//! Durable streams end to end: the real `felix` binary (fresh data dir, loopback), both log
+//! writers (FELIX_STORAGE_IO_URING=1 and =0), clean restarts, catch-up from the log, the CLI
+//! and the durable metrics.
+
+mod support;
+
+use std::collections::BTreeMap;
+
+use bytes::Bytes;
+use felix_client::{Record, ShardSelection, StartPosition, StreamKind, Subscription, record};
+use futures::StreamExt as _;
+use support::{BrokerProcess, metric_value, within};
+
+/// Log segments small enough that a debug-build recovery scan stays quick, large enough for
+/// several rounds of these tests' records.
+const SEGMENT_BYTES: &str = "4MiB";
+
+fn durable_env(io_uring: &'static str) -> Vec<(&'static str, &'static str)> {
+    vec![
+        ("FELIX_DURABLE_FSYNC_MODE", "on_commit"),
+        ("FELIX_STORAGE_IO_URING", io_uring),
+        ("FELIX_DURABLE_SEGMENT_BYTES", SEGMENT_BYTES),
+    ]
+}
+
+/// `(offset, key, payload)` of each record of a shard, in offset order.
+type ShardRecords = BTreeMap<u32, Vec<(u64, Bytes, Bytes)>>;
+
+/// Printable, varied payload of record `index` of batch `batch`.
+fn payload(batch: usize, index: usize) -> Bytes {
+    let len = 20 + (batch * 37 + index * 11) % 300;
+    let text: String = (0..len)
+        .map(|i| char::from(b'a' + ((batch + index + i) % 26) as u8))
+        .collect();
+    Bytes::from(format!("b{batch}i{index}-{text}"))
+}
+
+/// Publishes `batches` acked batches of `per_batch` records and returns what the acks say
+/// each shard holds.
+async fn publish_acked(
+    client: &felix_client::Client,
+    stream: &str,
+    shard_count: u32,
+    batches: usize,
+    per_batch: usize,
+    first_batch: usize,
+) -> ShardRecords {
+    let mut stored = ShardRecords::new();
+    for batch in first_batch..first_batch + batches {
+        let records: Vec<Record> = (0..per_batch)
+            .map(|index| {
+                record(
+                    Bytes::from(format!("k{batch}-{index}")),
+                    payload(batch, index),
+                )
+            })
+            .collect();
+        let acks = within(client.publish(stream, &records))
+            .await
+            .expect("durable publish acked");
+        for ack in acks {
+            let mut offset = ack.first_offset;
+            for r in records
+                .iter()
+                .filter(|r| felix_wire::shard_for_key(&r.key, shard_count) == ack.shard)
+            {
+                stored.entry(ack.shard).or_default().push((
+                    offset,
+                    r.key.clone(),
+                    r.payload.clone(),
+                ));
+                offset += 1;
+            }
+            assert_eq!(offset, ack.first_offset + u64::from(ack.count));
+        }
+    }
+    stored
+}
+
+/// Receives exactly `count` records.
+async fn receive(subscription: &mut Subscription, count: usize) -> ShardRecords {
+    let mut got = ShardRecords::new();
+    for received in 0..count {
+        match within(subscription.next()).await {
+            Some(Ok(r)) => got
+                .entry(r.shard)
+                .or_default()
+                .push((r.offset, r.key, r.payload)),
+            Some(Err(error)) => panic!("subscription failed after {received} records: {error}"),
+            None => panic!("subscription ended after {received} records"),
+        }
+    }
+    got
+}
+
+fn total(records: &ShardRecords) -> usize {
+    records.values().map(Vec::len).sum()
+}
+
+/// Asserts offsets are dense from 0 on every shard.
+fn assert_dense(records: &ShardRecords) {
+    for (shard, list) in records {
+        for (index, (offset, _, _)) in list.iter().enumerate() {
+            assert_eq!(*offset, index as u64, "shard {shard}: offsets dense from 0");
+        }
+    }
+}
+
+/// The clean-restart scenario for one writer.
+fn acked_records_survive_a_clean_restart(io_uring: &'static str) {
+    let mut broker = BrokerProcess::start(&durable_env(io_uring));
+    let shard_count = 4;
+    let output = broker
+        .cli()
+        .args(["stream", "create", "ledger", "--shards", "4", "--durable"])
+        .output()
+        .expect("felix stream create runs");
+    assert!(
+        output.status.success(),
+        "create failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout).trim(),
+        "created stream ledger: 4 shards, durable"
+    );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let stored = runtime.block_on(async {
+        let client = broker.client().await;
+        let stored = publish_acked(&client, "ledger", shard_count, 30, 8, 0).await;
+        client.close().await;
+        stored
+    });
+    assert_eq!(total(&stored), 240);
+    assert_dense(&stored);
+
+    // Metrics: append bytes = (28 framing + 2 key length) per record + keys + payloads.
+    let body = broker.metrics();
+    let records = total(&stored) as u64;
+    let key_bytes: u64 = stored
+        .values()
+        .flatten()
+        .map(|(_, k, _)| k.len() as u64)
+        .sum();
+    let payload_bytes: u64 = stored
+        .values()
+        .flatten()
+        .map(|(_, _, p)| p.len() as u64)
+        .sum();
+    let append = metric_value(&body, "felix_append_bytes_total").expect("append bytes metric");
+    assert_eq!(
+        metric_value(&body, "felix_payload_bytes_total"),
+        Some(payload_bytes)
+    );
+    assert_eq!(
+        append - payload_bytes - key_bytes - 2 * records,
+        28 * records
+    );
+    let fsyncs = metric_value(&body, "felix_fsyncs_total").expect("fsyncs metric");
+    let fsync_records = metric_value(&body, "felix_fsync_records_total").expect("fan-in metric");
+    assert!(fsyncs > 0);
+    assert_eq!(
+        fsync_records, records,
+        "on_commit: every acked record was fsynced"
+    );
+    assert_eq!(
+        metric_value(&body, "felix_durable_records_pending"),
+        Some(0)
+    );
+    assert!(
+        body.contains("felix_fsync_seconds_bucket"),
+        "latency histogram exported"
+    );
+
+    let status = broker.terminate();
+    assert!(status.success(), "clean exit: {status}");
+    broker.restart();
+    assert!(
+        broker.stderr_text().contains("durable log recovered"),
+        "recovery is logged"
+    );
+
+    runtime.block_on(async {
+        let client = broker.client().await;
+        let info = within(client.describe_stream("ledger"))
+            .await
+            .expect("the acked create survived the restart");
+        assert_eq!(info.kind, StreamKind::Durable);
+        let mut subscription =
+            within(client.subscribe("ledger", ShardSelection::All, StartPosition::Earliest))
+                .await
+                .expect("subscribed from earliest");
+        let got = receive(&mut subscription, total(&stored)).await;
+        assert_eq!(
+            got, stored,
+            "every acked record, byte-identical, dense offsets"
+        );
+        subscription.close().await;
+        client.close().await;
+    });
+
+    // The CLI replays from disk too.
+    let output = broker
+        .cli()
+        .args([
+            "sub", "ledger", "--from", "earliest", "--count", "240", "--meta",
+        ])
+        .output()
+        .expect("felix sub runs");
+    assert!(output.status.success());
+    let lines: Vec<String> = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(lines.len(), 240);
+    for (shard, list) in &stored {
+        let first = &list[0];
+        let want = format!(
+            "{shard}:{} {} {}",
+            first.0,
+            String::from_utf8_lossy(&first.1),
+            String::from_utf8_lossy(&first.2)
+        );
+        assert!(lines.contains(&want), "missing {want}");
+    }
+}
+
+// Proves acked on_commit records survive a SIGTERM restart, byte-identical with dense offsets,
+// and the append-bytes metric relation, with the io_uring writer.
+#[test]
+fn acked_records_survive_a_clean_restart_io_uring() {
+    acked_records_survive_a_clean_restart("1");
+}
+
+// Proves the same with the pwrite + fdatasync writer.
+#[test]
+fn acked_records_survive_a_clean_restart_pwrite() {
+    acked_records_survive_a_clean_restart("0");
+}
+
+/// A subscriber resuming below the replay ring catches up from the log, then goes live.
+fn resume_from_disk_then_live(io_uring: &'static str) {
+    let mut env = durable_env(io_uring);
+    env.push(("FELIX_REPLAY_RING_MAX_RECORDS", "16"));
+    let broker = BrokerProcess::start(&env);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let client = broker.client().await;
+        within(client.create_stream("tape", 1, StreamKind::Durable))
+            .await
+            .expect("created");
+        let mut stored = publish_acked(&client, "tape", 1, 30, 10, 0).await;
+        let mut subscription = within(client.subscribe(
+            "tape",
+            ShardSelection::All,
+            StartPosition::Offsets(vec![(0, 7)]),
+        ))
+        .await
+        .expect("a position on disk, older than the ring, is accepted");
+        assert_eq!(subscription.start(), &[(0, 7)]);
+        // Publish more while the subscriber catches up.
+        let more = publish_acked(&client, "tape", 1, 10, 10, 30).await;
+        stored
+            .entry(0)
+            .or_default()
+            .extend(more[&0].iter().cloned());
+        let got = receive(&mut subscription, 400 - 7).await;
+        let want: Vec<_> = stored[&0].iter().skip(7).cloned().collect();
+        assert_eq!(got[&0], want, "no gap, no duplicate, byte-identical");
+        subscription.close().await;
+        client.close().await;
+    });
+}
+
+// Proves catch-up from the log below the ring, then live delivery, with io_uring.
+#[test]
+fn resume_below_the_ring_reads_the_log_io_uring() {
+    resume_from_disk_then_live("1");
+}
+
+// Proves catch-up from the log below the ring, then live delivery, with pwrite.
+#[test]
+fn resume_below_the_ring_reads_the_log_pwrite() {
+    resume_from_disk_then_live("0");
+}
+
+// Proves a deleted durable stream stays deleted after a restart and its name can be reused
+// with fresh offsets (stream ids are never reused).
+#[test]
+fn deleted_durable_stream_stays_deleted() {
+    let mut broker = BrokerProcess::start(&durable_env("1"));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let client = broker.client().await;
+        within(client.create_stream("gone", 2, StreamKind::Durable))
+            .await
+            .expect("created");
+        publish_acked(&client, "gone", 2, 3, 4, 0).await;
+        within(client.delete_stream("gone")).await.expect("deleted");
+        client.close().await;
+    });
+    broker.terminate();
+    broker.restart();
+    runtime.block_on(async {
+        let client = broker.client().await;
+        let streams = within(client.list_streams()).await.expect("listed");
+        assert!(streams.iter().all(|s| s.name != "gone"), "{streams:?}");
+        within(client.create_stream("gone", 2, StreamKind::Durable))
+            .await
+            .expect("name reusable");
+        let stored = publish_acked(&client, "gone", 2, 2, 4, 100).await;
+        assert_dense(&stored);
+        client.close().await;
+    });
+    let catalog = std::fs::read_to_string(broker.data_dir.path().join("catalog.json"))
+        .expect("catalogue written");
+    assert!(catalog.contains("\"next_stream_id\": 2"), "{catalog}");
+}
