@@ -291,7 +291,7 @@ fn run_thread(
             .collect();
         let mut servers = Vec::with_capacity(1 + shared_sockets.len());
         for socket in std::iter::once(own_socket).chain(shared_sockets) {
-            match start_endpoint(socket, &pair, quic) {
+            match start_endpoint(socket, &pair, quic, core_metrics.wire_bytes_counter()) {
                 Ok(server) => servers.push(server),
                 Err(error) => {
                     let _ = ready.send(Err(error));
@@ -349,6 +349,7 @@ fn start_endpoint(
     socket: BoundSocket,
     pair: &CertificatePair,
     quic: QuicSettings,
+    wire_bytes: crate::metrics::WireBytes,
 ) -> Result<Server, BrokerError> {
     let addr = socket.local_addr;
     let bind_error = |reason: String| BrokerError::QuicBind { addr, reason };
@@ -376,6 +377,8 @@ fn start_endpoint(
         .with_io(io)
         .map_err(|error| bind_error(error.to_string()))?
         .with_limits(limits)
+        .map_err(|error| bind_error(error.to_string()))?
+        .with_event(wire_bytes)
         .map_err(|error| bind_error(error.to_string()))?
         .start()
         .map_err(|error| bind_error(error.to_string()))

@@ -41,11 +41,54 @@ pub struct CoreMetrics {
     pub waits: Counter,
     /// The core's durable log (per-core series and the totals they add to).
     pub durable: DurableMetrics,
+    /// UDP payload bytes received by this core's QUIC endpoints (`felix_core_wire_bytes_total`).
+    wire_bytes: Counter,
+    /// All cores' wire bytes (`felix_wire_bytes_total`).
+    total_wire_bytes: Counter,
     /// Kernel thread id of this core's thread, 0 until the thread started (read on scrape).
     tid: Arc<AtomicI32>,
 }
 
+/// s2n-quic event subscriber counting every UDP datagram a core's endpoint receives (wire
+/// bytes: QUIC, TLS and Felix framing included). Two relaxed atomic adds per datagram.
+#[derive(Debug, Clone)]
+pub struct WireBytes {
+    core: Counter,
+    total: Counter,
+}
+
+impl s2n_quic::provider::event::Subscriber for WireBytes {
+    type ConnectionContext = ();
+
+    fn create_connection_context(
+        &mut self,
+        _meta: &s2n_quic::provider::event::ConnectionMeta,
+        _info: &s2n_quic::provider::event::ConnectionInfo,
+    ) -> Self::ConnectionContext {
+    }
+
+    fn on_datagram_received(
+        &mut self,
+        _context: &mut Self::ConnectionContext,
+        _meta: &s2n_quic::provider::event::ConnectionMeta,
+        event: &s2n_quic::provider::event::events::DatagramReceived,
+    ) {
+        let bytes = u64::from(event.len);
+        self.core.inc_by(bytes);
+        self.total.inc_by(bytes);
+    }
+}
+
 impl CoreMetrics {
+    /// The event subscriber that counts this core's wire bytes.
+    #[must_use]
+    pub fn wire_bytes_counter(&self) -> WireBytes {
+        WireBytes {
+            core: self.wire_bytes.clone(),
+            total: self.total_wire_bytes.clone(),
+        }
+    }
+
     /// Records the core thread's id, so scrapes can read its CPU time.
     pub fn set_tid(&self, tid: i32) {
         self.tid.store(tid, std::sync::atomic::Ordering::Relaxed);
@@ -192,6 +235,8 @@ pub struct Metrics {
     pub ingress_depth: Gauge,
     cores: Arc<[CoreMetrics]>,
     cpu_seconds: Arc<[CpuGauge]>,
+    /// The kernel's UDP `RcvbufErrors` (host-wide, /proc/net/snmp), read on scrape.
+    udp_rcvbuf_errors: Gauge,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -281,6 +326,13 @@ impl Metrics {
             "Jobs in the ingress queues (all cores)",
             ingress_depth.clone(),
         );
+        let udp_rcvbuf_errors = Gauge::default();
+        registry.register(
+            "felix_udp_rcvbuf_errors",
+            "The kernel's UDP RcvbufErrors (datagrams dropped because a socket receive buffer \
+             was full; host-wide, from /proc/net/snmp, read on scrape)",
+            udp_rcvbuf_errors.clone(),
+        );
         let (cores, cpu_seconds) = register_cores(&mut registry, core_count);
         Metrics {
             registry: Arc::new(registry),
@@ -289,6 +341,7 @@ impl Metrics {
             ingress_depth,
             cores,
             cpu_seconds,
+            udp_rcvbuf_errors,
             payload_bytes,
             records,
             publishes_acked,
@@ -337,10 +390,26 @@ impl Metrics {
         }
     }
 
-    /// The registry in the Prometheus/OpenMetrics text format (CPU gauges refreshed first).
+    /// Reads the kernel's UDP receive-buffer drops into their gauge (metrics thread only).
+    fn refresh_udp_drops(&self) {
+        match std::fs::read_to_string("/proc/net/snmp") {
+            Ok(text) => match udp_rcvbuf_errors(&text) {
+                Some(drops) => {
+                    self.udp_rcvbuf_errors
+                        .set(i64::try_from(drops).unwrap_or(i64::MAX));
+                }
+                None => tracing::debug!("no Udp RcvbufErrors in /proc/net/snmp"),
+            },
+            Err(error) => tracing::debug!(%error, "cannot read /proc/net/snmp"),
+        }
+    }
+
+    /// The registry in the Prometheus/OpenMetrics text format (CPU gauges and UDP drops
+    /// refreshed first).
     #[must_use]
     pub fn render(&self) -> String {
         self.refresh_cpu();
+        self.refresh_udp_drops();
         render(&self.registry)
     }
 }
@@ -483,6 +552,18 @@ fn register_cores(
         "fdatasync latency of the durable logs (all cores), as measured by the writer",
         fsync_seconds.clone(),
     );
+    let wire = counter(
+        registry,
+        "felix_core_wire_bytes",
+        "UDP payload bytes received by the core's QUIC endpoints (QUIC, TLS and Felix framing \
+         included)",
+    );
+    let total_wire = Counter::default();
+    registry.register(
+        "felix_wire_bytes",
+        "UDP payload bytes received by the broker's QUIC endpoints (all cores)",
+        total_wire.clone(),
+    );
     let cpu = Family::<CoreLabel, Gauge<f64, AtomicU64>>::default();
     registry.register(
         "felix_core_cpu_seconds",
@@ -518,11 +599,25 @@ fn register_cores(
                 total_recovery_truncated_bytes: total_truncated.clone(),
                 fsync_seconds: fsync_seconds.clone(),
             },
+            wire_bytes: wire.get_or_create_owned(&label),
+            total_wire_bytes: total_wire.clone(),
             tid: Arc::new(AtomicI32::new(0)),
         });
         cpus.push(cpu.get_or_create_owned(&label));
     }
     (cores.into(), cpus.into())
+}
+
+/// `RcvbufErrors` of the `Udp:` table of /proc/net/snmp (a header line of names followed by a
+/// line of values).
+fn udp_rcvbuf_errors(snmp: &str) -> Option<u64> {
+    let mut udp = snmp.lines().filter(|line| line.starts_with("Udp:"));
+    let names = udp.next()?;
+    let values = udp.next()?;
+    let column = names
+        .split_whitespace()
+        .position(|name| name == "RcvbufErrors")?;
+    values.split_whitespace().nth(column)?.parse().ok()
 }
 
 fn render(registry: &Registry) -> String {
@@ -616,6 +711,18 @@ fn serve(server: &tiny_http::Server, metrics: &Metrics) {
 mod tests {
     use super::*;
 
+    // Proves RcvbufErrors is read from the Udp value line by its column name.
+    #[test]
+    fn rcvbuf_errors_parsed_from_snmp() {
+        let snmp = "Ip: Forwarding DefaultTTL\nIp: 1 64\n\
+            Udp: InDatagrams NoPorts InErrors OutDatagrams RcvbufErrors SndbufErrors\n\
+            Udp: 100 2 3 90 17 0\n\
+            UdpLite: InDatagrams NoPorts InErrors OutDatagrams RcvbufErrors SndbufErrors\n\
+            UdpLite: 0 0 0 0 99 0\n";
+        assert_eq!(udp_rcvbuf_errors(snmp), Some(17));
+        assert_eq!(udp_rcvbuf_errors("Ip: a\nIp: 1\n"), None);
+    }
+
     // Proves every required metric name is exported and every error code is pre-registered.
     #[test]
     fn render_lists_every_metric_and_code() {
@@ -635,6 +742,9 @@ mod tests {
             "felix_connections 0",
             "felix_errors_total{code=\"too_old\"} 1",
             "felix_publishes_shed_total 0",
+            "felix_wire_bytes_total 0",
+            "felix_core_wire_bytes_total{core=\"1\"} 0",
+            "felix_udp_rcvbuf_errors ",
             "felix_publishes_refused_total 0",
             "felix_ingress_queue_depth 0",
             "felix_core_cross_core_hops_total{core=\"1\"} 1",

@@ -473,6 +473,16 @@ async fn metrics_count_payload_and_records() {
         Some(1),
         "{body}"
     );
+    // Wire bytes are the UDP bytes received: every payload byte plus QUIC, TLS and framing.
+    let wire = support::metric_value(&body, "felix_wire_bytes_total").expect("wire bytes");
+    assert!(
+        wire > 700,
+        "wire bytes {wire} must exceed the payload: {body}"
+    );
+    assert!(
+        body.contains("felix_udp_rcvbuf_errors "),
+        "UDP drops exported: {body}"
+    );
     client.close().await;
 }
 
