@@ -51,14 +51,14 @@ impl LatencyHistogram {
 
 /// Counters of one log (one data-plane core). Byte counts follow `docs/storage-format.md`:
 /// `append_bytes == 28 * records + body_bytes` and
-/// `body_bytes == 2 * records + key_bytes + payload_bytes`.
+/// `body_bytes == key_bytes + payload_bytes`.
 #[derive(Debug, Clone, Default)]
 pub struct Counters {
     /// Records written to the log (counted when their write completes).
     pub records: u64,
     /// Bytes of those records as framed on disk: 28 bytes of framing + body each.
     pub append_bytes: u64,
-    /// Record bodies: 2-byte key length + key + payload.
+    /// Record bodies: key + payload.
     pub body_bytes: u64,
     /// Key bytes alone.
     pub key_bytes: u64,

@@ -2,32 +2,34 @@
 //!
 //! ```text
 //! offset size field
-//!  0      4   body_len      u32 LE: bytes of body that follow the header (>= 2)
+//!  0      4   body_len      u32 LE: bytes of body (key + payload) that follow the header
 //!  4      4   shard         u32 LE: log-local shard id
-//!  8      8   offset        u64 LE: the record's offset in its shard (dense from the shard's base)
+//!  8      8   offset_key    u64 LE: bits 0..48 the record's offset in its shard (dense from
+//!                           the shard's base), bits 48..64 the key length
 //! 16      8   timestamp_us  u64 LE: microseconds since the Unix epoch, from the appender
 //! 24      4   crc32c        u32 LE: CRC32C of bytes 0..24 followed by the whole body
-//! 28      2   key_len       u16 LE  \
-//! 30  key_len key                    > body (body_len bytes)
-//!  .      .   payload                /
+//! 28  key_len key           \ body (body_len bytes)
+//!  .      .   payload       /
 //! ```
 //!
-//! The key-length prefix is part of the body, not of the framing, so every record costs
-//! exactly `HEADER_BYTES` of framing on top of its body; see `docs/storage-format.md`.
+//! The key length shares the offset word, so every record costs exactly `HEADER_BYTES` of
+//! framing on top of its key and payload; see `docs/storage-format.md`.
 
 /// Bytes of framing per record.
 pub const HEADER_BYTES: usize = 28;
 const _: () = assert!(HEADER_BYTES == 28);
-/// Bytes of the key-length prefix at the start of every body.
-pub const KEY_LEN_BYTES: usize = 2;
-/// Longest key: the prefix is a u16 (the wire protocol's key length is a u16 too).
+/// Bits of the offset word that hold the offset; the 16 above hold the key length.
+pub const OFFSET_BITS: u32 = 48;
+/// Largest storable offset: 2^48 - 1 (at 10 million records a second, 890 years of one shard).
+pub const MAX_OFFSET: u64 = (1 << OFFSET_BITS) - 1;
+/// Longest key: 16 bits of the offset word (the wire protocol's key length is a u16 too).
 pub const MAX_KEY_BYTES: usize = u16::MAX as usize;
 /// Largest body (key prefix + key + payload). 64 MiB: 16 times the wire protocol's default
 /// 4 MiB payload limit, so anything the broker accepts fits, while recovery and reads never
 /// need to hold more than one such record in memory.
 pub const MAX_BODY_BYTES: usize = 64 << 20;
 const _: () = assert!(MAX_BODY_BYTES <= u32::MAX as usize);
-const _: () = assert!(MAX_BODY_BYTES > MAX_KEY_BYTES + KEY_LEN_BYTES);
+const _: () = assert!(MAX_BODY_BYTES > MAX_KEY_BYTES);
 
 const CRC_AT: usize = 24;
 
@@ -47,6 +49,7 @@ pub struct Header {
     pub body_len: u32,
     pub shard: u32,
     pub offset: u64,
+    pub key_len: u16,
     pub timestamp_us: u64,
     pub crc: u32,
 }
@@ -56,7 +59,7 @@ pub struct Header {
 pub enum Invalid {
     /// All 28 header bytes are zero: the end of the written part of a preallocated segment.
     Zero,
-    /// The body length is below the key prefix or above [`MAX_BODY_BYTES`].
+    /// The body length is above [`MAX_BODY_BYTES`].
     BodyLength(u32),
     /// The stored CRC does not match the header and body.
     Crc { stored: u32, computed: u32 },
@@ -95,9 +98,9 @@ pub enum Decoded<'a> {
     Invalid(Invalid),
 }
 
-/// Body bytes of a record: key prefix + key + payload.
+/// Body bytes of a record: key + payload.
 pub fn body_len(key_bytes: usize, payload_bytes: usize) -> usize {
-    KEY_LEN_BYTES + key_bytes + payload_bytes
+    key_bytes + payload_bytes
 }
 
 /// Frame bytes of a record: header + body.
@@ -107,9 +110,7 @@ pub fn frame_len(key_bytes: usize, payload_bytes: usize) -> usize {
 
 /// Checks the size limits of a record before it is encoded.
 pub fn check_sizes(key_bytes: usize, payload_bytes: usize) -> Result<(), crate::StorageError> {
-    let body_bytes = KEY_LEN_BYTES
-        .saturating_add(key_bytes)
-        .saturating_add(payload_bytes);
+    let body_bytes = key_bytes.saturating_add(payload_bytes);
     if key_bytes > MAX_KEY_BYTES || body_bytes > MAX_BODY_BYTES {
         return Err(crate::StorageError::RecordTooLarge {
             key_bytes,
@@ -137,14 +138,19 @@ pub fn encode(
     );
     let body = body_len(key.len(), payload.len());
     assert!(body <= MAX_BODY_BYTES, "body length checked by the caller");
+    // Offsets are dense from 0 per shard; 2^48 of them is out of reach (see MAX_OFFSET).
+    assert!(
+        offset <= MAX_OFFSET,
+        "offset {offset} exceeds the 48-bit offset field"
+    );
+    let offset_key = offset | (key.len() as u64) << OFFSET_BITS;
     let start = buf.len();
     buf.reserve(HEADER_BYTES + body);
     buf.extend_from_slice(&(body as u32).to_le_bytes());
     buf.extend_from_slice(&shard.to_le_bytes());
-    buf.extend_from_slice(&offset.to_le_bytes());
+    buf.extend_from_slice(&offset_key.to_le_bytes());
     buf.extend_from_slice(&timestamp_us.to_le_bytes());
     buf.extend_from_slice(&[0; 4]);
-    buf.extend_from_slice(&(key.len() as u16).to_le_bytes());
     buf.extend_from_slice(key);
     buf.extend_from_slice(payload);
     let crc = crc_of(&buf[start..start + CRC_AT], &buf[start + HEADER_BYTES..]);
@@ -173,10 +179,13 @@ pub fn decode_header(bytes: &[u8]) -> Option<Header> {
     if bytes.len() < HEADER_BYTES {
         return None;
     }
+    let offset_key = u64_at(bytes, 8);
     Some(Header {
         body_len: u32_at(bytes, 0),
         shard: u32_at(bytes, 4),
-        offset: u64_at(bytes, 8),
+        offset: offset_key & MAX_OFFSET,
+        // The shift leaves exactly 16 bits.
+        key_len: (offset_key >> OFFSET_BITS) as u16,
         timestamp_us: u64_at(bytes, 16),
         crc: u32_at(bytes, CRC_AT),
     })
@@ -193,7 +202,7 @@ pub fn decode(bytes: &[u8]) -> Decoded<'_> {
         return Decoded::Invalid(Invalid::Zero);
     }
     let body = header.body_len as usize;
-    if !(KEY_LEN_BYTES..=MAX_BODY_BYTES).contains(&body) {
+    if body > MAX_BODY_BYTES {
         return Decoded::Invalid(Invalid::BodyLength(header.body_len));
     }
     let frame_bytes = HEADER_BYTES + body;
@@ -208,17 +217,16 @@ pub fn decode(bytes: &[u8]) -> Decoded<'_> {
             computed,
         });
     }
-    let key_len = u16::from_le_bytes([body_bytes[0], body_bytes[1]]);
-    let key_end = KEY_LEN_BYTES + key_len as usize;
+    let key_end = usize::from(header.key_len);
     if key_end > body {
-        return Decoded::Invalid(Invalid::KeyLength(key_len));
+        return Decoded::Invalid(Invalid::KeyLength(header.key_len));
     }
     Decoded::Record {
         record: RecordRef {
             shard: header.shard,
             offset: header.offset,
             timestamp_us: header.timestamp_us,
-            key: &body_bytes[KEY_LEN_BYTES..key_end],
+            key: &body_bytes[..key_end],
             payload: &body_bytes[key_end..],
         },
         frame_bytes,
@@ -231,10 +239,10 @@ mod tests {
 
     #[test]
     fn encode_decode_round_trip() {
-        // A record decodes to exactly what was encoded and occupies 28 + 2 + key + payload bytes.
+        // A record decodes to exactly what was encoded and occupies 28 + key + payload bytes.
         let mut buf = Vec::new();
         encode(&mut buf, 7, 42, 1_700_000_000_000_000, b"key", b"payload");
-        assert_eq!(buf.len(), HEADER_BYTES + 2 + 3 + 7);
+        assert_eq!(buf.len(), HEADER_BYTES + 3 + 7);
         match decode(&buf) {
             Decoded::Record {
                 record,
@@ -265,6 +273,33 @@ mod tests {
                     "flip at {at} bit {bit}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn empty_record_never_reads_as_the_zero_end_marker() {
+        // A record with no key and no payload at shard 0, offset 0, time 0 still has a non-zero
+        // CRC, so it cannot be mistaken for preallocated zeros.
+        let mut buf = Vec::new();
+        encode(&mut buf, 0, 0, 0, b"", b"");
+        assert_eq!(buf.len(), HEADER_BYTES);
+        assert!(buf.iter().any(|b| *b != 0));
+        assert!(matches!(decode(&buf), Decoded::Record { .. }));
+    }
+
+    #[test]
+    fn offset_and_key_length_share_a_word() {
+        // The largest offset and the longest key both survive the shared 64-bit field.
+        let mut buf = Vec::new();
+        let key = vec![7u8; MAX_KEY_BYTES];
+        encode(&mut buf, 3, MAX_OFFSET, 9, &key, b"p");
+        match decode(&buf) {
+            Decoded::Record { record, .. } => {
+                assert_eq!(record.offset, MAX_OFFSET);
+                assert_eq!(record.key.len(), MAX_KEY_BYTES);
+                assert_eq!(record.payload, b"p");
+            }
+            other => panic!("unexpected {other:?}"),
         }
     }
 

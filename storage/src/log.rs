@@ -13,7 +13,7 @@ use bytes::Bytes;
 
 use crate::backend::{Backend, RoundCompletion, RoundFailure, RoundRequest, wait_readable};
 use crate::counters::Counters;
-use crate::frame::{self, Decoded, HEADER_BYTES, KEY_LEN_BYTES};
+use crate::frame::{self, Decoded, HEADER_BYTES};
 use crate::index::{IndexEntry, ShardIndex};
 use crate::segment;
 use crate::{FsyncMode, LogConfig, StorageError};
@@ -985,7 +985,7 @@ impl<B: Backend> Log<B> {
                                 if !out.is_empty() && bytes + body > max_bytes {
                                     return Ok(out);
                                 }
-                                let key_start = at + HEADER_BYTES + KEY_LEN_BYTES;
+                                let key_start = at + HEADER_BYTES;
                                 let payload_start = key_start + record.key.len();
                                 out.push(Record {
                                     shard,

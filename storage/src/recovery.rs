@@ -372,7 +372,9 @@ impl<B: Backend> Log<B> {
         // or leftovers of a failed one) must go, or new records could line up with stale
         // ones and a later recovery would take those for real records.
         if let Some(seg) = log.segments.back_mut() {
-            let window_end = seg.size.min(seg.tail.saturating_add(TAIL_COUNT_WINDOW_BYTES));
+            let window_end = seg
+                .size
+                .min(seg.tail.saturating_add(TAIL_COUNT_WINDOW_BYTES));
             let garbage_end = nonzero_end(&seg.file, seg.tail, window_end)?;
             if garbage_end > seg.tail {
                 let bytes = garbage_end - seg.tail;

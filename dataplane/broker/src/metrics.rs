@@ -472,8 +472,8 @@ fn register_cores(
     let append_bytes = counter(
         registry,
         "felix_core_append_bytes",
-        "Bytes appended to the core's durable log: 28 bytes of framing + body (2-byte key \
-         length + key + payload) per record",
+        "Bytes appended to the core's durable log: 28 bytes of framing + key + payload per \
+         record",
     );
     let fsyncs = counter(
         registry,
@@ -509,7 +509,7 @@ fn register_cores(
     let total_append_bytes = Counter::default();
     registry.register(
         "felix_append_bytes",
-        "Bytes appended to the durable logs (all cores): payload + key + 2 + 28 per record",
+        "Bytes appended to the durable logs (all cores): payload + key + 28 per record",
         total_append_bytes.clone(),
     );
     let total_fsyncs = Counter::default();
