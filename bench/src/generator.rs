@@ -37,7 +37,7 @@ use crate::BenchError;
 use crate::broker::{BrokerEndpoint, SpawnedBroker};
 use crate::cell::{CellDriver, CellRun, GeneratorReport};
 use crate::plan::{self, Arm, Cell, Keys, Measure, Mode, Settings};
-use crate::sampler::{SampleSource, Sampler};
+use crate::sampler::{Counters, SampleSource, Sampler};
 use crate::stats::{Counts, Span};
 
 /// Plain keys: `k0..k47`, the reference's plain-key set (one per shard of its 48).
@@ -348,6 +348,7 @@ impl Job {
         let source = SampleSource {
             metrics_addr: self.endpoint.metrics_addr,
             pid: self.endpoint.pid,
+            counters: Counters::Felix,
         };
         let sampler = tokio::task::block_in_place(|| Sampler::start(source, start))
             .map_err(|e| e.to_string())?;

@@ -18,6 +18,10 @@
 //! - [`disk`]: the built-in fsync write probe (fio's "256 KiB sequential writes, fdatasync after
 //!   each, one job", plus a 4 KiB variant) used to baseline the disk in the same session.
 //! - [`progress`]: a small progress-bar wrapper for the runner.
+//! - [`nats`]: the NATS side-by-side peer (nats-server per cell, async-nats generator) and
+//!   [`nats::SystemDriver`], which sends each arm to its system's driver.
+//! - [`pairs`]: Felix-versus-NATS pair matching, ratios and the "what still differs" text.
+//! - [`instructions`]: instructions per published record under callgrind (in-process broker).
 //!
 //! Threads: the runner, disk probe and broker supervision run on the calling thread of the
 //! `felix-bench` process (a load-generator or operator machine, never a broker data-plane
@@ -29,6 +33,9 @@ pub mod broker;
 pub mod cell;
 pub mod disk;
 pub mod generator;
+pub mod instructions;
+pub mod nats;
+pub mod pairs;
 pub mod plan;
 pub mod progress;
 pub mod report;

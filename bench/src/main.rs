@@ -7,6 +7,10 @@
 //! - `felix-bench run --plan FILE --out DIR [--felix BIN]`: runs a campaign (records the
 //!   session in `run.json`, every run in `cells.jsonl`, then renders the report).
 //! - `felix-bench cell [shape flags] [--out DIR]`: runs one cell quickly.
+//! - `felix-bench instructions [--valgrind BIN]`: instructions per published record under
+//!   callgrind (runs `felix-bench instructions-workload` with N and 2N publishes per shape).
+//!
+//! Arms with `system = "nats"` start `--nats BIN` (default target/nats/.../nats-server) per cell.
 //!
 //! Both `run` and `cell` start `felix broker` per cell unless `--broker-addr`,
 //! `--metrics-addr` and `--ca` name a broker already running.
@@ -23,7 +27,9 @@ use felix_bench::broker::effective_config;
 use felix_bench::cell::Facts;
 use felix_bench::disk::{self, DiskBaseline};
 use felix_bench::generator::{FelixDriver, LatencyCounts, Target, external_endpoint};
-use felix_bench::plan::{BROKER_SPAWN, Plan, trial_order};
+use felix_bench::instructions;
+use felix_bench::nats::{DEFAULT_NATS_SERVER, SystemDriver};
+use felix_bench::plan::{BROKER_SPAWN, Plan, System, trial_order};
 use felix_bench::progress::Progress;
 use felix_bench::report::{self, DEFAULT_FONT_PATH, ReportOptions};
 use felix_bench::runner::run_plan;
@@ -84,6 +90,32 @@ enum Command {
         #[command(subcommand)]
         command: PlanCommand,
     },
+    /// Instructions per published record under callgrind: 256 B batch 1 and 4 KiB batch 64,
+    /// each run with N and 2N publishes; prints one line per shape.
+    Instructions {
+        /// valgrind binary.
+        #[arg(long, default_value = "valgrind")]
+        valgrind: PathBuf,
+        /// Publishes (N) of the 256 B batch 1 shape.
+        #[arg(long, default_value_t = instructions::DEFAULT_SHAPES[0].1)]
+        small_publishes: u64,
+        /// Publishes (N) of the 4 KiB batch 64 shape.
+        #[arg(long, default_value_t = instructions::DEFAULT_SHAPES[1].1)]
+        large_publishes: u64,
+        /// Where callgrind's output files go.
+        #[arg(long, default_value = "target/bench-instructions")]
+        out: PathBuf,
+    },
+    /// The fixed workload `instructions` runs under callgrind (in-process broker and client).
+    #[command(hide = true)]
+    InstructionsWorkload {
+        #[arg(long)]
+        payload: u32,
+        #[arg(long)]
+        batch: u32,
+        #[arg(long)]
+        publishes: u64,
+    },
     /// Re-render cells.csv, summary.md and charts from recorded cell JSON lines.
     Report {
         /// Directory holding *.jsonl cell records.
@@ -116,6 +148,10 @@ struct BrokerArgs {
     /// Process id of that broker, for its CPU time (when it exports no CPU metric).
     #[arg(long)]
     broker_pid: Option<u32>,
+    /// The `nats-server` binary started per cell for `system = "nats"` arms
+    /// (bench/scripts/get-nats.sh fetches it).
+    #[arg(long, default_value = DEFAULT_NATS_SERVER)]
+    nats: PathBuf,
     /// Warm-up publishes of a latency cell.
     #[arg(long, default_value_t = LatencyCounts::default().warmup)]
     latency_warmup: u64,
@@ -318,6 +354,13 @@ fn run_campaign(
         Target::Spawn { felix, work_dir } => {
             let mut configs = BTreeMap::new();
             for arm in &plan.arms {
+                if let Some(n) = &arm.nats {
+                    configs.insert(
+                        arm.name.clone(),
+                        format!("nats-server {} ({})", broker.nats.display(), n.describe()),
+                    );
+                    continue;
+                }
                 let text = effective_config(felix, &arm.env, &work_dir.join("data"))
                     .unwrap_or_else(|e| format!("(felix config failed: {e})"));
                 configs.insert(arm.name.clone(), text);
@@ -356,7 +399,14 @@ fn run_campaign(
         plan: plan.clone(),
     };
     write_json(&out.join(RUN_FILE), &meta)?;
-    let mut driver = FelixDriver::new(target, latency)?;
+    if plan.arms.iter().any(|a| a.system == System::Nats) && !broker.nats.is_file() {
+        bail!(
+            "the plan has NATS arms but {} is not there: run bench/scripts/get-nats.sh or pass --nats",
+            broker.nats.display()
+        );
+    }
+    let felix = FelixDriver::new(target, latency)?;
+    let mut driver = SystemDriver::new(felix, broker.nats.clone(), work_dir.clone(), latency);
     let runs = plan.schedule().len() as u64;
     let progress = Progress::new(runs);
     let summary = run_plan(&plan, &mut driver, out, &progress, &facts)?;
@@ -455,6 +505,42 @@ fn main() -> Result<()> {
             let plan = Plan::load(&file).with_context(|| format!("plan {}", file.display()))?;
             print_plan(&plan);
         }
+        Command::Instructions {
+            valgrind,
+            small_publishes,
+            large_publishes,
+            out,
+        } => {
+            let me = std::env::current_exe().context("path of this felix-bench binary")?;
+            let shapes = [
+                (instructions::DEFAULT_SHAPES[0].0, small_publishes),
+                (instructions::DEFAULT_SHAPES[1].0, large_publishes),
+            ];
+            for (shape, publishes) in shapes {
+                if publishes == 0 {
+                    bail!("publishes must be at least 1");
+                }
+                eprintln!(
+                    "callgrind: {} with {publishes} and {} publishes ...",
+                    shape.label(),
+                    publishes * 2
+                );
+                let m = instructions::measure(&valgrind, &me, &out, shape, publishes)?;
+                println!("{}", m.line());
+            }
+        }
+        Command::InstructionsWorkload {
+            payload,
+            batch,
+            publishes,
+        } => {
+            let shape = instructions::Shape {
+                payload_bytes: payload,
+                batch,
+            };
+            let records = instructions::run_workload(shape, publishes)?;
+            eprintln!("{}: {records} records published", shape.label());
+        }
         Command::Report { cells, out, font } => {
             let records = report::read_records(&cells)?;
             if records.is_empty() {
@@ -488,20 +574,34 @@ fn print_plan(plan: &Plan) {
     println!("arms:");
     for (i, arm) in plan.arms.iter().enumerate() {
         let mut line = format!("  {} {}", letter(i), arm.name);
+        if let Some(n) = &arm.nats {
+            line.push_str(&format!(" [nats {}]", n.describe()));
+        }
         for (k, v) in &arm.env {
             line.push_str(&format!(" {k}={v}"));
         }
         println!("{line}");
     }
     println!("cells ({}):", plan.cells.len());
-    for cell in &plan.cells {
-        println!("  {}", cell.label());
+    for (i, cell) in plan.cells.iter().enumerate() {
+        let arms: Vec<String> = plan
+            .cell_arms
+            .get(i)
+            .map(|a| a.iter().map(|&a| letter(a).to_string()).collect())
+            .unwrap_or_default();
+        println!("  {} arms {}", cell.label(), arms.join(""));
     }
-    println!("trial order (per cell):");
+    // Each cell rotates its own arms; cell 1's order shows the pattern.
+    let first: Vec<usize> = plan
+        .cell_arms
+        .first()
+        .cloned()
+        .unwrap_or_else(|| (0..plan.arms.len()).collect());
+    println!("trial order (cell 1; every cell rotates its own arms the same way):");
     for trial in 1..=s.trials {
-        let order: Vec<String> = trial_order(plan.arms.len(), trial)
+        let order: Vec<String> = trial_order(first.len(), trial)
             .into_iter()
-            .map(|a| format!("{}={}", letter(a), plan.arms[a].name))
+            .map(|i| format!("{}={}", letter(first[i]), plan.arms[first[i]].name))
             .collect();
         println!("  trial {trial}: {}", order.join(" "));
     }

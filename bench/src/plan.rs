@@ -30,6 +30,21 @@
 //! publishers = 64
 //! in_flight = 64
 //! keys = "spread"      # spread (default) | plain
+//! arms = ["felix-default"]  # optional: only these arms run this entry's cells (default: all)
+//! ```
+//!
+//! A NATS peer is an arm with `system = "nats"` (the runner starts `nats-server` per cell):
+//!
+//! ```toml
+//! [[arms]]
+//! name = "nats-js-always"
+//! system = "nats"
+//! storage = "file"      # file (default) | memory: must match the cell's kind (durable | in-memory)
+//! sync = "always"       # always (sync_interval: always, fsync before the ack) | default (2 min)
+//! mode = "jetstream"    # jetstream (default; acked cells) | core (fire-and-forget cells)
+//! atomic_batch = true   # batch > 1 as one NATS 2.12+ atomic batch (default false: B publishes
+//!                       # whose acks are awaited as one unit)
+//! tls = true            # TLS on the client port (default true, as the reference ran it)
 //! ```
 //!
 //! Parsing is "parse, don't validate": the raw TOML becomes a [`Plan`] whose fields are already
@@ -188,11 +203,116 @@ fn default_shards() -> u32 {
     DEFAULT_SHARDS
 }
 
-/// A named set of broker environment variables.
+/// Which broker an arm runs.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum System {
+    /// `felix broker` (the default).
+    #[default]
+    Felix,
+    /// `nats-server` 2.15 with JetStream, the side-by-side peer.
+    Nats,
+}
+
+impl System {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            System::Felix => "felix",
+            System::Nats => "nats",
+        }
+    }
+}
+
+/// Where a NATS JetStream stream keeps its messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum NatsStorage {
+    File,
+    Memory,
+}
+
+/// When a NATS file store fsyncs: before every ack (`sync_interval: always`) or on the server's
+/// default interval (2 minutes, `defaultSyncInterval` in nats-server's filestore.go).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum NatsSync {
+    Always,
+    Default,
+}
+
+/// JetStream publishes (acked, stored) or core NATS publishes (no ack, nothing stored).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum NatsMode {
+    Jetstream,
+    Core,
+}
+
+/// Largest atomic batch: nats-server's default `max_batch_size` (1,000 messages per batch).
+pub const NATS_MAX_ATOMIC_BATCH: u32 = 1_000;
+
+/// The settings of a NATS arm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NatsArm {
+    pub storage: NatsStorage,
+    pub sync: NatsSync,
+    pub mode: NatsMode,
+    /// Batches > 1 go as one atomic batch (ADR-50 headers, one ack for the commit message).
+    pub atomic_batch: bool,
+    /// TLS on the client port.
+    pub tls: bool,
+}
+
+impl NatsArm {
+    /// `js file always atomic tls`, for labels.
+    pub fn describe(&self) -> String {
+        let mut out = match self.mode {
+            NatsMode::Core => "core".to_string(),
+            NatsMode::Jetstream => format!(
+                "js {} sync={}",
+                match self.storage {
+                    NatsStorage::File => "file",
+                    NatsStorage::Memory => "memory",
+                },
+                match self.sync {
+                    NatsSync::Always => "always",
+                    NatsSync::Default => "default",
+                }
+            ),
+        };
+        if self.atomic_batch {
+            out.push_str(" atomic");
+        }
+        out.push_str(if self.tls { " tls" } else { " plain-tcp" });
+        out
+    }
+}
+
+/// A named broker configuration: Felix with environment variables, or a NATS peer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Arm {
     pub name: String,
+    /// Environment of the broker process (Felix: FELIX_* settings; NATS: e.g. GOMAXPROCS).
     pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub system: System,
+    /// Present exactly when `system` is NATS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nats: Option<NatsArm>,
+}
+
+impl Arm {
+    /// A Felix arm with this environment.
+    pub fn felix(name: &str, env: BTreeMap<String, String>) -> Arm {
+        Arm {
+            name: name.to_string(),
+            env,
+            system: System::Felix,
+            nats: None,
+        }
+    }
 }
 
 /// Everything that defines what a cell measures (its identity across trials and arms).
@@ -303,6 +423,10 @@ pub struct Plan {
     pub settings: Settings,
     pub arms: Vec<Arm>,
     pub cells: Vec<Cell>,
+    /// For each cell (same index), the arms it runs (indices into `arms`, in arm order): every
+    /// arm unless its `[[cells]]` entry names some.
+    #[serde(default)]
+    pub cell_arms: Vec<Vec<usize>>,
 }
 
 /// One run in a plan's schedule: a cell, a trial (from 1) and an arm (index into `arms`).
@@ -345,9 +469,21 @@ impl Plan {
         let mut runs =
             Vec::with_capacity(self.cells.len() * self.arms.len() * self.settings.trials as usize);
         for cell in 0..self.cells.len() {
+            let all: Vec<usize>;
+            let arms = match self.cell_arms.get(cell) {
+                Some(a) => a,
+                None => {
+                    all = (0..self.arms.len()).collect();
+                    &all
+                }
+            };
             for trial in 1..=self.settings.trials {
-                for arm in trial_order(self.arms.len(), trial) {
-                    runs.push(Run { cell, trial, arm });
+                for i in trial_order(arms.len(), trial) {
+                    runs.push(Run {
+                        cell,
+                        trial,
+                        arm: arms[i],
+                    });
                 }
             }
         }
@@ -409,6 +545,12 @@ struct RawArm {
     name: String,
     #[serde(default)]
     env: BTreeMap<String, toml::Value>,
+    system: Option<String>,
+    storage: Option<String>,
+    sync: Option<String>,
+    mode: Option<String>,
+    atomic_batch: Option<bool>,
+    tls: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -423,6 +565,7 @@ struct RawCells {
     keys: Option<OneOrMany<String>>,
     duration_s: Option<OneOrMany<i64>>,
     measure: Option<OneOrMany<String>>,
+    arms: Option<Vec<String>>,
 }
 
 /// One expanded, not yet validated cell.
@@ -553,9 +696,12 @@ impl RawPlan {
                 };
                 env.insert(key.clone(), text);
             }
+            let (system, nats) = nats_arm(&what, raw)?;
             arms.push(Arm {
                 name: raw.name.clone(),
                 env,
+                system,
+                nats,
             });
         }
 
@@ -565,19 +711,164 @@ impl RawPlan {
             ));
         }
         let mut raw_cells: Vec<RawCell> = Vec::new();
+        let mut cell_arms: Vec<Vec<usize>> = Vec::new();
         for (i, entry) in self.cells.iter().enumerate() {
+            let before = raw_cells.len();
             expand(i + 1, entry, settings.duration_s, &mut raw_cells)?;
+            let chosen = entry_arms(i + 1, entry, &arms)?;
+            cell_arms.extend(std::iter::repeat_n(chosen, raw_cells.len() - before));
         }
         let cells = raw_cells
             .iter()
             .enumerate()
             .map(|(i, raw)| validate_cell(i + 1, raw))
             .collect::<Result<Vec<Cell>, BenchError>>()?;
+        for (cell, chosen) in cells.iter().zip(&cell_arms) {
+            for &a in chosen {
+                check_arm_fits(cell, &arms[a])?;
+            }
+        }
         Ok(Plan {
             settings,
             arms,
             cells,
+            cell_arms,
         })
+    }
+}
+
+/// The system and NATS settings of a raw arm; NATS fields on a Felix arm are refused.
+fn nats_arm(what: &str, raw: &RawArm) -> Result<(System, Option<NatsArm>), BenchError> {
+    let bad = |field: &str, allowed: &str, got: &str| {
+        BenchError::Plan(format!("{what}: {field} must be {allowed}, got {got:?}"))
+    };
+    let system = match raw.system.as_deref().unwrap_or("felix") {
+        "felix" => System::Felix,
+        "nats" => System::Nats,
+        other => return Err(bad("system", "felix or nats", other)),
+    };
+    if system == System::Felix {
+        let given: Vec<&str> = [
+            ("storage", raw.storage.is_some()),
+            ("sync", raw.sync.is_some()),
+            ("mode", raw.mode.is_some()),
+            ("atomic_batch", raw.atomic_batch.is_some()),
+            ("tls", raw.tls.is_some()),
+        ]
+        .iter()
+        .filter(|(_, set)| *set)
+        .map(|(f, _)| *f)
+        .collect();
+        if !given.is_empty() {
+            return Err(BenchError::Plan(format!(
+                "{what}: {} only apply to system = \"nats\"",
+                given.join(", ")
+            )));
+        }
+        return Ok((System::Felix, None));
+    }
+    let storage = match raw.storage.as_deref().unwrap_or("file") {
+        "file" => NatsStorage::File,
+        "memory" => NatsStorage::Memory,
+        other => return Err(bad("storage", "file or memory", other)),
+    };
+    let sync = match raw.sync.as_deref().unwrap_or("default") {
+        "always" => NatsSync::Always,
+        "default" => NatsSync::Default,
+        other => return Err(bad("sync", "always or default", other)),
+    };
+    let mode = match raw.mode.as_deref().unwrap_or("jetstream") {
+        "jetstream" => NatsMode::Jetstream,
+        "core" => NatsMode::Core,
+        other => return Err(bad("mode", "jetstream or core", other)),
+    };
+    let atomic_batch = raw.atomic_batch.unwrap_or(false);
+    if sync == NatsSync::Always && (storage == NatsStorage::Memory || mode == NatsMode::Core) {
+        return Err(BenchError::Plan(format!(
+            "{what}: sync = \"always\" needs storage = \"file\" and mode = \"jetstream\" \
+             (nothing else is fsynced)"
+        )));
+    }
+    if atomic_batch && mode == NatsMode::Core {
+        return Err(BenchError::Plan(format!(
+            "{what}: atomic_batch needs mode = \"jetstream\" (core NATS has no batches)"
+        )));
+    }
+    let nats = NatsArm {
+        storage,
+        sync,
+        mode,
+        atomic_batch,
+        tls: raw.tls.unwrap_or(true),
+    };
+    Ok((System::Nats, Some(nats)))
+}
+
+/// The arms one `[[cells]]` entry runs: those it names (kept in plan order), else all.
+fn entry_arms(entry_number: usize, e: &RawCells, arms: &[Arm]) -> Result<Vec<usize>, BenchError> {
+    let Some(names) = &e.arms else {
+        return Ok((0..arms.len()).collect());
+    };
+    if names.is_empty() {
+        return Err(BenchError::Plan(format!(
+            "cells entry {entry_number}: arms is an empty list"
+        )));
+    }
+    let mut chosen = Vec::with_capacity(names.len());
+    for name in names {
+        match arms.iter().position(|a| &a.name == name) {
+            Some(i) if !chosen.contains(&i) => chosen.push(i),
+            Some(_) => {
+                return Err(BenchError::Plan(format!(
+                    "cells entry {entry_number}: arm {name:?} is named twice"
+                )));
+            }
+            None => {
+                return Err(BenchError::Plan(format!(
+                    "cells entry {entry_number}: no arm is named {name:?}"
+                )));
+            }
+        }
+    }
+    chosen.sort_unstable();
+    Ok(chosen)
+}
+
+/// A NATS arm must do what the cell asks: JetStream for acked cells and core for
+/// fire-and-forget, file storage for durable cells and memory for in-memory ones, no latency
+/// cell on core NATS (it has no ack), atomic batches no larger than the server allows.
+fn check_arm_fits(cell: &Cell, arm: &Arm) -> Result<(), BenchError> {
+    let Some(n) = arm.nats else {
+        return Ok(());
+    };
+    let s = &cell.shape;
+    let why = match (s.mode, n.mode) {
+        (Mode::Acked, NatsMode::Core) => Some("an acked cell needs mode = \"jetstream\""),
+        (Mode::FireAndForget, NatsMode::Jetstream) => {
+            Some("a fire-and-forget cell needs mode = \"core\"")
+        }
+        (Mode::Acked, NatsMode::Jetstream) => match (s.kind, n.storage) {
+            (StreamKind::Durable, NatsStorage::Memory) => {
+                Some("a durable cell needs storage = \"file\"")
+            }
+            (StreamKind::InMemory, NatsStorage::File) => {
+                Some("an in-memory cell needs storage = \"memory\"")
+            }
+            _ => None,
+        },
+        (Mode::FireAndForget, NatsMode::Core) => None,
+    };
+    let why = why.or_else(|| {
+        (n.atomic_batch && s.batch > NATS_MAX_ATOMIC_BATCH)
+            .then_some("batch exceeds NATS's atomic batch limit of 1000")
+    });
+    match why {
+        Some(why) => Err(BenchError::Plan(format!(
+            "{} with arm {:?}: {why}",
+            cell.label(),
+            arm.name
+        ))),
+        None => Ok(()),
     }
 }
 
@@ -954,6 +1245,129 @@ keys = ["spread", "plain"]
             err(no_cells),
             "plan has no cells: add at least one [[cells]]"
         );
+    }
+
+    /// A Felix arm, two NATS arms and one cell entry per pair, with `extra` appended.
+    fn nats_plan(extra: &str) -> String {
+        format!(
+            "[settings]\nduration_s = 10\ntrials = 2\n\
+             [[arms]]\nname = \"felix\"\n\
+             [[arms]]\nname = \"nats-always\"\nsystem = \"nats\"\nsync = \"always\"\natomic_batch = true\n\
+             [[arms]]\nname = \"nats-core\"\nsystem = \"nats\"\nmode = \"core\"\ntls = false\n\
+             [[cells]]\nkind = \"durable\"\npayload = 256\nbatch = [1, 64]\nmode = \"acked\"\n\
+             publishers = 1\nin_flight = 1\narms = [\"nats-always\", \"felix\"]\n\
+             [[cells]]\nkind = \"in-memory\"\npayload = 256\nbatch = 64\nmode = \"fire-and-forget\"\n\
+             publishers = 1\nin_flight = 1\narms = [\"felix\", \"nats-core\"]\n{extra}"
+        )
+    }
+
+    #[test]
+    fn nats_arms_parse_with_defaults_and_cells_pick_their_arms() {
+        // Proves NATS arm settings and defaults are typed, and each cell runs only its named arms, Felix first on odd trials.
+        let plan = Plan::parse(&nats_plan("")).unwrap();
+        assert_eq!(plan.arms[0].system, System::Felix);
+        assert_eq!(plan.arms[0].nats, None);
+        let always = plan.arms[1].nats.unwrap();
+        assert_eq!(plan.arms[1].system, System::Nats);
+        assert_eq!(
+            always,
+            NatsArm {
+                storage: NatsStorage::File,
+                sync: NatsSync::Always,
+                mode: NatsMode::Jetstream,
+                atomic_batch: true,
+                tls: true,
+            }
+        );
+        let core = plan.arms[2].nats.unwrap();
+        assert_eq!(
+            (core.mode, core.tls, core.sync),
+            (NatsMode::Core, false, NatsSync::Default)
+        );
+        assert_eq!(plan.cell_arms, vec![vec![0, 1], vec![0, 1], vec![0, 2]]);
+        let runs: Vec<(usize, u32, usize)> = plan
+            .schedule()
+            .iter()
+            .map(|r| (r.cell, r.trial, r.arm))
+            .collect();
+        assert_eq!(
+            &runs[..4],
+            &[(0, 1, 0), (0, 1, 1), (0, 2, 1), (0, 2, 0)],
+            "Felix first on odd trials, NATS first on even"
+        );
+        assert_eq!(runs.len(), 3 * 2 * 2);
+        assert_eq!(&runs[8..], &[(2, 1, 0), (2, 1, 2), (2, 2, 2), (2, 2, 0)]);
+        // A record written before arms had a system reads back as a Felix arm.
+        let old: Arm = serde_json::from_str(r#"{"name":"a","env":{}}"#).unwrap();
+        assert_eq!((old.system, old.nats), (System::Felix, None));
+    }
+
+    #[test]
+    fn bad_nats_arms_and_mismatched_cells_are_refused() {
+        // Proves bad NATS settings, NATS fields on Felix arms, unknown cell arms and arm/cell mismatches name the problem.
+        let arm_with = |fields: &str| {
+            format!(
+                "[settings]\nduration_s = 10\ntrials = 1\n[[arms]]\nname = \"n\"\n{fields}\n\
+                 [[cells]]\nkind = \"durable\"\npayload = 256\nbatch = 1\nmode = \"acked\"\n\
+                 publishers = 1\nin_flight = 1\n"
+            )
+        };
+        let cases = [
+            (
+                arm_with("system = \"kafka\""),
+                "arm 1 (\"n\"): system must be felix or nats, got \"kafka\"",
+            ),
+            (
+                arm_with("sync = \"always\""),
+                "arm 1 (\"n\"): sync only apply to system = \"nats\"",
+            ),
+            (
+                arm_with("system = \"nats\"\nstorage = \"disk\""),
+                "arm 1 (\"n\"): storage must be file or memory, got \"disk\"",
+            ),
+            (
+                arm_with("system = \"nats\"\nsync = \"sometimes\""),
+                "arm 1 (\"n\"): sync must be always or default, got \"sometimes\"",
+            ),
+            (
+                arm_with("system = \"nats\"\nstorage = \"memory\"\nsync = \"always\""),
+                "arm 1 (\"n\"): sync = \"always\" needs storage = \"file\" and mode = \"jetstream\" (nothing else is fsynced)",
+            ),
+            (
+                arm_with("system = \"nats\"\nmode = \"core\"\natomic_batch = true"),
+                "arm 1 (\"n\"): atomic_batch needs mode = \"jetstream\" (core NATS has no batches)",
+            ),
+            (
+                arm_with("system = \"nats\"\nstorage = \"memory\""),
+                "cell 1 (durable 256B b1 acked p1 if1 spread 10s) with arm \"n\": a durable cell needs storage = \"file\"",
+            ),
+            (
+                arm_with("system = \"nats\"\nmode = \"core\""),
+                "cell 1 (durable 256B b1 acked p1 if1 spread 10s) with arm \"n\": an acked cell needs mode = \"jetstream\"",
+            ),
+            (
+                nats_plan("").replace("arms = [\"felix\", \"nats-core\"]", "arms = [\"nobody\"]"),
+                "cells entry 2: no arm is named \"nobody\"",
+            ),
+            (
+                nats_plan("").replace(
+                    "arms = [\"felix\", \"nats-core\"]",
+                    "arms = [\"nats-always\"]",
+                ),
+                "cell 3 (in-memory 256B b64 fire-and-forget p1 if1 spread 10s) with arm \"nats-always\": a fire-and-forget cell needs mode = \"core\"",
+            ),
+            (
+                nats_plan("").replace("arms = [\"felix\", \"nats-core\"]", "arms = []"),
+                "cells entry 2: arms is an empty list",
+            ),
+            (
+                nats_plan("").replace("batch = [1, 64]", "batch = 2000"),
+                "cell 1 (durable 256B b2000 acked p1 if1 spread 10s) with arm \"nats-always\": batch exceeds NATS's atomic batch limit of 1000",
+            ),
+        ];
+        for (text, want) in cases {
+            assert_eq!(err(&text), want);
+        }
     }
 
     #[test]

@@ -130,6 +130,9 @@ pub struct Aggregate {
     pub ack_p999_us: Option<TrialSpread>,
     pub delivery_p50_us: Option<TrialSpread>,
     pub delivery_p99_us: Option<TrialSpread>,
+    /// Broker context switches per second and per accepted record (all its threads).
+    pub ctx_switches_per_s: Option<TrialSpread>,
+    pub ctx_switches_per_record: Option<TrialSpread>,
     /// Little's-law wait (bytes terms), seconds.
     pub littles_wait_s: Option<TrialSpread>,
     /// Errors of the trials that did not finish, as "trial N: message".
@@ -181,6 +184,8 @@ pub fn aggregate(records: &[CellRecord]) -> Vec<Aggregate> {
                 ack_p999_us: spread(&|o| o.ack_latency.map(|l| l.p999_us)),
                 delivery_p50_us: spread(&|o| o.delivery_latency.map(|l| l.p50_us)),
                 delivery_p99_us: spread(&|o| o.delivery_latency.map(|l| l.p99_us)),
+                ctx_switches_per_s: spread(&|o| Some(o.throughput.ctx_switches_per_s)),
+                ctx_switches_per_record: spread(&|o| Some(o.throughput.ctx_switches_per_record())),
                 littles_wait_s: spread(&|o| o.littles_law.map(|l| l.wait_s_from_bytes)),
                 errors: recs
                     .iter()
@@ -221,7 +226,7 @@ pub fn write_report(
 
 // ---- CSV --------------------------------------------------------------------------------------
 
-const CSV_HEADER: [&str; 36] = [
+const CSV_HEADER: [&str; 38] = [
     "row",
     "cell",
     "shape",
@@ -252,6 +257,8 @@ const CSV_HEADER: [&str; 36] = [
     "delivery_p50_us",
     "delivery_p99_us",
     "littles_wait_ms",
+    "ctx_switches_per_s",
+    "ctx_switches_per_record",
     "steady_points",
     "commit",
     "kernel",
@@ -318,6 +325,8 @@ fn write_csv(
                     .map(|l| l.wait_s_from_bytes * 1e3),
                 3,
             ),
+            opt(t.map(|t| t.ctx_switches_per_s), 1),
+            opt(t.map(|t| t.ctx_switches_per_record()), 4),
             t.map_or_else(String::new, |t| t.points.to_string()),
             r.facts.commit.clone().unwrap_or_default(),
             r.facts.kernel.clone().unwrap_or_default(),
@@ -358,6 +367,8 @@ fn write_csv(
             med(a.delivery_p50_us, 1.0, 1),
             med(a.delivery_p99_us, 1.0, 1),
             med(a.littles_wait_s, 1e-3, 3),
+            med(a.ctx_switches_per_s, 1.0, 1),
+            med(a.ctx_switches_per_record, 1.0, 4),
             String::new(),
             String::new(),
             String::new(),
@@ -451,14 +462,15 @@ fn summary_markdown(
          (all generators running, less the first and last 10%). Each figure is the median of the \
          finished trials; where trials differ by more than 0.5% the min–max range follows in \
          parentheses. MB = 10^6 bytes. Payload excludes shed publishes; append is payload plus \
-         log framing; CPU is broker cores in use.\n"
+         log framing; CPU is broker cores in use; context switches (ctx sw) are the broker \
+         process's, all threads, from /proc/<pid>/task/*/status.\n"
     );
     let _ = writeln!(s, "## Throughput\n");
     let _ = writeln!(
         s,
-        "| Cell | Shape | Arm | Trials | Payload MB/s | Append MB/s | msg/s | CPU cores | Shed |"
+        "| Cell | Shape | Arm | Trials | Payload MB/s | Append MB/s | msg/s | CPU cores | Ctx sw/s | Ctx sw/rec | Shed |"
     );
-    let _ = writeln!(s, "|---:|---|---|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(s, "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     for a in aggregates {
         let shed = match (a.shed_fraction, a.shed_bytes) {
             (Some(f), Some(b)) if b.median > 0.0 => format!(
@@ -471,7 +483,7 @@ fn summary_markdown(
         };
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {}/{} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {}/{} | {} | {} | {} | {} | {} | {} | {} |",
             a.cell_number,
             a.shape,
             md_escape(&a.arm),
@@ -481,6 +493,8 @@ fn summary_markdown(
             cell_or_dash(a.append_bytes_per_s, BYTES_PER_MB, 1),
             cell_or_dash(a.records_per_s, 1.0, 0),
             cell_or_dash(a.cpu_cores, 1.0, 2),
+            cell_or_dash(a.ctx_switches_per_s, 1.0, 0),
+            cell_or_dash(a.ctx_switches_per_record, 1.0, 3),
             shed,
         );
     }
@@ -526,6 +540,9 @@ fn summary_markdown(
             );
         }
     }
+    s.push_str(&crate::pairs::pairs_markdown(&crate::pairs::match_pairs(
+        records,
+    )));
     let failures: Vec<&CellRecord> = records.iter().filter(|r| r.error.is_some()).collect();
     if !failures.is_empty() {
         let _ = writeln!(s, "\n## Failed runs\n");
@@ -1004,6 +1021,8 @@ mod tests {
     #[test]
     fn report_writes_well_formed_csv_summary_and_charts() {
         // Proves the report writes a parseable CSV (trial + median rows), a summary with its tables, and non-empty PNG/SVG charts.
+        // The last CSV column is the error text.
+        const ERROR_COLUMN: usize = CSV_HEADER.len() - 1;
         let dir = tempfile::tempdir().unwrap();
         let records = fixed_records();
         let files = write_report(&records, dir.path(), &ReportOptions::default()).unwrap();
@@ -1024,9 +1043,11 @@ mod tests {
         );
         let failed = rows
             .iter()
-            .find(|r| &r[0] == "trial" && !r[35].is_empty())
+            .find(|r| &r[0] == "trial" && !r[ERROR_COLUMN].is_empty())
             .unwrap();
-        assert!(failed[35].contains("payload") || failed[35].contains("records"));
+        assert!(
+            failed[ERROR_COLUMN].contains("payload") || failed[ERROR_COLUMN].contains("records")
+        );
 
         let summary = std::fs::read_to_string(&files.summary).unwrap();
         assert!(summary.contains("## Throughput"), "{summary}");

@@ -2,7 +2,10 @@
 //!
 //! Sources: the broker's Prometheus `/metrics` (plain HTTP/1.0 GET over a `TcpStream`), the
 //! broker process's CPU time from `/proc/<pid>/stat` when no CPU metric exists, and the kernel's
-//! UDP `RcvbufErrors` from `/proc/net/snmp`. Every metric name the bench reads is in
+//! UDP `RcvbufErrors` from `/proc/net/snmp`. A NATS peer is read from its monitoring port
+//! instead ([`Counters`]): `/jsz` (messages and bytes summed over every JetStream stream) or
+//! `/varz` (core `in_msgs` / `in_bytes`). Context switches of the broker process are summed over
+//! `/proc/<pid>/task/*/status` (see [`process_ctx_switches`]). Every metric name the bench reads is in
 //! [`metric_names`]; each metric is the sum of every series of its family across labels, so a
 //! per-core broker (`{core="3"}` labels) and a single-core one read the same way.
 //!
@@ -29,7 +32,7 @@ pub mod metric_names {
     /// Bytes appended to durable logs (payload + framing); absent until durable streams land.
     pub const APPEND_BYTES: &[&str] = &["felix_append_bytes_total", "felix_log_append_bytes_total"];
     /// UDP bytes received on the QUIC ports; absent until the broker counts them.
-    pub const WIRE_BYTES: &[&str] = &["felix_wire_rx_bytes_total", "felix_udp_rx_bytes_total"];
+    pub const WIRE_BYTES: &[&str] = &["felix_wire_bytes_total"];
     /// Fire-and-forget publishes shed by a full ingress queue (all cores).
     pub const SHED: &[&str] = &[
         "felix_publishes_shed_total",
@@ -194,7 +197,12 @@ fn counter(value: Option<f64>) -> u64 {
 
 /// `GET /metrics` over plain HTTP/1.0; the body of a 200 answer.
 pub fn scrape(addr: SocketAddr) -> Result<String, BenchError> {
-    let fail = |detail: String| BenchError::Sampler(format!("GET http://{addr}/metrics: {detail}"));
+    http_get(addr, "/metrics")
+}
+
+/// One plain HTTP/1.0 GET of `path`; the body of a 200 answer.
+pub fn http_get(addr: SocketAddr, path: &str) -> Result<String, BenchError> {
+    let fail = |detail: String| BenchError::Sampler(format!("GET http://{addr}{path}: {detail}"));
     let mut stream =
         TcpStream::connect_timeout(&addr, SCRAPE_TIMEOUT).map_err(|e| fail(e.to_string()))?;
     stream
@@ -203,7 +211,7 @@ pub fn scrape(addr: SocketAddr) -> Result<String, BenchError> {
         .map_err(|e| fail(e.to_string()))?;
     write!(
         stream,
-        "GET /metrics HTTP/1.0\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.0\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
     )
     .map_err(|e| fail(e.to_string()))?;
     let mut raw = Vec::new();
@@ -260,19 +268,127 @@ pub fn parse_snmp_udp(text: &str, field: &str) -> Option<u64> {
 }
 
 /// Where a sample's numbers come from.
+/// Which counters a broker exposes on its metrics / monitoring address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Counters {
+    /// Felix's Prometheus `/metrics`.
+    #[default]
+    Felix,
+    /// nats-server `/jsz`: stored messages and bytes summed over every stream; payload bytes
+    /// are messages x the cell's payload size (the reference counts "records the server
+    /// stored times the payload size"), stream bytes (with NATS's per-message framing) go to
+    /// `append_bytes`.
+    NatsJetStream { payload_bytes: u32 },
+    /// nats-server `/varz`: `in_msgs` x payload size as payload, `in_bytes` as wire bytes.
+    NatsCore { payload_bytes: u32 },
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SampleSource {
     pub metrics_addr: SocketAddr,
-    /// Broker process for CPU time when no CPU metric exists.
+    /// Broker process for CPU time (when no CPU metric exists) and context switches.
     pub pid: Option<u32>,
+    pub counters: Counters,
 }
 
 impl SampleSource {
     /// One reading at `t_s` seconds since the cell start.
     pub fn sample(&self, t_s: f64) -> Result<Sample, BenchError> {
-        let scrape = Scrape::parse(&scrape(self.metrics_addr)?);
-        Ok(sample_from(&scrape, t_s, self.pid))
+        let mut sample = match self.counters {
+            Counters::Felix => {
+                let scrape = Scrape::parse(&scrape(self.metrics_addr)?);
+                sample_from(&scrape, t_s, self.pid)
+            }
+            Counters::NatsJetStream { payload_bytes } => {
+                let body = http_get(self.metrics_addr, "/jsz")?;
+                nats_sample(&body, t_s, payload_bytes, "messages", "bytes", false)?
+            }
+            Counters::NatsCore { payload_bytes } => {
+                let body = http_get(self.metrics_addr, "/varz")?;
+                nats_sample(&body, t_s, payload_bytes, "in_msgs", "in_bytes", true)?
+            }
+        };
+        if self.counters != Counters::Felix {
+            sample.cpu_seconds = self.pid.and_then(process_cpu_seconds).unwrap_or(0.0);
+            sample.udp_rcvbuf_errors = udp_rcvbuf_errors();
+        }
+        sample.ctx_switches = self.pid.and_then(process_ctx_switches).unwrap_or(0);
+        Ok(sample)
     }
+}
+
+/// A sample from a nats-server monitoring answer (`/jsz` or `/varz` JSON): `msgs_field`
+/// counts records, `bytes_field` goes to wire bytes (core) or append bytes (JetStream).
+pub fn nats_sample(
+    body: &str,
+    t_s: f64,
+    payload_bytes: u32,
+    msgs_field: &str,
+    bytes_field: &str,
+    core: bool,
+) -> Result<Sample, BenchError> {
+    let value: serde_json::Value = serde_json::from_str(body)
+        .map_err(|e| BenchError::Sampler(format!("nats monitoring answer is not JSON: {e}")))?;
+    let field = |name: &str| {
+        value
+            .get(name)
+            .and_then(serde_json::Value::as_u64)
+            .ok_or_else(|| {
+                BenchError::Sampler(format!(
+                    "nats monitoring answer has no unsigned `{name}` field"
+                ))
+            })
+    };
+    let records = field(msgs_field)?;
+    let bytes = field(bytes_field)?;
+    let mut sample = Sample {
+        t_s,
+        records,
+        payload_bytes: records.saturating_mul(u64::from(payload_bytes)),
+        ..Sample::default()
+    };
+    if core {
+        sample.wire_bytes = bytes;
+    } else {
+        sample.append_bytes = bytes;
+    }
+    Ok(sample)
+}
+
+/// Context switches (voluntary + involuntary) of every live thread of process `pid`, summed
+/// over `/proc/<pid>/task/*/status`. `/proc/<pid>/status` alone counts only the main thread.
+/// (perf-event 0.4 can count a pid's `context-switches`, but `inherit` covers only threads
+/// created after the counter is opened and a broker's threads exist by the time its ports are
+/// known, so it would need one counter per thread; /proc gives the same totals without
+/// perf_event_open permissions.)
+pub fn process_ctx_switches(pid: u32) -> Option<u64> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    let mut total = 0u64;
+    for task in tasks.flatten() {
+        // A thread that exited between listing and reading is simply not counted.
+        if let Ok(text) = std::fs::read_to_string(task.path().join("status")) {
+            total = total.saturating_add(parse_ctx_switches(&text).unwrap_or(0));
+        }
+    }
+    Some(total)
+}
+
+/// `voluntary_ctxt_switches` + `nonvoluntary_ctxt_switches` of one `/proc/.../status` text.
+pub fn parse_ctx_switches(status: &str) -> Option<u64> {
+    let mut voluntary = None;
+    let mut involuntary = None;
+    for line in status.lines() {
+        let Some((name, value)) = line.split_once(':') else {
+            continue;
+        };
+        let value = value.trim().parse::<u64>().ok();
+        match name.trim() {
+            "voluntary_ctxt_switches" => voluntary = value,
+            "nonvoluntary_ctxt_switches" => involuntary = value,
+            _ => {}
+        }
+    }
+    Some(voluntary?.saturating_add(involuntary?))
 }
 
 /// A [`Sample`] from one scrape plus /proc.
@@ -299,6 +415,8 @@ pub fn sample_from(scrape: &Scrape, t_s: f64, pid: Option<u32>) -> Sample {
                 .or_else(|| scrape.sum_where(m::ERRORS, Some(m::REFUSED_CODE))),
         ),
         fsyncs: counter(scrape.sum_any(m::FSYNCS)),
+        // Filled in by SampleSource::sample from /proc when the pid is known.
+        ctx_switches: 0,
     }
 }
 
@@ -436,6 +554,35 @@ mod tests {
         );
         assert_eq!(sample.cpu_seconds, 1.5);
         assert_eq!(sample.append_bytes, 0);
+    }
+
+    #[test]
+    fn context_switches_are_parsed_from_status_text() {
+        // Proves voluntary and involuntary switches are summed, and a text without them reads as None.
+        let status = "Name:\tfelix-core-0\nState:\tS (sleeping)\nThreads:\t9\n\
+                      voluntary_ctxt_switches:\t1500\nnonvoluntary_ctxt_switches:\t42\n";
+        assert_eq!(parse_ctx_switches(status), Some(1542));
+        assert_eq!(
+            parse_ctx_switches("Name:\tx\nvoluntary_ctxt_switches:\t3\n"),
+            None
+        );
+        assert!(process_ctx_switches(std::process::id()).is_some());
+    }
+
+    #[test]
+    fn nats_monitoring_answers_become_samples() {
+        // Proves /jsz messages x payload is the payload count and /varz in_msgs/in_bytes are read for core NATS.
+        let jsz = r#"{"memory":0,"storage":5000,"streams":8,"messages":20,"bytes":5000}"#;
+        let s = nats_sample(jsz, 1.0, 200, "messages", "bytes", false).unwrap();
+        assert_eq!(
+            (s.records, s.payload_bytes, s.append_bytes),
+            (20, 4000, 5000)
+        );
+        let varz = r#"{"in_msgs":10,"in_bytes":2560,"out_msgs":0}"#;
+        let s = nats_sample(varz, 1.0, 256, "in_msgs", "in_bytes", true).unwrap();
+        assert_eq!((s.records, s.payload_bytes, s.wire_bytes), (10, 2560, 2560));
+        assert!(nats_sample("{}", 1.0, 1, "messages", "bytes", false).is_err());
+        assert!(nats_sample("not json", 1.0, 1, "messages", "bytes", false).is_err());
     }
 
     #[test]

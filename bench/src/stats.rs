@@ -51,6 +51,10 @@ pub struct Sample {
     /// fsyncs (fdatasync calls) of durable logs.
     #[serde(default)]
     pub fsyncs: u64,
+    /// Context switches (voluntary + involuntary) of every thread of the broker process, from
+    /// `/proc/<pid>/task/*/status`; 0 when the broker's pid is unknown.
+    #[serde(default)]
+    pub ctx_switches: u64,
 }
 
 /// The change of every counter between two consecutive samples, divided by the time between them.
@@ -70,6 +74,8 @@ pub struct Rate {
     pub publishes_shed_per_s: f64,
     pub publishes_refused_per_s: f64,
     pub fsyncs_per_s: f64,
+    #[serde(default)]
+    pub ctx_switches_per_s: f64,
 }
 
 /// Per-interval rates from consecutive samples. A counter that goes backwards refuses the cell.
@@ -148,6 +154,9 @@ pub fn rates(cell: &str, samples: &[Sample]) -> Result<Vec<Rate>, BenchError> {
                 b.publishes_refused,
             )?,
             fsyncs_per_s: d("fsyncs", a.fsyncs, b.fsyncs)?,
+            // A thread that exits takes its switches with it, so this sum may fall: clamp to
+            // 0 rather than refuse the cell (the broker's threads live as long as the process).
+            ctx_switches_per_s: b.ctx_switches.saturating_sub(a.ctx_switches) as f64 / dt,
         };
         debug_assert!(rate.t1_s > rate.t0_s);
         out.push(rate);
@@ -264,6 +273,20 @@ pub struct Throughput {
     pub cpu_cores: f64,
     pub udp_rcvbuf_errors_per_s: f64,
     pub fsyncs_per_s: f64,
+    /// Broker context switches per second (all threads; 0 when its pid is unknown).
+    #[serde(default)]
+    pub ctx_switches_per_s: f64,
+}
+
+impl Throughput {
+    /// Broker context switches per accepted record (0 when nothing was accepted).
+    pub fn ctx_switches_per_record(&self) -> f64 {
+        if self.records_per_s > 0.0 {
+            self.ctx_switches_per_s / self.records_per_s
+        } else {
+            0.0
+        }
+    }
 }
 
 /// Rates, steady window and medians in one step.
@@ -290,6 +313,7 @@ pub fn cell_throughput(
         cpu_cores: med(|r| r.cpu_cores),
         udp_rcvbuf_errors_per_s: med(|r| r.udp_rcvbuf_errors_per_s),
         fsyncs_per_s: med(|r| r.fsyncs_per_s),
+        ctx_switches_per_s: med(|r| r.ctx_switches_per_s),
     })
 }
 

@@ -1,0 +1,591 @@
+//! Felix-versus-NATS pairs: which recorded runs compare, their ratio, and what still differs.
+//!
+//! A pair is one plan cell (same shape, same trials, interleaved by the runner) that ran a
+//! Felix arm and a NATS arm; every (Felix arm, NATS arm) combination of a cell is a pair. Each
+//! side's figure is the median over its finished trials, like the rest of `summary.md`. The
+//! pair's kind comes from the NATS arm (what the publisher is promised when it gets its
+//! answer), following the reference's "How each pair is matched" table, adapted to this bench
+//! (both sides driven by felix-bench's own Rust generator). Pure functions on records: no IO.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use crate::cell::CellRecord;
+use crate::plan::{Measure, NatsArm, NatsMode, NatsStorage, NatsSync, Shape, System};
+use crate::stats::{BYTES_PER_MB, median};
+
+/// Longest error text quoted in the pairs table; the full text is in "Failed runs".
+const ERROR_QUOTE_CHARS: usize = 100;
+
+/// What the publisher is promised when it gets its answer, on both sides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum PairKind {
+    /// Felix durable on_commit vs NATS file store with `sync_interval: always`.
+    FsyncBeforeAck,
+    /// Felix durable periodic fsync vs NATS file store with the default sync interval.
+    PeriodicFsync,
+    /// Felix in-memory acked vs NATS memory storage.
+    InMemory,
+    /// Felix unacked publish vs core NATS publish.
+    FireAndForget,
+}
+
+impl PairKind {
+    /// The kind a NATS arm's settings put a pair in.
+    pub fn of(nats: &NatsArm) -> PairKind {
+        match (nats.mode, nats.storage, nats.sync) {
+            (NatsMode::Core, _, _) => PairKind::FireAndForget,
+            (NatsMode::Jetstream, NatsStorage::Memory, _) => PairKind::InMemory,
+            (NatsMode::Jetstream, NatsStorage::File, NatsSync::Always) => PairKind::FsyncBeforeAck,
+            (NatsMode::Jetstream, NatsStorage::File, NatsSync::Default) => PairKind::PeriodicFsync,
+        }
+    }
+}
+
+/// One side of a pair: an arm's figures over its trials (medians of the finished trials).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct PairSide {
+    pub arm: String,
+    pub trials_run: usize,
+    pub trials_finished: usize,
+    pub payload_bytes_per_s: Option<f64>,
+    pub cpu_cores: Option<f64>,
+    pub ctx_switches_per_s: Option<f64>,
+    pub ctx_switches_per_record: Option<f64>,
+    /// Ack p50, p99, p999 in microseconds.
+    pub ack_us: Option<[f64; 3]>,
+    /// Delivery p50, p99, p999 in microseconds.
+    pub delivery_us: Option<[f64; 3]>,
+    /// The first error of a trial that did not finish.
+    pub first_error: Option<String>,
+}
+
+/// A Felix run and a NATS run of the same cell.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pair {
+    pub cell_number: usize,
+    pub shape: Shape,
+    pub kind: PairKind,
+    pub nats_arm: NatsArm,
+    pub felix: PairSide,
+    pub nats: PairSide,
+}
+
+/// Which system was faster and by how much (>= 1).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Verdict {
+    pub faster: System,
+    pub ratio: f64,
+}
+
+/// The faster of two payload rates and the ratio of faster to slower; `None` when either is
+/// missing or not positive (no meaningful ratio). Equal rates name Felix with ratio 1.
+pub fn compare(felix: Option<f64>, nats: Option<f64>) -> Option<Verdict> {
+    let (f, n) = (felix?, nats?);
+    if !(f > 0.0 && n > 0.0 && f.is_finite() && n.is_finite()) {
+        return None;
+    }
+    Some(if f >= n {
+        Verdict {
+            faster: System::Felix,
+            ratio: f / n,
+        }
+    } else {
+        Verdict {
+            faster: System::Nats,
+            ratio: n / f,
+        }
+    })
+}
+
+impl Pair {
+    /// The pair's row title, e.g. "Durable, one at a time" or "Latency: fsync before the ack".
+    pub fn title(&self) -> String {
+        let b = self.shape.batch;
+        let per_request = |base: &str| {
+            if b == 1 {
+                format!("{base}, one at a time")
+            } else {
+                format!("{base}, {b} per request")
+            }
+        };
+        if self.shape.measure == Measure::Latency {
+            return match self.kind {
+                PairKind::FsyncBeforeAck => "Latency: fsync before the ack",
+                PairKind::PeriodicFsync => "Latency: periodic fsync",
+                PairKind::InMemory => "Latency: in memory",
+                PairKind::FireAndForget => "Latency: fire and forget",
+            }
+            .to_string();
+        }
+        match self.kind {
+            PairKind::FsyncBeforeAck => per_request("Durable"),
+            PairKind::PeriodicFsync => per_request("Periodic fsync"),
+            PairKind::InMemory => "In memory".to_string(),
+            PairKind::FireAndForget => "Fire and forget".to_string(),
+        }
+    }
+
+    /// Which side is faster on payload MB/s.
+    pub fn verdict(&self) -> Option<Verdict> {
+        compare(
+            self.felix.payload_bytes_per_s,
+            self.nats.payload_bytes_per_s,
+        )
+    }
+
+    /// What still differs between the two sides of this pair (adapted from the reference).
+    pub fn still_differs(&self) -> String {
+        let b = self.shape.batch;
+        let mut text = match self.kind {
+            PairKind::FsyncBeforeAck if b > 1 && self.nats_arm.atomic_batch => format!(
+                "Both fsync before the ack. NATS gets each batch of {b} as one atomic batch \
+                 (ADR-50 headers, one ack for the commit), all-or-nothing. A Felix batch is acked \
+                 or refused as one unit but is not atomic on disk: a crash partway through \
+                 writing it can leave its first records in the log, unacknowledged. Both keep the \
+                 plan's in-flight batches per publisher (nats bench keeps one atomic batch per \
+                 client). Felix group-commits waiting writes into one fsync."
+            ),
+            PairKind::FsyncBeforeAck if b > 1 => format!(
+                "Both fsync before the ack. NATS gets {b} separate publishes whose acks are \
+                 awaited as one unit (not an atomic batch); Felix sends them in one request. \
+                 Felix group-commits waiting writes into one fsync."
+            ),
+            PairKind::FsyncBeforeAck => "Both fsync before the ack (Felix on_commit, NATS \
+                 sync_interval: always). Felix group-commits the writes that are waiting together \
+                 into one fsync."
+                .to_string(),
+            PairKind::PeriodicFsync => {
+                let mut t = "Both ack before the fsync and can lose the last interval's writes on \
+                     a power loss. Felix fsyncs every 250 ms (its default periodic interval), NATS \
+                     every 2 minutes (defaultSyncInterval in nats-server's filestore.go), 480 times \
+                     longer."
+                    .to_string();
+                if b > 1 {
+                    let _ = write!(
+                        t,
+                        " NATS gets each batch of {b} as {}.",
+                        if self.nats_arm.atomic_batch {
+                            "one atomic batch"
+                        } else {
+                            "separate publishes whose acks are awaited as one unit"
+                        }
+                    );
+                }
+                t
+            }
+            PairKind::InMemory => "Neither touches disk. A NATS memory stream keeps every message \
+                 up to its limits (here 1 GiB per stream, oldest discarded). A Felix in-memory \
+                 stream keeps only a replay ring per shard (by default the last 1,024 records, \
+                 at most 64 MiB)."
+                .to_string(),
+            PairKind::FireAndForget => "Both are at-most-once with nothing on disk, and neither \
+                 side has a subscriber. Felix still routes each record to its shard and puts it in \
+                 the replay ring; core NATS finds no interest and discards it. NATS is counted as \
+                 publishes received (/varz in_msgs), Felix as records accepted."
+                .to_string(),
+        };
+        if self.shape.measure == Measure::Latency {
+            text.push_str(
+                " Latency: one publisher, one publish in flight. The Felix subscriber is a stream \
+                 subscription over every shard; the NATS one is an ordered push consumer per \
+                 stream, so delivery is timed after the message is stored on both sides.",
+            );
+        }
+        if !self.nats_arm.tls {
+            text.push_str(
+                " NATS ran without TLS (plain TCP) while Felix always runs TLS: a difference \
+                 favouring NATS.",
+            );
+        }
+        text
+    }
+}
+
+/// Median of the values `f` gives for the finished trials, if any.
+fn side_median(records: &[&CellRecord], f: impl Fn(&CellRecord) -> Option<f64>) -> Option<f64> {
+    let values: Vec<f64> = records.iter().filter_map(|r| f(r)).collect();
+    median(&values)
+}
+
+/// One side's figures from the records of one cell and arm.
+pub fn side(arm: &str, records: &[&CellRecord]) -> PairSide {
+    let lat = |get: &dyn Fn(&CellRecord) -> Option<[f64; 3]>| -> Option<[f64; 3]> {
+        let p = |i: usize| side_median(records, |r| get(r).map(|v| v[i]));
+        Some([p(0)?, p(1)?, p(2)?])
+    };
+    PairSide {
+        arm: arm.to_string(),
+        trials_run: records.len(),
+        trials_finished: records.iter().filter(|r| r.outputs.is_some()).count(),
+        payload_bytes_per_s: side_median(records, |r| {
+            r.outputs.as_ref().map(|o| o.throughput.payload_bytes_per_s)
+        }),
+        cpu_cores: side_median(records, |r| {
+            r.outputs.as_ref().map(|o| o.throughput.cpu_cores)
+        }),
+        ctx_switches_per_s: side_median(records, |r| {
+            r.outputs.as_ref().map(|o| o.throughput.ctx_switches_per_s)
+        }),
+        ctx_switches_per_record: side_median(records, |r| {
+            r.outputs
+                .as_ref()
+                .map(|o| o.throughput.ctx_switches_per_record())
+        }),
+        ack_us: lat(&|r| {
+            r.outputs
+                .as_ref()
+                .and_then(|o| o.ack_latency)
+                .map(|l| [l.p50_us, l.p99_us, l.p999_us])
+        }),
+        delivery_us: lat(&|r| {
+            r.outputs
+                .as_ref()
+                .and_then(|o| o.delivery_latency)
+                .map(|l| [l.p50_us, l.p99_us, l.p999_us])
+        }),
+        first_error: records.iter().find_map(|r| r.error.clone()),
+    }
+}
+
+/// Every Felix x NATS pair in `records`, in cell order then arm order.
+pub fn match_pairs(records: &[CellRecord]) -> Vec<Pair> {
+    // cell number -> arm name -> records, keeping first-seen arm order per cell.
+    let mut cells: BTreeMap<usize, Vec<(String, Vec<&CellRecord>)>> = BTreeMap::new();
+    for r in records {
+        let arms = cells.entry(r.cell.number).or_default();
+        match arms.iter_mut().find(|(name, _)| *name == r.arm.name) {
+            Some((_, recs)) => recs.push(r),
+            None => arms.push((r.arm.name.clone(), vec![r])),
+        }
+    }
+    let mut pairs = Vec::new();
+    for (number, arms) in &cells {
+        let of = |system: System| {
+            arms.iter()
+                .filter(move |(_, recs)| recs[0].arm.system == system)
+                .collect::<Vec<_>>()
+        };
+        for (felix_arm, felix_recs) in of(System::Felix) {
+            for (nats_arm, nats_recs) in of(System::Nats) {
+                let Some(settings) = nats_recs[0].arm.nats else {
+                    continue;
+                };
+                pairs.push(Pair {
+                    cell_number: *number,
+                    shape: felix_recs[0].cell.shape,
+                    kind: PairKind::of(&settings),
+                    nats_arm: settings,
+                    felix: side(felix_arm, felix_recs),
+                    nats: side(nats_arm, nats_recs),
+                });
+            }
+        }
+    }
+    pairs
+}
+
+fn mb(v: Option<f64>) -> String {
+    v.map_or_else(|| "–".to_string(), |v| format!("{:.1}", v / BYTES_PER_MB))
+}
+
+fn num(v: Option<f64>, decimals: usize) -> String {
+    v.map_or_else(|| "–".to_string(), |v| format!("{v:.decimals$}"))
+}
+
+fn triple(v: Option<[f64; 3]>) -> String {
+    v.map_or_else(
+        || "–".to_string(),
+        |[a, b, c]| format!("{a:.0} / {b:.0} / {c:.0} µs"),
+    )
+}
+
+fn short_error(side: &PairSide) -> Option<String> {
+    side.first_error.as_ref().map(|e| {
+        let e = e.replace('|', "\\|").replace('\n', " ");
+        if e.chars().count() > ERROR_QUOTE_CHARS {
+            format!("{}…", e.chars().take(ERROR_QUOTE_CHARS).collect::<String>())
+        } else {
+            e
+        }
+    })
+}
+
+fn payload_label(shape: &Shape) -> String {
+    let n = shape.payload_bytes;
+    if n >= 1024 && n.is_multiple_of(1024) {
+        format!("{} KiB", n / 1024)
+    } else {
+        format!("{n} B")
+    }
+}
+
+/// The "Felix vs NATS pairs" section of summary.md; empty when there is no pair.
+pub fn pairs_markdown(pairs: &[Pair]) -> String {
+    let mut s = String::new();
+    if pairs.is_empty() {
+        return s;
+    }
+    let throughput: Vec<&Pair> = pairs
+        .iter()
+        .filter(|p| p.shape.measure == Measure::Throughput)
+        .collect();
+    let latency: Vec<&Pair> = pairs
+        .iter()
+        .filter(|p| p.shape.measure == Measure::Latency)
+        .collect();
+    // Writing to a String cannot fail; the fmt::Result is ignored on purpose below.
+    let _ = writeln!(s, "\n## Pairs: Felix and NATS side by side\n");
+    let _ = writeln!(
+        s,
+        "Each pair is one cell run on a Felix arm and a NATS arm in the same trials (Felix first on \
+         odd trials, NATS first on even), matched on what the publisher is promised when it gets \
+         its answer. Payload MB/s is counted at each server (Felix: accepted records x payload; \
+         NATS JetStream: stored messages x payload from /jsz; core NATS: /varz in_msgs x payload), \
+         the median of the finished trials. Cores are the server's CPU (/proc/<pid>/stat), \
+         ctx/rec its context switches per record (all threads, /proc/<pid>/task/*/status). Read \
+         every ratio with its row's \"what still differs\".\n"
+    );
+    if !throughput.is_empty() {
+        let _ = writeln!(
+            s,
+            "| Pair | Cell | Payload | Felix arm | Felix MB/s | Felix cores | Felix ctx/rec | NATS arm | NATS MB/s | NATS cores | NATS ctx/rec | Faster |"
+        );
+        let _ = writeln!(
+            s,
+            "|---|---:|---|---|---:|---:|---:|---|---:|---:|---:|---|"
+        );
+        for p in &throughput {
+            let faster = match p.verdict() {
+                Some(v) => format!(
+                    "{}, {:.2}×",
+                    match v.faster {
+                        System::Felix => "Felix",
+                        System::Nats => "NATS",
+                    },
+                    v.ratio
+                ),
+                None => {
+                    let mut why = Vec::new();
+                    if let Some(e) = short_error(&p.felix) {
+                        why.push(format!("Felix failed: {e}"));
+                    }
+                    if let Some(e) = short_error(&p.nats) {
+                        why.push(format!("NATS failed: {e}"));
+                    }
+                    if why.is_empty() {
+                        "–".to_string()
+                    } else {
+                        why.join("; ")
+                    }
+                }
+            };
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                p.title(),
+                p.cell_number,
+                payload_label(&p.shape),
+                p.felix.arm,
+                mb(p.felix.payload_bytes_per_s),
+                num(p.felix.cpu_cores, 2),
+                num(p.felix.ctx_switches_per_record, 3),
+                p.nats.arm,
+                mb(p.nats.payload_bytes_per_s),
+                num(p.nats.cpu_cores, 2),
+                num(p.nats.ctx_switches_per_record, 3),
+                faster,
+            );
+        }
+    }
+    if !latency.is_empty() {
+        let _ = writeln!(
+            s,
+            "\nLatency pairs (one publisher, one publish in flight, batch 1, one subscriber):\n"
+        );
+        let _ = writeln!(
+            s,
+            "| Pair | Cell | Payload | Felix ack p50 / p99 / p999 | NATS ack p50 / p99 / p999 | Felix delivery p50 / p99 / p999 | NATS delivery p50 / p99 / p999 |"
+        );
+        let _ = writeln!(s, "|---|---:|---|---|---|---|---|");
+        for p in &latency {
+            let or_error = |v: Option<[f64; 3]>, side: &PairSide| match (v, short_error(side)) {
+                (None, Some(e)) => format!("failed: {e}"),
+                _ => triple(v),
+            };
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {} | {} |",
+                p.title(),
+                p.cell_number,
+                payload_label(&p.shape),
+                or_error(p.felix.ack_us, &p.felix),
+                or_error(p.nats.ack_us, &p.nats),
+                triple(p.felix.delivery_us),
+                triple(p.nats.delivery_us),
+            );
+        }
+    }
+    let _ = writeln!(s, "\n### What still differs\n");
+    let mut seen: Vec<String> = Vec::new();
+    for p in pairs {
+        let title = p.title();
+        let text = p.still_differs();
+        let line = format!("- **{title}** (NATS arm {}): {text}", p.nats_arm.describe());
+        if !seen.contains(&line) {
+            let _ = writeln!(s, "{line}");
+            seen.push(line);
+        }
+    }
+    let _ = writeln!(
+        s,
+        "- **Every pair**: Felix uses QUIC with TLS and its Rust client; NATS uses TCP (with TLS \
+         unless the arm says otherwise) and async-nats 0.51. Both are driven by felix-bench's own \
+         generator with the same publishers, in-flight window and payload (the reference drove \
+         NATS with nats bench). NATS gets one stream per Felix shard (subject `bench.<i>`) and \
+         publishes rotate over them as Felix's keys rotate over shards."
+    );
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cell::tests::{arm, fixed_run};
+    use crate::cell::{CellRecord, Facts};
+    use crate::plan::Plan;
+
+    const PLAN: &str = "[settings]\nduration_s = 20\ntrials = 2\n\
+        [[arms]]\nname = \"felix-on-commit\"\nenv = { FELIX_DURABLE_FSYNC_MODE = \"on_commit\" }\n\
+        [[arms]]\nname = \"nats-always\"\nsystem = \"nats\"\nsync = \"always\"\n\
+        [[cells]]\nkind = \"durable\"\npayload = 4096\nbatch = 1\nmode = \"acked\"\n\
+        publishers = 1\nin_flight = 4\n";
+
+    /// Records of the plan's one cell: Felix at `felix_rate` B/s (trial 2 failing when asked),
+    /// NATS at `nats_rate` B/s.
+    fn records(felix_rate: u64, nats_rate: u64, felix_fails: bool) -> Vec<CellRecord> {
+        let plan = Plan::parse(PLAN).unwrap();
+        let cell = &plan.cells[0];
+        let mut out = Vec::new();
+        for trial in 1..=2u32 {
+            for a in &plan.arms {
+                let rate = if a.system == System::Felix {
+                    felix_rate
+                } else {
+                    nats_rate
+                };
+                let record = if felix_fails && trial == 2 && a.system == System::Felix {
+                    CellRecord::failed(
+                        &plan.settings,
+                        cell,
+                        a,
+                        trial,
+                        Facts::default(),
+                        &crate::BenchError::Broker("durable streams not wired".to_string()),
+                    )
+                } else {
+                    CellRecord::from_run(
+                        &plan.settings,
+                        cell,
+                        a,
+                        trial,
+                        Facts::default(),
+                        fixed_run(rate, 0),
+                    )
+                };
+                out.push(record);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn ratio_names_the_faster_side() {
+        // Proves the ratio is faster over slower and names the faster system, and missing or zero rates give none.
+        let v = compare(Some(300.0), Some(100.0)).unwrap();
+        assert_eq!((v.faster, v.ratio), (System::Felix, 3.0));
+        let v = compare(Some(100.0), Some(134.0)).unwrap();
+        assert_eq!(v.faster, System::Nats);
+        assert!((v.ratio - 1.34).abs() < 1e-12);
+        assert_eq!(compare(None, Some(1.0)), None);
+        assert_eq!(compare(Some(0.0), Some(1.0)), None);
+    }
+
+    #[test]
+    fn a_cell_with_both_systems_is_one_pair() {
+        // Proves a cell run on a Felix and a NATS arm becomes one pair with each side's medians and kind.
+        let pairs = match_pairs(&records(8_192_000, 4_096_000, false));
+        assert_eq!(pairs.len(), 1);
+        let p = &pairs[0];
+        assert_eq!(p.kind, PairKind::FsyncBeforeAck);
+        assert_eq!(p.title(), "Durable, one at a time");
+        assert_eq!(
+            (p.felix.arm.as_str(), p.nats.arm.as_str()),
+            ("felix-on-commit", "nats-always")
+        );
+        assert_eq!((p.felix.trials_finished, p.nats.trials_finished), (2, 2));
+        assert_eq!(p.felix.payload_bytes_per_s, Some(8_192_000.0));
+        let v = p.verdict().unwrap();
+        assert_eq!((v.faster, v.ratio), (System::Felix, 2.0));
+        let md = pairs_markdown(&pairs);
+        assert!(md.contains("| Durable, one at a time | 1 | 4 KiB | felix-on-commit | 8.2 |"));
+        assert!(md.contains("Felix, 2.00×"));
+        assert!(md.contains("group-commits"));
+    }
+
+    #[test]
+    fn failed_trials_are_shown_not_hidden() {
+        // Proves a side whose trials failed reports its error in the pair instead of a ratio.
+        let mut recs = records(8_192_000, 4_096_000, true);
+        recs.retain(|r| !(r.arm.system == System::Felix && r.trial == 1));
+        let pairs = match_pairs(&recs);
+        assert_eq!(pairs[0].felix.trials_finished, 0);
+        assert_eq!(pairs[0].verdict(), None);
+        let md = pairs_markdown(&pairs);
+        assert!(md.contains("Felix failed: broker: durable streams not wired"));
+    }
+
+    #[test]
+    fn felix_only_records_make_no_pairs() {
+        // Proves records without a NATS arm give no pairs and no section.
+        let plan = Plan::parse(PLAN).unwrap();
+        let r = CellRecord::from_run(
+            &plan.settings,
+            &plan.cells[0],
+            &arm("felix"),
+            1,
+            Facts::default(),
+            fixed_run(4_096_000, 0),
+        );
+        assert!(match_pairs(&[r]).is_empty());
+        assert_eq!(pairs_markdown(&[]), "");
+    }
+
+    #[test]
+    fn nats_settings_choose_the_pair_kind() {
+        // Proves each NATS arm setting maps to the reference's pair kind.
+        let base = NatsArm {
+            storage: NatsStorage::File,
+            sync: NatsSync::Default,
+            mode: NatsMode::Jetstream,
+            atomic_batch: false,
+            tls: true,
+        };
+        assert_eq!(PairKind::of(&base), PairKind::PeriodicFsync);
+        let always = NatsArm {
+            sync: NatsSync::Always,
+            ..base
+        };
+        assert_eq!(PairKind::of(&always), PairKind::FsyncBeforeAck);
+        let memory = NatsArm {
+            storage: NatsStorage::Memory,
+            ..base
+        };
+        assert_eq!(PairKind::of(&memory), PairKind::InMemory);
+        let core = NatsArm {
+            mode: NatsMode::Core,
+            ..base
+        };
+        assert_eq!(PairKind::of(&core), PairKind::FireAndForget);
+    }
+}
