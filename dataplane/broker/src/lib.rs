@@ -32,7 +32,9 @@ pub mod catalog;
 mod connection;
 mod core_runtime;
 pub mod durable;
-mod mesh;
+// Public only so benches/mesh.rs can drive it; not part of the broker's API.
+#[doc(hidden)]
+pub mod mesh;
 mod metrics;
 mod tls;
 mod udp;

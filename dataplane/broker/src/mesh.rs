@@ -22,17 +22,17 @@ use felix_wire::{DeliveredRecord, Record, ShardAck, StartPosition, StreamKind};
 
 /// Messages one ordered core pair can hold. 1024 covers a full ingress queue (512 jobs) of
 /// forwarded publishes plus their answers and delivery credits; beyond it senders wait.
-pub(crate) const QUEUE_CAPACITY: usize = 1024;
+pub const QUEUE_CAPACITY: usize = 1024;
 /// Messages handled per drain round before the pump yields to the core's connections, so a
 /// flood of cross-core work cannot starve the QUIC endpoints.
-pub(crate) const DRAIN_BATCH: usize = 256;
+pub const DRAIN_BATCH: usize = 256;
 /// How long an idle pump keeps polling before it parks on its eventfd: about the cost of one
 /// wake-up (~25-30 us measured), so a core that is busy anyway never pays a wake-up.
-pub(crate) const SPIN_BEFORE_PARK: Duration = Duration::from_micros(40);
+pub const SPIN_BEFORE_PARK: Duration = Duration::from_micros(40);
 
 /// A catalogue change, serialized through core 0.
 #[derive(Debug, Clone)]
-pub(crate) enum AdminRequest {
+pub enum AdminRequest {
     Create {
         name: String,
         shard_count: u32,
@@ -48,7 +48,7 @@ pub(crate) enum AdminRequest {
 /// Everything cores say to each other. `token` matches an answer to its request on the
 /// requesting core; `from` is the requesting core.
 #[derive(Debug)]
-pub(crate) enum CoreMessage {
+pub enum CoreMessage {
     /// Append records (all owned by the receiver) and answer with `PublishDone`.
     Publish {
         from: u16,
@@ -132,7 +132,7 @@ struct Parking {
 }
 
 /// The queues and wake-up lines of every core. Built once, before the core threads start.
-pub(crate) struct Mesh {
+pub struct Mesh {
     cores: u16,
     /// Indexed `from * cores + to`; the diagonal is unused (a core never messages itself).
     queues: Vec<ArrayQueue<CoreMessage>>,
@@ -158,7 +158,7 @@ fn eventfd() -> std::io::Result<OwnedFd> {
 }
 
 impl Mesh {
-    pub(crate) fn new(cores: u16) -> std::io::Result<Mesh> {
+    pub fn new(cores: u16) -> std::io::Result<Mesh> {
         assert!(cores >= 1, "at least one data-plane core");
         let pairs = usize::from(cores) * usize::from(cores);
         let queues = (0..pairs)
@@ -179,7 +179,7 @@ impl Mesh {
         })
     }
 
-    pub(crate) fn cores(&self) -> u16 {
+    pub fn cores(&self) -> u16 {
         self.cores
     }
 
@@ -189,12 +189,7 @@ impl Mesh {
     }
 
     /// Pushes without waiting; gives the message back when the queue is full.
-    pub(crate) fn try_send(
-        &self,
-        from: u16,
-        to: u16,
-        message: CoreMessage,
-    ) -> Result<(), CoreMessage> {
+    pub fn try_send(&self, from: u16, to: u16, message: CoreMessage) -> Result<(), CoreMessage> {
         self.queue(from, to).push(message)?;
         self.wake(to);
         Ok(())
@@ -217,7 +212,7 @@ impl Mesh {
     }
 
     /// Takes up to `max` messages addressed to `to`, round-robin over its source cores.
-    pub(crate) fn drain(&self, to: u16, max: usize, out: &mut Vec<CoreMessage>) {
+    pub fn drain(&self, to: u16, max: usize, out: &mut Vec<CoreMessage>) {
         let start = out.len();
         loop {
             let before = out.len();
@@ -240,13 +235,13 @@ impl Mesh {
     }
 
     /// A duplicate of core `to`'s eventfd, for its `AsyncFd`.
-    pub(crate) fn eventfd_of(&self, to: u16) -> std::io::Result<OwnedFd> {
+    pub fn eventfd_of(&self, to: u16) -> std::io::Result<OwnedFd> {
         self.parking[usize::from(to)].eventfd.try_clone()
     }
 
     /// Announces that core `to` is about to park. Returns false (and withdraws) when a message
     /// arrived meanwhile, in which case the caller drains instead of parking.
-    pub(crate) fn park(&self, to: u16) -> bool {
+    pub fn park(&self, to: u16) -> bool {
         let parking = &self.parking[usize::from(to)];
         parking.parked.store(true, Ordering::SeqCst);
         if self.has_inbound(to) {
@@ -256,7 +251,7 @@ impl Mesh {
         true
     }
 
-    pub(crate) fn unpark(&self, to: u16) {
+    pub fn unpark(&self, to: u16) {
         self.parking[usize::from(to)]
             .parked
             .store(false, Ordering::SeqCst);
@@ -264,7 +259,7 @@ impl Mesh {
 }
 
 /// Reads (and so resets) an eventfd counter; nothing to do if it was already zero.
-pub(crate) fn reset_eventfd(fd: &OwnedFd) {
+pub fn reset_eventfd(fd: &OwnedFd) {
     let mut value: u64 = 0;
     // SAFETY: reads at most 8 bytes into a live u64 from a non-blocking eventfd we own.
     let _ = unsafe {
