@@ -202,23 +202,70 @@ struct Job {
     latency: LatencyCounts,
 }
 
-/// What one publisher did.
-struct PublisherResult {
-    span: Span,
-    sent: Counts,
-    refused: u64,
-    first_refusal: Option<String>,
-    ack: Option<Histogram<u64>>,
+/// What one publisher did (Felix or NATS driver).
+pub(crate) struct PublisherResult {
+    pub(crate) span: Span,
+    pub(crate) sent: Counts,
+    pub(crate) refused: u64,
+    pub(crate) first_refusal: Option<String>,
+    pub(crate) ack: Option<Histogram<u64>>,
 }
 
-fn new_histogram() -> Histogram<u64> {
+/// Merges the publishers' results into a cell run: one generator report each (ids
+/// `<id_prefix><i>`), the ack histograms added together, refusals reported on stderr.
+pub(crate) fn assemble_run(
+    label: &str,
+    id_prefix: &str,
+    results: Vec<PublisherResult>,
+    samples: Vec<crate::stats::Sample>,
+    delivery: Option<Histogram<u64>>,
+) -> CellRun {
+    let mut ack: Option<Histogram<u64>> = None;
+    let mut generators = Vec::with_capacity(results.len());
+    let mut refused = 0u64;
+    let mut first_refusal = None;
+    for (i, r) in results.into_iter().enumerate() {
+        refused += r.refused;
+        if first_refusal.is_none() {
+            first_refusal = r.first_refusal;
+        }
+        if let Some(h) = r.ack {
+            match &mut ack {
+                Some(total) => {
+                    let _ = total.add(&h);
+                }
+                None => ack = Some(h),
+            }
+        }
+        generators.push(GeneratorReport {
+            id: format!("{id_prefix}{i}"),
+            span: r.span,
+            sent: r.sent,
+            refused_publishes: r.refused,
+        });
+    }
+    if refused > 0 {
+        eprintln!(
+            "{label}: {refused} publishes refused (first: {})",
+            first_refusal.unwrap_or_default()
+        );
+    }
+    CellRun {
+        generators,
+        samples,
+        ack_latency_ns: ack,
+        delivery_latency_ns: delivery,
+    }
+}
+
+pub(crate) fn new_histogram() -> Histogram<u64> {
     // Invariant: constant, valid bounds (low >= 1, high >= 2 * low, sigfig <= 5), which
     // hdrhistogram always accepts; the test `histogram_bounds_are_valid` checks them.
     Histogram::new_with_bounds(HIST_LOW_NS, HIST_HIGH_NS, HIST_SIGFIG)
         .expect("constant histogram bounds are valid")
 }
 
-fn record_ns(h: &mut Histogram<u64>, ns: u64) {
+pub(crate) fn record_ns(h: &mut Histogram<u64>, ns: u64) {
     h.saturating_record(ns.clamp(HIST_LOW_NS, HIST_HIGH_NS));
 }
 
@@ -274,7 +321,7 @@ fn client_config(endpoint: &BrokerEndpoint, name: &str, budget: u64) -> ClientCo
     c
 }
 
-fn nanos_since(base: Instant) -> u64 {
+pub(crate) fn nanos_since(base: Instant) -> u64 {
     u64::try_from(base.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }
 
@@ -453,43 +500,13 @@ impl Job {
         if !failures.is_empty() {
             return Err(failures.join("; "));
         }
-        let mut ack: Option<Histogram<u64>> = None;
-        let mut generators = Vec::with_capacity(results.len());
-        let mut refused = 0u64;
-        let mut first_refusal = None;
-        for (i, r) in results.into_iter().enumerate() {
-            refused += r.refused;
-            if first_refusal.is_none() {
-                first_refusal = r.first_refusal;
-            }
-            if let Some(h) = r.ack {
-                match &mut ack {
-                    Some(total) => {
-                        let _ = total.add(&h);
-                    }
-                    None => ack = Some(h),
-                }
-            }
-            generators.push(GeneratorReport {
-                id: format!("p{i}"),
-                span: r.span,
-                sent: r.sent,
-                refused_publishes: r.refused,
-            });
-        }
-        if refused > 0 {
-            eprintln!(
-                "{}: {refused} publishes refused by the broker (first: {})",
-                self.cell.label(),
-                first_refusal.unwrap_or_default()
-            );
-        }
-        Ok(CellRun {
-            generators,
+        Ok(assemble_run(
+            &self.cell.label(),
+            "p",
+            results,
             samples,
-            ack_latency_ns: ack,
-            delivery_latency_ns: delivery,
-        })
+            delivery,
+        ))
     }
 }
 

@@ -42,8 +42,11 @@ use hdrhistogram::Histogram;
 
 use crate::BenchError;
 use crate::broker::{STARTUP_TIMEOUT, STOP_DEADLINE, wipe_dir};
-use crate::cell::{CellDriver, CellRun, GeneratorReport};
-use crate::generator::{DRAIN_DEADLINE, LatencyCounts};
+use crate::cell::{CellDriver, CellRun};
+use crate::generator::{
+    DRAIN_DEADLINE, LatencyCounts, PublisherResult, assemble_run, nanos_since, new_histogram,
+    record_ns,
+};
 use crate::plan::{Arm, Cell, Measure, Mode, NatsArm, NatsMode, NatsStorage, NatsSync, Settings};
 use crate::sampler::{Counters, SampleSource, Sampler};
 use crate::stats::{Counts, Span};
@@ -80,11 +83,6 @@ const DELIVERY_DEADLINE: Duration = Duration::from_secs(10);
 
 /// Poll interval while waiting for the server to exit after SIGTERM.
 const EXIT_POLL_INTERVAL: Duration = Duration::from_millis(20);
-
-/// Histogram bounds, as the Felix generator's: 1 us .. 60 s, 3 significant digits.
-const HIST_LOW_NS: u64 = 1_000;
-const HIST_HIGH_NS: u64 = 60_000_000_000;
-const HIST_SIGFIG: u8 = 3;
 
 /// Stream name and subject of stream `i`.
 pub fn stream_name(i: u32) -> String {
@@ -417,31 +415,6 @@ struct NatsJob {
     latency: LatencyCounts,
 }
 
-/// What one publisher did.
-struct PublisherResult {
-    span: Span,
-    sent: Counts,
-    refused: u64,
-    first_refusal: Option<String>,
-    ack: Option<Histogram<u64>>,
-}
-
-fn new_histogram() -> Histogram<u64> {
-    // Invariant: constant, valid bounds (low >= 1, high >= 2 * low, sigfig <= 5), which
-    // hdrhistogram always accepts (the generator's test `histogram_bounds_are_valid` checks
-    // the same constants).
-    Histogram::new_with_bounds(HIST_LOW_NS, HIST_HIGH_NS, HIST_SIGFIG)
-        .expect("constant histogram bounds are valid")
-}
-
-fn record_ns(h: &mut Histogram<u64>, ns: u64) {
-    h.saturating_record(ns.clamp(HIST_LOW_NS, HIST_HIGH_NS));
-}
-
-fn nanos_since(base: Instant) -> u64 {
-    u64::try_from(base.elapsed().as_nanos()).unwrap_or(u64::MAX)
-}
-
 /// Which send times a latency cell measures (shared by the publisher and the consumers).
 struct Window {
     from_ns: AtomicU64,
@@ -619,43 +592,13 @@ impl NatsJob {
         if !failures.is_empty() {
             return Err(failures.join("; "));
         }
-        let mut ack: Option<Histogram<u64>> = None;
-        let mut generators = Vec::with_capacity(results.len());
-        let mut refused = 0u64;
-        let mut first_refusal = None;
-        for (i, r) in results.into_iter().enumerate() {
-            refused += r.refused;
-            if first_refusal.is_none() {
-                first_refusal = r.first_refusal;
-            }
-            if let Some(h) = r.ack {
-                match &mut ack {
-                    Some(total) => {
-                        let _ = total.add(&h);
-                    }
-                    None => ack = Some(h),
-                }
-            }
-            generators.push(GeneratorReport {
-                id: format!("nats-p{i}"),
-                span: r.span,
-                sent: r.sent,
-                refused_publishes: r.refused,
-            });
-        }
-        if refused > 0 {
-            eprintln!(
-                "{}: {refused} NATS publishes refused (first: {})",
-                self.cell.label(),
-                first_refusal.unwrap_or_default()
-            );
-        }
-        Ok(CellRun {
-            generators,
+        Ok(assemble_run(
+            &self.cell.label(),
+            "nats-p",
+            results,
             samples,
-            ack_latency_ns: ack,
-            delivery_latency_ns: delivery,
-        })
+            delivery,
+        ))
     }
 }
 
