@@ -123,6 +123,11 @@ pub fn run_workload(shape: Shape, publishes: u64) -> Result<u64, BenchError> {
         ("FELIX_METRICS_BIND".to_string(), "127.0.0.1:0".to_string()),
         ("FELIX_DATAPLANE_CORES".to_string(), "1".to_string()),
         ("FELIX_LOG".to_string(), "warn".to_string()),
+        // Small preallocated segments: the 1 GiB default per core is not needed here.
+        (
+            "FELIX_DURABLE_SEGMENT_BYTES".to_string(),
+            "4MiB".to_string(),
+        ),
     ];
     let config = felix_tuning::Config::load(None, env, &[])
         .map_err(|e| fail(format!("broker config: {e}")))?;

@@ -24,6 +24,11 @@ impl LiveBroker {
             ("FELIX_BIND".to_string(), "127.0.0.1:0".to_string()),
             ("FELIX_METRICS_BIND".to_string(), "127.0.0.1:0".to_string()),
             ("FELIX_LOG".to_string(), "warn".to_string()),
+            // Small preallocated segments: the 1 GiB default per core is not needed here.
+            (
+                "FELIX_DURABLE_SEGMENT_BYTES".to_string(),
+                "4MiB".to_string(),
+            ),
         ];
         let config = felix_tuning::Config::load(None, env, &[]).unwrap();
         let broker = felix_broker::Broker::start(&config).unwrap();

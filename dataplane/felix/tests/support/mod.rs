@@ -13,6 +13,9 @@ use std::time::{Duration, Instant};
 use felix_client::{Client, ClientConfig};
 
 /// Generous deadline for anything a test waits for (loaded 2-core machine, parallel tests).
+/// Log segment size of test brokers (see `spawn`).
+const TEST_SEGMENT_BYTES: &str = "4MiB";
+
 pub const DEADLINE: Duration = Duration::from_secs(30);
 
 /// The `felix` binary with no FELIX_* variable inherited from the test's environment.
@@ -150,6 +153,9 @@ impl BrokerProcess {
             .env("FELIX_DATA_DIR", data_dir)
             .env("FELIX_BIND", "127.0.0.1:0")
             .env("FELIX_METRICS_BIND", "127.0.0.1:0")
+            // Every core preallocates one segment at start; the 1 GiB default times the tests
+            // running in parallel would fill a CI disk. Tests that care set their own size.
+            .env("FELIX_DURABLE_SEGMENT_BYTES", TEST_SEGMENT_BYTES)
             .envs(env.iter().map(|(name, value)| (name, value)))
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
