@@ -258,6 +258,72 @@ pub(crate) fn assemble_run(
     }
 }
 
+/// Waits for every publisher task, then for the latency subscriber (stopped after
+/// `DELIVERY_DEADLINE` if it has not finished by itself); failures are collected, not fatal.
+pub(crate) async fn join_load(
+    tasks: Vec<tokio::task::JoinHandle<Result<PublisherResult, String>>>,
+    subscriber: Option<tokio::task::JoinHandle<Result<Histogram<u64>, String>>>,
+    stop_sub: &tokio::sync::watch::Sender<bool>,
+    subscriber_name: &str,
+) -> (Vec<PublisherResult>, Vec<String>, Option<Histogram<u64>>) {
+    let mut results = Vec::with_capacity(tasks.len());
+    let mut failures = Vec::new();
+    for (i, t) in tasks.into_iter().enumerate() {
+        match t.await {
+            Ok(Ok(r)) => results.push(r),
+            Ok(Err(e)) => failures.push(format!("publisher {i}: {e}")),
+            Err(e) => failures.push(format!("publisher {i} task: {e}")),
+        }
+    }
+    let delivery = match subscriber {
+        Some(mut task) => {
+            // The subscriber stops by itself once it has every measured record.
+            let joined = match tokio::time::timeout(DELIVERY_DEADLINE, &mut task).await {
+                Ok(joined) => joined,
+                Err(_) => {
+                    let _ = stop_sub.send(true);
+                    task.await
+                }
+            };
+            match joined {
+                Ok(Ok(h)) => Some(h),
+                Ok(Err(e)) => {
+                    failures.push(format!("{subscriber_name}: {e}"));
+                    None
+                }
+                Err(e) => {
+                    failures.push(format!("{subscriber_name} task: {e}"));
+                    None
+                }
+            }
+        }
+        None => None,
+    };
+    (results, failures, delivery)
+}
+
+/// Lets the server's accepted count catch up (fire-and-forget frames still queued): done when
+/// accepted (since the first sample) reaches `sent_bytes`, stops moving (shed), or after
+/// `DRAIN_DEADLINE`.
+pub(crate) async fn drain(sampler: &Sampler, sent_bytes: u64) {
+    let drain_start = Instant::now();
+    let mut last_seen = (u64::MAX, Instant::now());
+    while drain_start.elapsed() < DRAIN_DEADLINE {
+        let Ok(now_bytes) = tokio::task::block_in_place(|| sampler.payload_bytes_now()) else {
+            break;
+        };
+        if now_bytes.saturating_sub(sampler.first_payload_bytes()) >= sent_bytes {
+            break;
+        }
+        if now_bytes != last_seen.0 {
+            last_seen = (now_bytes, Instant::now());
+        } else if last_seen.1.elapsed() >= DRAIN_STABLE {
+            break;
+        }
+        tokio::time::sleep(DRAIN_POLL).await;
+    }
+}
+
 pub(crate) fn new_histogram() -> Histogram<u64> {
     // Invariant: constant, valid bounds (low >= 1, high >= 2 * low, sigfig <= 5), which
     // hdrhistogram always accepts; the test `histogram_bounds_are_valid` checks them.
@@ -439,60 +505,10 @@ impl Job {
             };
             tasks.push(tokio::spawn(p.run()));
         }
-        let mut results = Vec::with_capacity(tasks.len());
-        let mut failures = Vec::new();
-        for (i, t) in tasks.into_iter().enumerate() {
-            match t.await {
-                Ok(Ok(r)) => results.push(r),
-                Ok(Err(e)) => failures.push(format!("publisher {i}: {e}")),
-                Err(e) => failures.push(format!("publisher {i} task: {e}")),
-            }
-        }
-
-        let delivery = match subscriber {
-            Some(task) => {
-                let mut task = task;
-                // The subscriber stops by itself once it has every measured record.
-                let joined = match tokio::time::timeout(DELIVERY_DEADLINE, &mut task).await {
-                    Ok(joined) => joined,
-                    Err(_) => {
-                        let _ = stop_sub.send(true);
-                        task.await
-                    }
-                };
-                match joined {
-                    Ok(Ok(h)) => Some(h),
-                    Ok(Err(e)) => {
-                        failures.push(format!("subscriber: {e}"));
-                        None
-                    }
-                    Err(e) => {
-                        failures.push(format!("subscriber task: {e}"));
-                        None
-                    }
-                }
-            }
-            None => None,
-        };
-
+        let (results, failures, delivery) =
+            join_load(tasks, subscriber, &stop_sub, "subscriber").await;
         let sent_bytes: u64 = results.iter().map(|r| r.sent.bytes).sum();
-        // Let the broker's accepted count catch up (fire-and-forget frames still queued).
-        // Done when accepted (since the first sample) reaches sent, or stops moving (shed).
-        let drain_start = Instant::now();
-        let mut last_seen = (u64::MAX, Instant::now());
-        while drain_start.elapsed() < DRAIN_DEADLINE {
-            let now_bytes = tokio::task::block_in_place(|| sampler.payload_bytes_now());
-            let Ok(now_bytes) = now_bytes else { break };
-            if now_bytes.saturating_sub(sampler.first_payload_bytes()) >= sent_bytes {
-                break;
-            }
-            if now_bytes != last_seen.0 {
-                last_seen = (now_bytes, Instant::now());
-            } else if last_seen.1.elapsed() >= DRAIN_STABLE {
-                break;
-            }
-            tokio::time::sleep(DRAIN_POLL).await;
-        }
+        drain(&sampler, sent_bytes).await;
         let (samples, _missed) =
             tokio::task::block_in_place(|| sampler.finish()).map_err(|e| e.to_string())?;
         admin.close().await;

@@ -44,7 +44,7 @@ use crate::BenchError;
 use crate::broker::{STARTUP_TIMEOUT, STOP_DEADLINE, wipe_dir};
 use crate::cell::{CellDriver, CellRun};
 use crate::generator::{
-    DRAIN_DEADLINE, LatencyCounts, PublisherResult, assemble_run, nanos_since, new_histogram,
+    LatencyCounts, PublisherResult, assemble_run, drain, join_load, nanos_since, new_histogram,
     record_ns,
 };
 use crate::plan::{Arm, Cell, Measure, Mode, NatsArm, NatsMode, NatsStorage, NatsSync, Settings};
@@ -71,15 +71,6 @@ const MEMORY_STREAM_MAX_BYTES: i64 = 1024 * 1024 * 1024;
 
 /// Time to connect every publisher and create the streams.
 const SETUP_DEADLINE: Duration = Duration::from_secs(60);
-
-/// Accepted messages unchanged this long count as settled after the generators finish.
-const DRAIN_STABLE: Duration = Duration::from_secs(1);
-
-/// Pause between drain checks.
-const DRAIN_POLL: Duration = Duration::from_millis(100);
-
-/// Time a latency cell's consumers have after the last publish to see the last measured one.
-const DELIVERY_DEADLINE: Duration = Duration::from_secs(10);
 
 /// Poll interval while waiting for the server to exit after SIGTERM.
 const EXIT_POLL_INTERVAL: Duration = Duration::from_millis(20);
@@ -536,56 +527,10 @@ impl NatsJob {
             };
             tasks.push(tokio::spawn(p.run()));
         }
-        let mut results = Vec::with_capacity(tasks.len());
-        let mut failures = Vec::new();
-        for (i, t) in tasks.into_iter().enumerate() {
-            match t.await {
-                Ok(Ok(r)) => results.push(r),
-                Ok(Err(e)) => failures.push(format!("publisher {i}: {e}")),
-                Err(e) => failures.push(format!("publisher {i} task: {e}")),
-            }
-        }
-        let delivery = match subscriber {
-            Some(mut task) => {
-                let joined = match tokio::time::timeout(DELIVERY_DEADLINE, &mut task).await {
-                    Ok(joined) => joined,
-                    Err(_) => {
-                        let _ = stop_sub.send(true);
-                        task.await
-                    }
-                };
-                match joined {
-                    Ok(Ok(h)) => Some(h),
-                    Ok(Err(e)) => {
-                        failures.push(format!("consumer: {e}"));
-                        None
-                    }
-                    Err(e) => {
-                        failures.push(format!("consumer task: {e}"));
-                        None
-                    }
-                }
-            }
-            None => None,
-        };
-
+        let (results, failures, delivery) =
+            join_load(tasks, subscriber, &stop_sub, "consumer").await;
         let sent_bytes: u64 = results.iter().map(|r| r.sent.bytes).sum();
-        let drain_start = Instant::now();
-        let mut last_seen = (u64::MAX, Instant::now());
-        while drain_start.elapsed() < DRAIN_DEADLINE {
-            let Ok(now_bytes) = tokio::task::block_in_place(|| sampler.payload_bytes_now()) else {
-                break;
-            };
-            if now_bytes.saturating_sub(sampler.first_payload_bytes()) >= sent_bytes {
-                break;
-            }
-            if now_bytes != last_seen.0 {
-                last_seen = (now_bytes, Instant::now());
-            } else if last_seen.1.elapsed() >= DRAIN_STABLE {
-                break;
-            }
-            tokio::time::sleep(DRAIN_POLL).await;
-        }
+        drain(&sampler, sent_bytes).await;
         let (samples, _missed) =
             tokio::task::block_in_place(|| sampler.finish()).map_err(|e| e.to_string())?;
         drop(admin);
