@@ -392,13 +392,45 @@ pub(crate) fn nanos_since(base: Instant) -> u64 {
 }
 
 /// Shared between a latency cell's publisher and subscriber: which send times are measured.
-struct Window {
+/// Used by the Felix and the NATS drivers alike.
+pub(crate) struct Window {
     /// Send times (ns since the cell's base instant) at or after this are measured.
-    from_ns: AtomicU64,
+    pub(crate) from_ns: AtomicU64,
     /// Send times at or after this are not (set when the measured count is done).
-    until_ns: AtomicU64,
+    pub(crate) until_ns: AtomicU64,
     /// Records the subscriber must receive before it is done (set with `until_ns`).
-    expected: AtomicU64,
+    pub(crate) expected: AtomicU64,
+}
+
+impl Window {
+    /// Records the delivery latency of a received payload (its first 8 bytes are the send
+    /// time) when its send time is inside the measured window; true when it was counted.
+    pub(crate) fn record_delivery(
+        &self,
+        hist: &mut Histogram<u64>,
+        payload: &[u8],
+        now_ns: u64,
+    ) -> bool {
+        let Some(head) = payload.get(..8) else {
+            return false;
+        };
+        let mut ts = [0u8; 8];
+        ts.copy_from_slice(head);
+        let send_ns = u64::from_le_bytes(ts);
+        let from = self.from_ns.load(Ordering::Relaxed);
+        let until = self.until_ns.load(Ordering::Relaxed);
+        if send_ns >= from && send_ns < until {
+            record_ns(hist, now_ns.saturating_sub(send_ns));
+            true
+        } else {
+            false
+        }
+    }
+
+    /// True once the subscriber has every measured record.
+    pub(crate) fn complete(&self, received: u64) -> bool {
+        received >= self.expected.load(Ordering::Relaxed)
+    }
 }
 
 impl Job {
@@ -696,21 +728,13 @@ async fn subscribe_loop(
     let mut hist = new_histogram();
     let mut received = 0u64;
     loop {
-        if received >= window.expected.load(Ordering::Relaxed) {
+        if window.complete(received) {
             break;
         }
         tokio::select! {
             next = subscription.next() => match next {
                 Some(Ok(record)) => {
-                    let now = nanos_since(start);
-                    let Some(head) = record.payload.get(..8) else { continue };
-                    let mut ts = [0u8; 8];
-                    ts.copy_from_slice(head);
-                    let send_ns = u64::from_le_bytes(ts);
-                    let from = window.from_ns.load(Ordering::Relaxed);
-                    let until = window.until_ns.load(Ordering::Relaxed);
-                    if send_ns >= from && send_ns < until {
-                        record_ns(&mut hist, now.saturating_sub(send_ns));
+                    if window.record_delivery(&mut hist, &record.payload, nanos_since(start)) {
                         received += 1;
                     }
                 }

@@ -44,8 +44,8 @@ use crate::BenchError;
 use crate::broker::{STARTUP_TIMEOUT, STOP_DEADLINE, wipe_dir};
 use crate::cell::{CellDriver, CellRun};
 use crate::generator::{
-    LatencyCounts, PublisherResult, assemble_run, drain, join_load, nanos_since, new_histogram,
-    record_ns,
+    LatencyCounts, PublisherResult, Window, assemble_run, drain, join_load, nanos_since,
+    new_histogram, record_ns,
 };
 use crate::plan::{Arm, Cell, Measure, Mode, NatsArm, NatsMode, NatsStorage, NatsSync, Settings};
 use crate::sampler::{Counters, SampleSource, Sampler};
@@ -404,13 +404,6 @@ struct NatsJob {
     warmup: Duration,
     cell: Cell,
     latency: LatencyCounts,
-}
-
-/// Which send times a latency cell measures (shared by the publisher and the consumers).
-struct Window {
-    from_ns: AtomicU64,
-    until_ns: AtomicU64,
-    expected: AtomicU64,
 }
 
 impl NatsJob {
@@ -776,21 +769,13 @@ async fn consume_loop(
     let mut received = 0u64;
     let mut merged = futures::stream::select_all(consumers);
     loop {
-        if received >= window.expected.load(Ordering::Relaxed) {
+        if window.complete(received) {
             break;
         }
         tokio::select! {
             next = merged.next() => match next {
                 Some(Ok(message)) => {
-                    let now = nanos_since(start);
-                    let Some(head) = message.payload.get(..8) else { continue };
-                    let mut ts = [0u8; 8];
-                    ts.copy_from_slice(head);
-                    let send_ns = u64::from_le_bytes(ts);
-                    let from = window.from_ns.load(Ordering::Relaxed);
-                    let until = window.until_ns.load(Ordering::Relaxed);
-                    if send_ns >= from && send_ns < until {
-                        record_ns(&mut hist, now.saturating_sub(send_ns));
+                    if window.record_delivery(&mut hist, &message.payload, nanos_since(start)) {
                         received += 1;
                     }
                 }
