@@ -252,26 +252,9 @@ impl SpawnedBroker {
     /// SIGTERM, then SIGKILL if it has not exited within [`STOP_DEADLINE`]. Returns a
     /// description of how it ended (`exited: 0`, `killed after 10 s`).
     pub fn stop(mut self) -> Result<String, BenchError> {
-        let Some(mut child) = self.child.take() else {
-            return Ok("already stopped".to_string());
-        };
-        let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap_or(i32::MAX));
-        // The child may have exited already; then the signal finds no process, which is fine.
-        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-        let deadline = Instant::now() + STOP_DEADLINE;
-        loop {
-            match child.try_wait() {
-                Ok(Some(status)) => return Ok(format!("exited: {status}")),
-                Ok(None) if Instant::now() >= deadline => {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    return Ok(format!(
-                        "killed: no exit within {STOP_DEADLINE:?} of SIGTERM"
-                    ));
-                }
-                Ok(None) => std::thread::sleep(EXIT_POLL_INTERVAL),
-                Err(e) => return Err(BenchError::io(&self.log, e)),
-            }
+        match self.child.take() {
+            Some(child) => stop_child(child, &self.log),
+            None => Ok("already stopped".to_string()),
         }
     }
 
@@ -279,6 +262,30 @@ impl SpawnedBroker {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
+        }
+    }
+}
+
+/// SIGTERM, then SIGKILL if the process has not exited within [`STOP_DEADLINE`]; returns how
+/// it ended. Shared by the Felix broker and the NATS server handles (`log` names the process
+/// in errors).
+pub(crate) fn stop_child(mut child: Child, log: &Path) -> Result<String, BenchError> {
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap_or(i32::MAX));
+    // The child may have exited already; then the signal finds no process, which is fine.
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+    let deadline = Instant::now() + STOP_DEADLINE;
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => return Ok(format!("exited: {status}")),
+            Ok(None) if Instant::now() >= deadline => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Ok(format!(
+                    "killed: no exit within {STOP_DEADLINE:?} of SIGTERM"
+                ));
+            }
+            Ok(None) => std::thread::sleep(EXIT_POLL_INTERVAL),
+            Err(e) => return Err(BenchError::io(log, e)),
         }
     }
 }

@@ -41,7 +41,7 @@ use futures::stream::FuturesUnordered;
 use hdrhistogram::Histogram;
 
 use crate::BenchError;
-use crate::broker::{STARTUP_TIMEOUT, STOP_DEADLINE, wipe_dir};
+use crate::broker::{STARTUP_TIMEOUT, stop_child, wipe_dir};
 use crate::cell::{CellDriver, CellRun};
 use crate::generator::{
     LatencyCounts, PublisherResult, Window, assemble_run, drain, join_load, nanos_since,
@@ -71,9 +71,6 @@ const MEMORY_STREAM_MAX_BYTES: i64 = 1024 * 1024 * 1024;
 
 /// Time to connect every publisher and create the streams.
 const SETUP_DEADLINE: Duration = Duration::from_secs(60);
-
-/// Poll interval while waiting for the server to exit after SIGTERM.
-const EXIT_POLL_INTERVAL: Duration = Duration::from_millis(20);
 
 /// Stream name and subject of stream `i`.
 pub fn stream_name(i: u32) -> String {
@@ -234,25 +231,11 @@ impl NatsServer {
         Ok(server)
     }
 
-    /// SIGTERM, then SIGKILL after [`STOP_DEADLINE`]; says how it ended.
+    /// SIGTERM, then SIGKILL after `broker::STOP_DEADLINE`; says how it ended.
     pub fn stop(mut self) -> Result<String, BenchError> {
-        let Some(mut child) = self.child.take() else {
-            return Ok("already stopped".to_string());
-        };
-        let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap_or(i32::MAX));
-        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-        let deadline = Instant::now() + STOP_DEADLINE;
-        loop {
-            match child.try_wait() {
-                Ok(Some(status)) => return Ok(format!("exited: {status}")),
-                Ok(None) if Instant::now() >= deadline => {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    return Ok("killed: no exit within the stop deadline".to_string());
-                }
-                Ok(None) => std::thread::sleep(EXIT_POLL_INTERVAL),
-                Err(e) => return Err(BenchError::io(&self.log, e)),
-            }
+        match self.child.take() {
+            Some(child) => stop_child(child, &self.log),
+            None => Ok("already stopped".to_string()),
         }
     }
 
