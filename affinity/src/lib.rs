@@ -1,7 +1,7 @@
 //! Topology and the core plan: which CPU runs what, and pinning threads to it.
 //!
-//! Felix runs one pinned thread per data-plane core (SPEC section 1; DESIGN "Affinity and the
-//! core plan"). This crate owns:
+//! Felix runs one pinned thread per data-plane core (docs/semantics.md, 1 Shape; the plan's
+//! decisions are in docs/design/per-core.md). This crate owns:
 //!
 //! - **the topology** ([`Topology`]): the CPUs this process may run on, with core, package and
 //!   NUMA node, read with hwloc ([`Topology::detect`]) or, when hwloc fails, from sysfs; a fake

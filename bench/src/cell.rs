@@ -5,7 +5,8 @@
 //! samples, latency histograms). [`CellRecord::from_run`] turns that into a self-contained record
 //! with every input and output, so reports can be re-rendered from records alone.
 //!
-//! What a driver must deliver for the numbers to mean what SPEC.md section 7 says:
+//! What a driver must deliver for the numbers to mean what docs/semantics.md, 7 Measuring
+//! performance says:
 //! - samples of the broker's cumulative counters about once a second, the first taken before any
 //!   generator starts and the last after every generator has finished (stopped issuing at the
 //!   deadline and received its outstanding acks), so the broker's accepted total covers the run;
@@ -60,8 +61,8 @@ pub trait CellDriver {
     ) -> Result<CellRun, BenchError>;
 }
 
-/// Facts about the session recorded with every cell (SPEC.md: record the exact configuration,
-/// commit and kernel).
+/// Facts about the session recorded with every cell (docs/semantics.md, 7 Measuring
+/// performance: record the exact configuration, commit and kernel).
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct Facts {
     /// Build commit under test, from FELIX_BENCH_COMMIT when the driver sets it.

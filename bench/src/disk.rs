@@ -1,5 +1,6 @@
 //! The disk baseline: a built-in fsync write probe, taken in the same session as the cells
-//! (SPEC.md section 7) so durable throughput can be judged against what the disk does.
+//! (docs/semantics.md, 7 Measuring performance) so durable throughput can be judged against
+//! what the disk does.
 //!
 //! It does what fio does for "sequential writes of B bytes with fdatasync after each, one job":
 //! lay out (fallocate) a file of N bytes in the given directory, like fio's default
@@ -30,7 +31,7 @@ pub const SMALL_BLOCK_BYTES: usize = 4096;
 pub const DEFAULT_LARGE_MIB: u64 = 256;
 
 /// Default size of the 4 KiB probe: 16 MiB is 4096 fdatasyncs, ~0.5-1 s at 125-245 us each
-/// (MACHINE-NOTES), enough for a stable p99.
+/// (docs/design/machine.md, Disk), enough for a stable p99.
 pub const DEFAULT_SMALL_MIB: u64 = 16;
 
 /// Largest probe: 64 GiB. Larger than any page cache we run on, and a guard against filling a

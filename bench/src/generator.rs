@@ -47,7 +47,8 @@ pub const PLAIN_KEYS: usize = 48;
 /// `s<n>` keys uniformly, so the chance of missing a shard of N after 64·N tries is ~e^-64.
 const KEY_SEARCH_PER_SHARD: u64 = 64;
 
-/// Warm-up and measured publishes of a latency cell (SPEC.md section 7: 2,000 and 20,000).
+/// Warm-up and measured publishes of a latency cell (docs/semantics.md, 7 Measuring
+/// performance: 2,000 and 20,000).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LatencyCounts {
     pub warmup: u64,

@@ -1,4 +1,4 @@
-//! felix-bench: the system-load benchmark tool (SPEC.md section 7).
+//! felix-bench: the system-load benchmark tool (docs/semantics.md, 7 Measuring performance).
 //!
 //! What this crate owns:
 //! - [`plan`]: the TOML campaign plan (settings, arms, cells, matrices), its validation and the

@@ -62,7 +62,8 @@ use crate::BenchError;
 use crate::stats::Counts;
 
 /// Largest payload a cell may use: 4 MiB. A record must fit in the client's default
-/// `publish_inflight_bytes` (4 MiB, SPEC.md section 3), or one publish could never be in flight.
+/// `publish_inflight_bytes` (4 MiB, docs/semantics.md, 3 Publishing), or one publish could
+/// never be in flight.
 pub const MAX_PAYLOAD_BYTES: u32 = 4 * 1024 * 1024;
 
 /// Trials per cell and arm: 1..=5. The reference runs 2-3; more than 5 multiplies a campaign's
@@ -135,7 +136,8 @@ pub enum Keys {
 }
 
 /// What a cell measures: broker throughput over a fixed time, or service latency (a counted
-/// run of warm-up and measured publishes with one subscriber; SPEC.md section 7).
+/// run of warm-up and measured publishes with one subscriber; docs/semantics.md, 7 Measuring
+/// performance).
 #[derive(
     Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
 )]
@@ -1002,7 +1004,7 @@ fn validate_cell(number: usize, raw: &RawCell) -> Result<Cell, BenchError> {
     }
     if measure == Measure::Latency && raw.publishers != 1 {
         return Err(BenchError::Plan(format!(
-            "{what}: a latency cell has one publisher (SPEC.md section 7), got {}",
+            "{what}: a latency cell has one publisher (docs/semantics.md, section 7), got {}",
             raw.publishers
         )));
     }

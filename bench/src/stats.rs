@@ -1,6 +1,6 @@
 //! Pure arithmetic on what a cell recorded (no IO, no clock).
 //!
-//! Method (SPEC.md section 7, reference "How a number is taken"): throughput is measured at the
+//! Method (docs/semantics.md, 7 Measuring performance): throughput is measured at the
 //! broker from its cumulative counters read once a second; a cell's number is the median
 //! one-second rate over the steady window, which is the interval in which all generators were
 //! running, less its first and last 10%. Per-generator rates are never summed.

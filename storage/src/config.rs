@@ -12,14 +12,15 @@ pub const DEFAULT_SEGMENT_BYTES: u64 = 1 << 30;
 pub const MIN_SEGMENT_BYTES: u64 = 16 << 10;
 /// Largest segment: 64 GiB keeps a deleted segment a bounded amount of retention.
 pub const MAX_SEGMENT_BYTES: u64 = 64 << 30;
-/// Default largest round: 4 MiB. MACHINE-NOTES: one write + fdatasync of 1 MiB (256 x 4 KiB)
-/// already reaches 1.6-2.5 GB/s; bigger rounds add latency to their first records for
-/// little throughput.
+/// Default largest round: 4 MiB. docs/design/machine.md (Disk): one write + fdatasync of 1 MiB
+/// (256 x 4 KiB) already reaches 1.6-2.5 GB/s; bigger rounds add latency to their first
+/// records for little throughput.
 pub const DEFAULT_MAX_ROUND_BYTES: usize = 4 << 20;
 /// Default bound on bytes appended but not yet written: 64 MiB, ~40 ms of the disk's rate,
 /// so a stalled disk pushes back on the broker instead of growing memory without bound.
 pub const DEFAULT_MAX_PENDING_BYTES: usize = 64 << 20;
-/// Default periodic fsync interval (SPEC: FELIX_DURABLE_FSYNC_INTERVAL_MS = 250).
+/// Default periodic fsync interval (FELIX_DURABLE_FSYNC_INTERVAL_MS = 250; docs/semantics.md,
+/// 3 Publishing).
 pub const DEFAULT_FSYNC_INTERVAL: Duration = Duration::from_millis(250);
 
 /// When written records are made durable with fdatasync.
@@ -66,7 +67,7 @@ pub struct LogConfig {
     pub dir: PathBuf,
     /// Preallocated size of each segment file. Default 1 GiB; range 16 KiB..=64 GiB.
     pub segment_bytes: u64,
-    /// Fsync mode. Default periodic every 250 ms (SPEC section 3).
+    /// Fsync mode. Default periodic every 250 ms (docs/semantics.md, 3 Publishing).
     pub fsync: FsyncMode,
     /// A round is cut when it would grow past this. Default 4 MiB; range 4 KiB..=segment_bytes/2.
     pub max_round_bytes: usize,

@@ -296,7 +296,8 @@ impl<B: Backend> Log<B> {
     }
 
     /// The level at which records count as committed in this log's mode: `Synced` on
-    /// on_commit, `Written` on periodic (SPEC section 3). Reads return records up to it.
+    /// on_commit, `Written` on periodic (docs/semantics.md, 3 Publishing). Reads return records
+    /// up to it.
     pub fn commit_is_sync(&self) -> bool {
         self.config.fsync == FsyncMode::OnCommit
     }

@@ -29,7 +29,7 @@ pub const SEGMENT_FIXED_HEADER_BYTES: usize = 40;
 /// One checkpoint entry: u32 shard + u64 next offset.
 pub const CHECKPOINT_ENTRY_BYTES: usize = 12;
 /// Records start on a page boundary: keeps the data region aligned for a later O_DIRECT writer
-/// (MACHINE-NOTES: O_DIRECT group commit is faster on this disk class).
+/// (docs/design/machine.md, Disk: O_DIRECT group commit is faster on this disk class).
 pub const SEGMENT_ALIGN_BYTES: u64 = 4096;
 /// Largest header recovery will read: 16 MiB holds a checkpoint of ~1.4 million shards, far
 /// above any per-core shard count, and bounds the allocation a corrupt header can cause.
@@ -162,8 +162,8 @@ pub fn read_header(file: &File, file_len: u64) -> Result<SegmentHeader, String> 
 }
 
 /// Allocates `len` bytes of `file` from `offset` so later writes need no block allocation
-/// (MACHINE-NOTES: fdatasync of a growing file costs ~2x a preallocated one). Filesystems
-/// without fallocate get a sparse `set_len` instead, with a warning.
+/// (docs/design/machine.md, Disk: fdatasync of a growing file costs ~2x a preallocated one).
+/// Filesystems without fallocate get a sparse `set_len` instead, with a warning.
 pub fn preallocate(file: &File, len: u64) -> Result<(), StorageError> {
     let Ok(len_off) = libc::off_t::try_from(len) else {
         return Err(StorageError::Config(format!(

@@ -63,7 +63,7 @@ const DURABLE_SEGMENT_BYTES_MAX: u64 = 64 * GIB;
 const DURABLE_RETENTION_BYTES_MAX: u64 = 1024 * TIB;
 /// Ten years of retention by age.
 const DURABLE_RETENTION_SECONDS_MAX: u64 = 10 * 366 * 24 * 3600;
-/// The fsync modes of SPEC section 3.
+/// The fsync modes of docs/semantics.md, 3 Publishing.
 const FSYNC_MODES: &[&str] = &["periodic", "on_commit"];
 
 // The u32 fields must be able to hold their whole accepted range.

@@ -21,7 +21,7 @@ use crate::StorageError;
 
 /// Simulated write time reported in completions (no real clock in the model).
 const SIM_WRITE_LATENCY: Duration = Duration::from_micros(20);
-/// Simulated fdatasync time (MACHINE-NOTES: ~110-125 us on this disk class).
+/// Simulated fdatasync time (docs/design/machine.md, Disk: ~110-125 us on this disk class).
 const SIM_SYNC_LATENCY: Duration = Duration::from_micros(120);
 /// Granularity at which a torn power cut keeps or loses unsynced bytes: a disk sector.
 const SECTOR_BYTES: u64 = 512;

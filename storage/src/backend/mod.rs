@@ -72,7 +72,8 @@ pub struct RoundCompletion {
     pub sync_latency: Option<Duration>,
 }
 
-/// A group-commit IO provider (STYLE: providers chosen at compile time).
+/// A group-commit IO provider, chosen at compile time (a generic parameter, no dynamic
+/// dispatch on the hot path).
 pub trait Backend {
     /// Starts a round. Must not block on the disk.
     fn submit(&mut self, round: RoundRequest) -> Result<(), StorageError>;
