@@ -1,6 +1,8 @@
 //! Engine hot path: publish of 64 x 256 B and 1 x 256 B batches into a 48-shard in-memory
 //! stream with the replay ring active (default bounds), without and with one subscriber
-//! draining every record; and the key -> shard routing hash over 16-byte keys.
+//! draining every record, and by handle with the shards routed outside the measured call
+//! (`publish_routed`, as a shell that routes records to cores calls it); and the key -> shard
+//! routing hash over 16-byte keys.
 //!
 //! `cargo bench -p felix-engine --bench engine -- --warm-up-time 1 --measurement-time 3`
 
@@ -66,6 +68,29 @@ fn publish(c: &mut Criterion) {
             b.iter_batched(
                 &mut make,
                 |records| engine.publish(1, STREAM, records).expect("publish"),
+                BatchSize::SmallInput,
+            );
+        });
+
+        let name = format!("{batch}x{PAYLOAD_BYTES}B/no_subscriber/routed");
+        let mut engine = bench_engine();
+        let meta = engine.lookup(STREAM).expect("bench stream");
+        let mut make = batch_maker(batch);
+        group.bench_function(&name, |b| {
+            b.iter_batched(
+                || {
+                    let records = make();
+                    let shards: Vec<u32> = records
+                        .iter()
+                        .map(|record| shard_for_key(&record.key, meta.shard_count))
+                        .collect();
+                    (records, shards)
+                },
+                |(records, shards)| {
+                    engine
+                        .publish_routed(1, meta.handle, records, &shards, None)
+                        .expect("publish")
+                },
                 BatchSize::SmallInput,
             );
         });

@@ -29,9 +29,10 @@ impl EngineError {
         }
     }
 
-    /// An error whose message is cut to [`ERROR_MESSAGE_MAX_BYTES`].
+    /// An error whose message is cut to [`ERROR_MESSAGE_MAX_BYTES`] (at a character
+    /// boundary). Public so a shell raising errors of its own bounds them the same way.
     #[must_use]
-    pub(crate) fn new(code: ErrorCode, detail: u64, mut message: String) -> EngineError {
+    pub fn new(code: ErrorCode, detail: u64, mut message: String) -> EngineError {
         if message.len() > ERROR_MESSAGE_MAX_BYTES {
             let mut end = ERROR_MESSAGE_MAX_BYTES;
             while !message.is_char_boundary(end) {
@@ -52,8 +53,10 @@ impl EngineError {
         EngineError::new(ErrorCode::InvalidArgument, 0, message)
     }
 
+    /// `StreamNotFound` for the stream called `name` (the engine's wording, so a shell that
+    /// looks a stream up itself answers as the engine does).
     #[must_use]
-    pub(crate) fn stream_not_found(name: &str) -> EngineError {
+    pub fn stream_not_found(name: &str) -> EngineError {
         EngineError::new(
             ErrorCode::StreamNotFound,
             0,

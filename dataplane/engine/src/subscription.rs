@@ -1,12 +1,13 @@
-//! Subscriptions of one engine: their delivery queues and the slab that holds them. Lives on
-//! the engine's core.
+//! Subscriptions of one engine: which shards they select, their delivery queues and the slab
+//! that holds them. Lives on the engine's core.
 
 use std::collections::{HashMap, VecDeque};
 
-use felix_wire::DeliveredRecord;
+use felix_wire::{DeliveredRecord, ShardSelection, StartPosition};
 
-use crate::SubscriptionId;
 use crate::ring::payload_len;
+use crate::stream::StreamSlot;
+use crate::{EngineError, SubscriptionId};
 
 /// Live records queued for one subscription beyond which it is ended as lagged, whatever
 /// their payload size. The byte bound (`EngineConfig::subscriber_queue_max_bytes`) alone does
@@ -14,6 +15,70 @@ use crate::ring::payload_len;
 /// subscriber's queue slots at 22 MiB, and at the reference's smallest payload (256 B) the
 /// default byte bound (64 MiB) is reached at the same count.
 pub const SUBSCRIBER_QUEUE_MAX_LIVE_RECORDS: usize = 256 * 1024;
+
+/// The shards a subscription of `selection` starting `from` covers on a stream of
+/// `shard_count` shards, ascending. `InvalidArgument` for an empty list, a shard out of range
+/// (selected or given a start offset), a shard selected twice, a start offset for a shard not
+/// selected, and more than one start offset for a shard. The offsets themselves are not
+/// checked here (beyond the next offset, too old): that needs the shards, see
+/// [`crate::Engine::subscribe`], which calls this first. A broker that splits a subscription
+/// over cores calls it once before the split.
+///
+/// `shard_count == 0` is a caller defect (a stream has at least one shard) and panics.
+pub fn select_shards(
+    selection: &ShardSelection,
+    from: &StartPosition,
+    shard_count: u32,
+) -> Result<Box<[u32]>, EngineError> {
+    assert!(shard_count > 0, "a stream has at least one shard");
+    let out_of_range = |shard: u32| {
+        EngineError::invalid(format!(
+            "shard {shard} is out of range: the stream has {shard_count} shards"
+        ))
+    };
+    let selected: Box<[u32]> = match selection {
+        ShardSelection::All => (0..shard_count).collect(),
+        ShardSelection::List(list) => {
+            if list.is_empty() {
+                return Err(EngineError::invalid(
+                    "a subscription selects at least one shard".to_owned(),
+                ));
+            }
+            if let Some(&shard) = list.iter().find(|&&shard| shard >= shard_count) {
+                return Err(out_of_range(shard));
+            }
+            let mut sorted = list.clone();
+            sorted.sort_unstable();
+            if let Some(pair) = sorted.windows(2).find(|pair| pair[0] == pair[1]) {
+                return Err(EngineError::invalid(format!(
+                    "shard {} is selected more than once",
+                    pair[0]
+                )));
+            }
+            sorted.into_boxed_slice()
+        }
+    };
+    if let StartPosition::Offsets(positions) = from {
+        let mut listed = vec![false; selected.len()];
+        for &(shard, _) in positions {
+            let Ok(position) = selected.binary_search(&shard) else {
+                if shard >= shard_count {
+                    return Err(out_of_range(shard));
+                }
+                return Err(EngineError::invalid(format!(
+                    "shard {shard} has a start offset but is not selected"
+                )));
+            };
+            if listed[position] {
+                return Err(EngineError::invalid(format!(
+                    "shard {shard} has more than one start offset"
+                )));
+            }
+            listed[position] = true;
+        }
+    }
+    Ok(selected)
+}
 
 /// Index of a subscription in the engine's slab. Slots are reused; `SubscriptionId`s are not.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,7 +119,9 @@ pub(crate) struct Cursor {
 #[derive(Debug)]
 pub(crate) struct SubState {
     pub(crate) id: SubscriptionId,
-    pub(crate) stream: Box<str>,
+    /// The subscription's stream; deleting a stream ends its subscriptions, so the slot
+    /// always holds this stream while the subscription lives.
+    pub(crate) stream: StreamSlot,
     /// Subscribed shards, ascending, no duplicates, at least one.
     pub(crate) shards: Box<[u32]>,
     /// Catch-up records (from the ring, or read from the log), taken before `live`. They do

@@ -1,4 +1,5 @@
-//! Durable streams through the engine's public API (SPEC sections 2-4): append requests,
+//! Durable streams through the engine's public API (docs/semantics.md, 2 Data model,
+//! 3 Publishing, 4 Subscribing): append requests,
 //! release on durability, tracked publishes, disk-full rollback, catch-up from a simulated
 //! log, retention and restore. The log is a `BTreeMap` the test fills from `poll_append` and
 //! serves `LogRead`s from, as the broker does with `felix_storage::Log`. Deterministic.
@@ -7,8 +8,9 @@ use std::collections::{BTreeMap, HashMap};
 
 use bytes::Bytes;
 use felix_engine::{
-    CATCH_UP_REFILL_RECORDS, Engine, EngineConfig, EngineEvent, LOG_READ_MAX_RECORDS, LogRead,
-    LogRecord, LogShardId, PublishCompletion, PublishToken, SubscriptionId,
+    AppendRequest, CATCH_UP_REFILL_RECORDS, Engine, EngineConfig, EngineEvent,
+    LOG_READ_MAX_RECORDS, LogRead, LogRecord, LogShardId, PublishCompletion, PublishToken,
+    SubscriptionId,
 };
 use felix_wire::{
     DeliveredRecord, ErrorCode, Record, ShardSelection, StartPosition, StreamKind, shard_for_key,
@@ -175,6 +177,16 @@ fn subscribe(engine: &mut Engine, shards: &[u32], from: StartPosition) -> Subscr
         .subscribe(STREAM, &ShardSelection::List(shards.to_vec()), &from)
         .expect("subscribe")
         .id
+}
+
+/// Commits everything appended to `log`, shard by shard in ascending order (`commit_all`
+/// walks a `HashMap`, whose order differs between two logs), so two engines fed the same
+/// appends release records in the same order.
+fn commit_in_shard_order(log: &mut SimLog, engine: &mut Engine, shard_count: u32) {
+    for shard in 0..shard_count {
+        let end = log.next.get(&ls(shard)).copied().unwrap_or(0);
+        log.commit(engine, ls(shard), end);
+    }
 }
 
 #[test]
@@ -859,5 +871,205 @@ fn deleting_a_durable_stream_fails_its_pending_publishes() {
     engine
         .create_durable_stream(STREAM, 1, STREAM_ID + 1)
         .expect("recreate");
+    engine.assert_invariants();
+}
+
+#[test]
+fn publish_routed_matches_publish_tracked_on_a_durable_stream() {
+    // Proves publish_routed with a token and shard_for_key's shards gives the same acks,
+    // append requests, completions, deliveries and counters as publish_tracked.
+    let shard_count = 3;
+    let mut by_name = durable_engine(1024);
+    let mut by_handle = durable_engine(1024);
+    let mut subs = Vec::new();
+    for engine in [&mut by_name, &mut by_handle] {
+        engine
+            .create_durable_stream(STREAM, shard_count, STREAM_ID)
+            .expect("create");
+        subs.push(
+            engine
+                .subscribe(STREAM, &ShardSelection::All, &StartPosition::Latest)
+                .expect("subscribe")
+                .id,
+        );
+    }
+    let meta = by_handle.lookup(STREAM).expect("exists");
+    assert_eq!(
+        (meta.kind, meta.shard_count),
+        (StreamKind::Durable, shard_count)
+    );
+    let mut logs = [SimLog::default(), SimLog::default()];
+    for token in 0..8u64 {
+        let batch: Vec<Record> = (0..1 + token % 5)
+            .map(|i| record(format!("k{token}-{i}").as_bytes(), b"v"))
+            .collect();
+        let shards: Vec<u32> = batch
+            .iter()
+            .map(|input| shard_for_key(&input.key, meta.shard_count))
+            .collect();
+        let expected = by_name
+            .publish_tracked(NOW_US, STREAM, batch.clone(), PublishToken(token))
+            .expect("publish");
+        let got = by_handle
+            .publish_routed(
+                NOW_US,
+                meta.handle,
+                batch,
+                &shards,
+                Some(PublishToken(token)),
+            )
+            .expect("publish_routed");
+        assert_eq!(got, expected, "token {token}");
+        let appends = |engine: &mut Engine| -> Vec<AppendRequest> {
+            std::iter::from_fn(|| engine.poll_append()).collect()
+        };
+        let requests = appends(&mut by_handle);
+        assert_eq!(requests, appends(&mut by_name), "token {token}");
+        // Replay the requests into both simulated logs (they were drained to compare them).
+        for (log, engine) in logs.iter_mut().zip([&mut by_name, &mut by_handle]) {
+            for request in &requests {
+                *log.next.entry(request.log_shard).or_default() = request.offset + 1;
+                log.records.insert(
+                    (request.log_shard, request.offset),
+                    LogRecord {
+                        offset: request.offset,
+                        timestamp_us: request.timestamp_us,
+                        key: request.key.clone(),
+                        payload: request.payload.clone(),
+                    },
+                );
+            }
+            if token % 3 == 2 {
+                commit_in_shard_order(log, engine, shard_count);
+            }
+        }
+    }
+    for (log, engine) in logs.iter_mut().zip([&mut by_name, &mut by_handle]) {
+        commit_in_shard_order(log, engine, shard_count);
+    }
+    assert_eq!(completions(&mut by_handle), completions(&mut by_name));
+    assert_eq!(events(&mut by_handle), events(&mut by_name));
+    assert_eq!(drain(&mut by_handle, subs[1]), drain(&mut by_name, subs[0]));
+    assert_eq!(by_handle.durable_counters(), by_name.durable_counters());
+    assert_eq!(by_handle.counters(), by_name.counters());
+    assert_eq!(
+        by_handle.describe_stream(STREAM),
+        by_name.describe_stream(STREAM)
+    );
+    by_handle.assert_invariants();
+}
+
+#[test]
+fn stale_durable_handle_after_re_create_is_not_found() {
+    // Proves a durable stream's handle goes stale when the stream is deleted and re-created
+    // under the same name: StreamNotFound, no append request, no tracked publish, nothing
+    // completed.
+    let mut engine = durable_engine(16);
+    engine
+        .create_durable_stream(STREAM, 1, STREAM_ID)
+        .expect("create");
+    let stale = engine.lookup(STREAM).expect("exists").handle;
+    engine.delete_stream(STREAM).expect("delete");
+    engine
+        .create_durable_stream(STREAM, 1, STREAM_ID + 1)
+        .expect("recreate");
+    let error = engine
+        .publish_routed(
+            NOW_US,
+            stale,
+            vec![record(b"k", b"v")],
+            &[0],
+            Some(PublishToken(1)),
+        )
+        .expect_err("stale");
+    assert_eq!(error.code, ErrorCode::StreamNotFound);
+    assert_eq!(engine.poll_append(), None);
+    assert_eq!(engine.tracked_publishes(), 0);
+    assert!(completions(&mut engine).is_empty());
+    assert_eq!(engine.durable_counters().records_appended, 0);
+    assert_eq!(
+        engine.describe_stream(STREAM).expect("d").shards[0].next_offset,
+        0
+    );
+    engine.assert_invariants();
+}
+
+#[test]
+fn check_create_gives_the_durable_create_errors_and_changes_nothing() {
+    // Proves check_create of kind Durable answers each bad create (name, shard count over
+    // min(max_shards, DURABLE_SHARDS_MAX), name taken) with create_durable_stream's error,
+    // Ok for a good one, and creates nothing.
+    let mut engine = Engine::new(EngineConfig {
+        max_shards: 10_000,
+        ..EngineConfig::default()
+    });
+    engine.enable_durable();
+    engine
+        .create_durable_stream("taken", 1, STREAM_ID)
+        .expect("create");
+    for (name, shard_count) in [
+        ("", 1),
+        ("bad/name", 1),
+        ("s", 0),
+        ("s", 4097),
+        ("taken", 1),
+    ] {
+        let before = engine.list_streams();
+        let checked = engine
+            .check_create(name, shard_count, StreamKind::Durable)
+            .expect_err("refused");
+        assert_eq!(engine.list_streams(), before, "nothing created");
+        let created = engine
+            .create_durable_stream(name, shard_count, STREAM_ID + 1)
+            .expect_err("create refuses the same");
+        assert_eq!(checked, created, "{name:?} {shard_count}");
+    }
+    assert_eq!(engine.check_create("s", 4096, StreamKind::Durable), Ok(()));
+    assert_eq!(engine.lookup("s"), None, "checking creates nothing");
+    assert_eq!(engine.poll_append(), None);
+    engine
+        .create_durable_stream("s", 4096, STREAM_ID + 1)
+        .expect("what was checked succeeds");
+    engine.assert_invariants();
+}
+
+#[test]
+fn has_log_work_follows_append_requests_and_log_reads() {
+    // Proves has_log_work is false on a quiet engine, true after a durable publish until its
+    // appends are drained, true after a subscribe starting below the ring until its reads
+    // are served, and false once everything is drained.
+    let mut engine = durable_engine(4);
+    engine
+        .create_durable_stream(STREAM, 1, STREAM_ID)
+        .expect("create");
+    engine
+        .create_stream("mem", 1, StreamKind::InMemory)
+        .expect("create");
+    let mut log = SimLog::default();
+    assert!(!engine.has_log_work());
+    engine
+        .publish(NOW_US, "mem", vec![record(b"k", b"v")])
+        .expect("publish");
+    assert!(!engine.has_log_work(), "an in-memory publish needs no log");
+    engine
+        .publish(NOW_US, STREAM, records_for(0, 1, 0, 10))
+        .expect("publish");
+    assert!(engine.has_log_work(), "append requests are queued");
+    log.drain_appends(&mut engine);
+    assert!(!engine.has_log_work(), "appends drained");
+    log.commit_all(&mut engine);
+    assert!(!engine.has_log_work(), "durable progress queues nothing");
+    let sub = subscribe(&mut engine, &[0], StartPosition::Earliest);
+    assert!(
+        engine.has_log_work(),
+        "a log read is queued below the ring (6)"
+    );
+    log.serve_all(&mut engine);
+    assert!(!engine.has_log_work(), "reads served");
+    assert_eq!(
+        offsets(&drain(&mut engine, sub)),
+        (0..10).collect::<Vec<u64>>()
+    );
+    assert!(!engine.has_log_work(), "everything drained");
     engine.assert_invariants();
 }

@@ -1,9 +1,10 @@
-//! Behaviour of the shard engine through its public API (SPEC sections 2-4, in-memory
-//! streams). Deterministic: time is a number the test passes in.
+//! Behaviour of the shard engine through its public API (docs/semantics.md, 2 Data model,
+//! 3 Publishing, 4 Subscribing; in-memory streams). Deterministic: time is a number the test passes in.
 
 use bytes::Bytes;
 use felix_engine::{
-    ERROR_MESSAGE_MAX_BYTES, Engine, EngineConfig, EngineError, EngineEvent, SubscriptionId,
+    ERROR_MESSAGE_MAX_BYTES, Engine, EngineConfig, EngineCounters, EngineError, EngineEvent,
+    StreamDescription, SubscriptionId, select_shards,
 };
 use felix_wire::{
     DeliveredRecord, ErrorCode, HashKind, Record, ShardAck, ShardSelection, StartPosition,
@@ -922,5 +923,307 @@ fn unsubscribe_stops_delivery_and_ignores_unknown_ids() {
     publish_to(&mut engine, "s", 1, b"y");
     assert!(engine.poll_delivery(first, 10, usize::MAX).is_empty());
     assert_eq!(drain(&mut engine, second).len(), 1);
+    engine.assert_invariants();
+}
+
+/// The shards `shard_for_key` gives each record of `records` on a `shard_count` stream.
+fn routes(records: &[Record], shard_count: u32) -> Vec<u32> {
+    records
+        .iter()
+        .map(|record| shard_for_key(&record.key, shard_count))
+        .collect()
+}
+
+/// What [`observed`] returns: the stream's description, the counters and the stream list.
+type Observed = (
+    Result<StreamDescription, EngineError>,
+    EngineCounters,
+    Vec<(String, StreamKind, u32)>,
+);
+
+/// Everything a test can observe of `stream` on `engine` without draining anything.
+fn observed(engine: &Engine, stream: &str) -> Observed {
+    (
+        engine.describe_stream(stream),
+        engine.counters(),
+        engine.list_streams(),
+    )
+}
+
+#[test]
+fn lookup_gives_kind_shard_count_and_a_handle_per_stream() {
+    // Proves lookup answers None for an unknown name, and for a stream its kind, its shard
+    // count and the same handle every time, distinct from another stream's.
+    let mut engine = Engine::new(EngineConfig::default());
+    assert_eq!(engine.lookup("s"), None);
+    engine
+        .create_stream("s", 5, StreamKind::InMemory)
+        .expect("create");
+    engine
+        .create_stream("t", 2, StreamKind::InMemory)
+        .expect("create");
+    let meta = engine.lookup("s").expect("exists");
+    assert_eq!((meta.kind, meta.shard_count), (StreamKind::InMemory, 5));
+    assert_eq!(engine.lookup("s"), Some(meta));
+    let other = engine.lookup("t").expect("exists");
+    assert_eq!(other.shard_count, 2);
+    assert_ne!(other.handle, meta.handle);
+}
+
+#[test]
+fn publish_routed_matches_publish_in_memory() {
+    // Proves publish_routed with shard_for_key's shards gives the same acks, offsets,
+    // deliveries, ring contents and counters as publish for the same batches.
+    let shard_count = 6;
+    let mut by_name = Engine::new(config(16, 1 << 20, 1 << 20));
+    let mut by_handle = Engine::new(config(16, 1 << 20, 1 << 20));
+    let mut subs = Vec::new();
+    for engine in [&mut by_name, &mut by_handle] {
+        engine
+            .create_stream("s", shard_count, StreamKind::InMemory)
+            .expect("create");
+        subs.push(
+            engine
+                .subscribe("s", &ShardSelection::All, &StartPosition::Latest)
+                .expect("subscribe")
+                .id,
+        );
+    }
+    let meta = by_handle.lookup("s").expect("exists");
+    for batch_index in 0..20u32 {
+        let batch: Vec<Record> = (0..1 + batch_index % 9)
+            .map(|i| {
+                record(
+                    format!("k{}", batch_index * 31 + i).as_bytes(),
+                    &batch_index.to_le_bytes(),
+                )
+            })
+            .collect();
+        let now = NOW_US + u64::from(batch_index);
+        let expected = by_name.publish(now, "s", batch.clone()).expect("publish");
+        let shards = routes(&batch, meta.shard_count);
+        let got = by_handle
+            .publish_routed(now, meta.handle, batch, &shards, None)
+            .expect("publish_routed");
+        assert_eq!(got, expected, "batch {batch_index}");
+    }
+    assert_eq!(events(&mut by_handle), events(&mut by_name));
+    assert_eq!(drain(&mut by_handle, subs[1]), drain(&mut by_name, subs[0]));
+    assert_eq!(observed(&by_handle, "s"), observed(&by_name, "s"));
+    by_handle.assert_invariants();
+}
+
+#[test]
+fn stale_handles_are_not_found_and_change_nothing() {
+    // Proves a handle whose stream was deleted answers StreamNotFound, changing nothing,
+    // whether its slot is empty, holds a re-created stream of the same name, or another
+    // stream; and that the new stream's own handle works.
+    let mut engine = Engine::new(EngineConfig::default());
+    engine
+        .create_stream("s", 2, StreamKind::InMemory)
+        .expect("create");
+    engine
+        .create_stream("other", 2, StreamKind::InMemory)
+        .expect("create");
+    let stale = engine.lookup("s").expect("exists").handle;
+    let batch = vec![record(b"k", b"v")];
+    let shards = routes(&batch, 2);
+    engine
+        .publish_routed(NOW_US, stale, batch.clone(), &shards, None)
+        .expect("the handle is live");
+    engine.delete_stream("s").expect("delete");
+
+    let refuse = |engine: &mut Engine| {
+        let before = (observed(engine, "s"), observed(engine, "other"));
+        let error = engine
+            .publish_routed(NOW_US, stale, batch.clone(), &shards, None)
+            .expect_err("stale");
+        assert_eq!((error.code, error.detail), (ErrorCode::StreamNotFound, 0));
+        assert!(error.message.contains("is stale"), "{}", error.message);
+        assert_eq!((observed(engine, "s"), observed(engine, "other")), before);
+        assert!(events(engine).is_empty());
+        engine.assert_invariants();
+    };
+    // The slot is empty.
+    refuse(&mut engine);
+    // The slot holds a stream of the same name, created afresh.
+    engine
+        .create_stream("s", 2, StreamKind::InMemory)
+        .expect("recreate");
+    let fresh = engine.lookup("s").expect("exists").handle;
+    assert_ne!(fresh, stale);
+    refuse(&mut engine);
+    assert_eq!(
+        engine.describe_stream("s").expect("describe").shards[shards[0] as usize].next_offset,
+        0,
+        "the new stream took nothing"
+    );
+    // The slot holds another stream.
+    engine.delete_stream("s").expect("delete");
+    engine
+        .create_stream("third", 2, StreamKind::InMemory)
+        .expect("create");
+    refuse(&mut engine);
+    let third = engine.lookup("third").expect("exists").handle;
+    let acks = engine
+        .publish_routed(NOW_US, third, batch, &shards, None)
+        .expect("a live handle");
+    assert_eq!(acks[0].first_offset, 0);
+    engine.assert_invariants();
+}
+
+#[test]
+fn publish_routed_panics_on_a_caller_defect_before_any_change() {
+    // Proves a shard list of the wrong length, or a shard past the shard count, panics with
+    // a message naming the defect, and leaves the engine as it was.
+    let mut engine = Engine::new(EngineConfig::default());
+    engine
+        .create_stream("s", 3, StreamKind::InMemory)
+        .expect("create");
+    let handle = engine.lookup("s").expect("exists").handle;
+    let batch = vec![record(b"a", b"1"), record(b"b", b"2")];
+    let cases: [(&[u32], &str); 2] = [
+        (&[0], "one shard per record"),
+        (&[0, 3], "record 1 is routed to shard 3"),
+    ];
+    for (shards, expected) in cases {
+        let before = observed(&engine, "s");
+        let panic = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            engine.publish_routed(NOW_US, handle, batch.clone(), shards, None)
+        }))
+        .expect_err("a caller defect panics");
+        let message = panic
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| panic.downcast_ref::<&str>().copied())
+            .unwrap_or_default();
+        assert!(message.contains(expected), "{message}");
+        assert_eq!(observed(&engine, "s"), before);
+        engine.assert_invariants();
+    }
+}
+
+#[test]
+fn select_shards_gives_each_error_and_the_sorted_selection() {
+    // Proves select_shards answers each selection error with its code and message, exactly
+    // as subscribe does, and otherwise the selected shards ascending, offsets unchecked.
+    let mut engine = Engine::new(EngineConfig::default());
+    engine
+        .create_stream("s", 4, StreamKind::InMemory)
+        .expect("create");
+    let offsets = |positions: &[(u32, u64)]| StartPosition::Offsets(positions.to_vec());
+    let cases = [
+        (
+            list(&[]),
+            StartPosition::Latest,
+            "a subscription selects at least one shard",
+        ),
+        (
+            list(&[0, 4]),
+            StartPosition::Latest,
+            "shard 4 is out of range: the stream has 4 shards",
+        ),
+        (
+            list(&[1, 2, 1]),
+            StartPosition::Earliest,
+            "shard 1 is selected more than once",
+        ),
+        (
+            list(&[1]),
+            offsets(&[(2, 0)]),
+            "shard 2 has a start offset but is not selected",
+        ),
+        (
+            list(&[1]),
+            offsets(&[(9, 0)]),
+            "shard 9 is out of range: the stream has 4 shards",
+        ),
+        (
+            ShardSelection::All,
+            offsets(&[(4, 0)]),
+            "shard 4 is out of range: the stream has 4 shards",
+        ),
+        (
+            ShardSelection::All,
+            offsets(&[(1, 0), (1, 0)]),
+            "shard 1 has more than one start offset",
+        ),
+    ];
+    for (selection, from, message) in cases {
+        let error = select_shards(&selection, &from, 4).expect_err("refused");
+        assert_eq!(
+            (error.code, error.detail, error.message.as_str()),
+            (ErrorCode::InvalidArgument, 0, message),
+            "{selection:?} {from:?}"
+        );
+        let refused = engine
+            .subscribe("s", &selection, &from)
+            .expect_err("subscribe refuses the same");
+        assert_eq!(refused, error, "{selection:?} {from:?}");
+    }
+    assert_eq!(
+        *select_shards(&ShardSelection::All, &StartPosition::Latest, 4).expect("all"),
+        [0, 1, 2, 3]
+    );
+    assert_eq!(
+        *select_shards(&list(&[3, 0, 2]), &offsets(&[(2, 99), (0, 0)]), 4).expect("list"),
+        [0, 2, 3],
+        "sorted; offsets are not checked here"
+    );
+    assert_eq!(engine.counters().subscriptions_active, 0);
+    assert!(events(&mut engine).is_empty());
+}
+
+#[test]
+fn check_create_gives_the_create_errors_and_changes_nothing() {
+    // Proves check_create answers each bad in-memory create (name, shard count, name taken)
+    // and a durable one on an engine without durable streams with exactly create's error,
+    // Ok for a good one, and creates nothing either way.
+    let mut engine = Engine::new(EngineConfig {
+        max_shards: 8,
+        max_name_bytes: 10,
+        ..EngineConfig::default()
+    });
+    engine
+        .create_stream("taken", 1, StreamKind::InMemory)
+        .expect("create");
+    let cases = [
+        ("", 1, StreamKind::InMemory),
+        ("has space", 1, StreamKind::InMemory),
+        ("elevenbytes", 1, StreamKind::InMemory),
+        ("s", 0, StreamKind::InMemory),
+        ("s", 9, StreamKind::InMemory),
+        ("taken", 2, StreamKind::InMemory),
+    ];
+    for (name, shard_count, kind) in cases {
+        let before = engine.list_streams();
+        let checked = engine
+            .check_create(name, shard_count, kind)
+            .expect_err("refused");
+        assert_eq!(engine.list_streams(), before, "nothing created");
+        let created = engine
+            .create_stream(name, shard_count, kind)
+            .expect_err("create refuses the same");
+        assert_eq!(checked, created, "{name:?} {shard_count}");
+    }
+    let checked = engine
+        .check_create("d", 1, StreamKind::Durable)
+        .expect_err("durable not enabled");
+    assert_eq!(
+        Err(checked),
+        engine.create_durable_stream("d", 1, 1).map(|_| ())
+    );
+    assert_eq!(
+        engine.check_create("tenbytes10", 8, StreamKind::InMemory),
+        Ok(())
+    );
+    assert_eq!(
+        engine.lookup("tenbytes10"),
+        None,
+        "checking creates nothing"
+    );
+    engine
+        .create_stream("tenbytes10", 8, StreamKind::InMemory)
+        .expect("what was checked succeeds");
     engine.assert_invariants();
 }
