@@ -1,5 +1,5 @@
 //! Cross-core mesh (`src/mesh.rs`) between two real threads, driven through the mesh's own API
-//! (`Mesh::try_send` / `drain` / `park` / `unpark`, the per-core eventfd and `reset_eventfd`)
+//! (`Mesh::try_send` / `drain` / `park` / `unpark`, the per-core eventfd and `Mesh::reset`)
 //! with the broker's own `CoreMessage` in `QUEUE_CAPACITY`-slot queues. The core's tokio pump
 //! is replaced by a plain-thread loop following the same protocol, with a blocking `poll` on
 //! the eventfd (bounded by a timeout) in place of `AsyncFd::readable`. The sender is the bench
@@ -24,9 +24,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use felix_broker::mesh::{
-    CoreMessage, DRAIN_BATCH, Mesh, QUEUE_CAPACITY, SPIN_BEFORE_PARK, reset_eventfd,
-};
+use felix_broker::mesh::{DRAIN_BATCH, Mesh, QUEUE_CAPACITY, SPIN_BEFORE_PARK};
+use felix_core::CoreMessage;
 
 const SENDER: u16 = 0;
 const RECEIVER: u16 = 1;
@@ -163,7 +162,7 @@ fn wait_readable(eventfd: &OwnedFd) {
     let _ = unsafe { libc::poll(&mut pollfd, 1, POLL_TIMEOUT_MS) };
 }
 
-/// The receiving core's pump, as `core_runtime::pump` runs it minus the tokio task.
+/// The receiving core's pump, as the broker's `runtime::pump` runs it minus the tokio task.
 fn receive(shared: &Shared, eventfd: &OwnedFd, mode: Mode) {
     let mesh = &shared.mesh;
     let spin = match mode {
@@ -204,7 +203,7 @@ fn receive(shared: &Shared, eventfd: &OwnedFd, mode: Mode) {
         shared.blocking.store(true, Ordering::SeqCst);
         wait_readable(eventfd);
         shared.blocking.store(false, Ordering::SeqCst);
-        reset_eventfd(eventfd);
+        mesh.reset(RECEIVER);
         mesh.unpark(RECEIVER);
         idle_since = Instant::now();
     }

@@ -7,18 +7,21 @@
 //! and only then waits on its eventfd. A sender pushes, then writes the eventfd only if the
 //! receiver announced it is parked (`SeqCst` on both sides, so either the receiver sees the
 //! message in its re-check or the sender sees the flag). Waking an idle core costs ~25-30 us on
-//! this class of VM (MACHINE-NOTES), so the spin keeps busy cores from paying it per message.
+//! this class of VM (docs/design/machine.md), so the spin keeps busy cores from paying it per
+//! message.
 //!
-//! Messages are owned values carrying their source core; the answer goes back to it. A full
-//! queue is backpressure: the sender yields and retries; nothing grows without bound.
+//! Messages are `felix_core::CoreMessage`s, owned values carrying their source core; the
+//! answer goes back to it. A full queue is backpressure: the message stays in the sending
+//! core's outbox (`felix_core::Core::return_message`) and the sender retries; what waits there
+//! is bounded by what caused it (the ingress queue, the requests received, the credits).
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use crossbeam_queue::ArrayQueue;
-use felix_engine::{EngineError, ShardState, StreamDescription, SubscriptionId};
-use felix_wire::{DeliveredRecord, Record, ShardAck, StartPosition, StreamKind};
+use felix_core::CoreMessage;
+use felix_storage::EventFd;
 
 /// Messages one ordered core pair can hold. 1024 covers a full ingress queue (512 jobs) of
 /// forwarded publishes plus their answers and delivery credits; beyond it senders wait.
@@ -30,104 +33,9 @@ pub const DRAIN_BATCH: usize = 256;
 /// wake-up (~25-30 us measured), so a core that is busy anyway never pays a wake-up.
 pub const SPIN_BEFORE_PARK: Duration = Duration::from_micros(40);
 
-/// A catalogue change, serialized through core 0.
-#[derive(Debug, Clone)]
-pub enum AdminRequest {
-    Create {
-        name: String,
-        shard_count: u32,
-        kind: StreamKind,
-        /// A durable stream's catalogue id: `None` until core 0 assigns it.
-        stream_id: Option<u32>,
-    },
-    Delete {
-        name: String,
-    },
-}
-
-/// Everything cores say to each other. `token` matches an answer to its request on the
-/// requesting core; `from` is the requesting core.
-#[derive(Debug)]
-pub enum CoreMessage {
-    /// Append records (all owned by the receiver) and answer with `PublishDone`.
-    Publish {
-        from: u16,
-        token: u64,
-        stream: String,
-        records: Vec<Record>,
-        now_us: u64,
-    },
-    PublishDone {
-        token: u64,
-        result: Result<Vec<ShardAck>, EngineError>,
-    },
-    /// To core 0: validate and apply a catalogue change everywhere, answer with `AdminDone`.
-    Admin {
-        from: u16,
-        token: u64,
-        request: AdminRequest,
-    },
-    /// From core 0: apply a change core 0 already validated; answer with `Applied`.
-    Apply {
-        token: u64,
-        request: AdminRequest,
-    },
-    Applied {
-        token: u64,
-    },
-    AdminDone {
-        token: u64,
-        result: Result<StreamDescription, EngineError>,
-    },
-    /// The receiver's view of its own shards of a stream; answer with `DescribeDone`.
-    Describe {
-        from: u16,
-        token: u64,
-        stream: String,
-    },
-    DescribeDone {
-        token: u64,
-        result: Result<Vec<ShardState>, EngineError>,
-    },
-    /// Register a subscription for `shards` (all owned by the receiver) whose records go to
-    /// core `from`, slot `slot`; answer with `SubscribeDone`.
-    Subscribe {
-        from: u16,
-        token: u64,
-        slot: u64,
-        stream: String,
-        shards: Vec<u32>,
-        start: StartPosition,
-    },
-    SubscribeDone {
-        token: u64,
-        result: Result<(SubscriptionId, Vec<(u32, u64)>), EngineError>,
-    },
-    /// Records for slot `slot` on the receiver, from the owner's subscription `id`.
-    Deliver {
-        slot: u64,
-        owner: u16,
-        id: SubscriptionId,
-        records: Vec<DeliveredRecord>,
-    },
-    /// The owner ended its part of slot `slot` (lagged, stream deleted).
-    Ended {
-        slot: u64,
-        error: EngineError,
-    },
-    /// The subscriber core wrote one delivery batch of subscription `id`: one more may come.
-    Credit {
-        id: SubscriptionId,
-    },
-    /// The subscriber went away: forget subscription `id`.
-    Unsubscribe {
-        id: SubscriptionId,
-    },
-}
-
 /// One core's wake-up line.
 struct Parking {
-    eventfd: OwnedFd,
+    eventfd: EventFd,
     parked: AtomicBool,
 }
 
@@ -147,16 +55,6 @@ impl std::fmt::Debug for Mesh {
     }
 }
 
-fn eventfd() -> std::io::Result<OwnedFd> {
-    // SAFETY: eventfd has no pointer arguments; the result is checked before use.
-    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: `fd` is a fresh descriptor returned by eventfd that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
 impl Mesh {
     pub fn new(cores: u16) -> std::io::Result<Mesh> {
         assert!(cores >= 1, "at least one data-plane core");
@@ -167,7 +65,7 @@ impl Mesh {
         let parking = (0..cores)
             .map(|_| {
                 Ok(Parking {
-                    eventfd: eventfd()?,
+                    eventfd: EventFd::new().map_err(std::io::Error::other)?,
                     parked: AtomicBool::new(false),
                 })
             })
@@ -198,16 +96,7 @@ impl Mesh {
     fn wake(&self, to: u16) {
         let parking = &self.parking[usize::from(to)];
         if parking.parked.load(Ordering::SeqCst) {
-            let one: u64 = 1;
-            // SAFETY: writes 8 bytes from a live u64 to an eventfd this mesh owns. A failure
-            // (EAGAIN at the counter's maximum) means the core is already signalled.
-            let _ = unsafe {
-                libc::write(
-                    parking.eventfd.as_raw_fd(),
-                    std::ptr::from_ref(&one).cast::<libc::c_void>(),
-                    8,
-                )
-            };
+            parking.eventfd.notify();
         }
     }
 
@@ -236,7 +125,15 @@ impl Mesh {
 
     /// A duplicate of core `to`'s eventfd, for its `AsyncFd`.
     pub fn eventfd_of(&self, to: u16) -> std::io::Result<OwnedFd> {
-        self.parking[usize::from(to)].eventfd.try_clone()
+        self.parking[usize::from(to)]
+            .eventfd
+            .as_fd()
+            .try_clone_to_owned()
+    }
+
+    /// Resets core `to`'s eventfd after a wake-up.
+    pub fn reset(&self, to: u16) {
+        self.parking[usize::from(to)].eventfd.drain();
     }
 
     /// Announces that core `to` is about to park. Returns false (and withdraws) when a message
@@ -256,19 +153,6 @@ impl Mesh {
             .parked
             .store(false, Ordering::SeqCst);
     }
-}
-
-/// Reads (and so resets) an eventfd counter; nothing to do if it was already zero.
-pub fn reset_eventfd(fd: &OwnedFd) {
-    let mut value: u64 = 0;
-    // SAFETY: reads at most 8 bytes into a live u64 from a non-blocking eventfd we own.
-    let _ = unsafe {
-        libc::read(
-            fd.as_raw_fd(),
-            std::ptr::from_mut(&mut value).cast::<libc::c_void>(),
-            8,
-        )
-    };
 }
 
 #[cfg(test)]

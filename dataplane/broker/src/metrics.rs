@@ -1,11 +1,14 @@
 //! Prometheus metrics: the registry, the handles the core thread updates (resolved once at
 //! start-up, never looked up per publish), and the `GET /metrics` endpoint served by tiny_http
 //! on its own housekeeping thread. Handles are prometheus-client atomics, shared by `Arc`.
+//! The state machine counts in plain integers (`felix_core::CoreCounters`); [`CoreExport`]
+//! adds what changed to the handles after each input.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI32, AtomicU64};
 
+use felix_core::CoreCounters;
 use felix_wire::ErrorCode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -202,6 +205,101 @@ impl DurableMetrics {
             }
             *seen = *now;
         }
+    }
+}
+
+/// The machine's counters already exported by one core (the next export adds the change).
+#[derive(Debug, Default)]
+pub struct CoreExport {
+    last: CoreCounters,
+}
+
+impl CoreExport {
+    /// Adds what changed in `now` since the last export to the core's and the totals'
+    /// handles. Counters only grow; gauges move by their difference. About twenty compares
+    /// when nothing changed.
+    pub fn export(&mut self, now: &CoreCounters, metrics: &Metrics, core: &CoreMetrics) {
+        let last = &mut self.last;
+        let add = |counters: &[&Counter], now: u64, seen: &mut u64| {
+            if now != *seen {
+                let delta = now - *seen;
+                for counter in counters {
+                    counter.inc_by(delta);
+                }
+                *seen = now;
+            }
+        };
+        add(&[&core.publishes], now.publishes, &mut last.publishes);
+        add(
+            &[&core.payload_bytes, &metrics.payload_bytes],
+            now.payload_bytes,
+            &mut last.payload_bytes,
+        );
+        add(
+            &[&core.records, &metrics.records],
+            now.records,
+            &mut last.records,
+        );
+        add(
+            &[&metrics.publishes_acked],
+            now.publishes_acked,
+            &mut last.publishes_acked,
+        );
+        add(
+            &[&metrics.publishes_fire_and_forget],
+            now.publishes_fire_and_forget,
+            &mut last.publishes_fire_and_forget,
+        );
+        add(&[&metrics.acks], now.acks, &mut last.acks);
+        add(
+            &[&core.shed, &metrics.publishes_shed],
+            now.shed,
+            &mut last.shed,
+        );
+        add(
+            &[&core.refused, &metrics.publishes_refused],
+            now.refused,
+            &mut last.refused,
+        );
+        add(&[&core.waits], now.waits, &mut last.waits);
+        add(
+            &[&core.cross_core_hops],
+            now.cross_core_hops,
+            &mut last.cross_core_hops,
+        );
+        add(
+            &[&metrics.delivered_records],
+            now.delivered_records,
+            &mut last.delivered_records,
+        );
+        for (index, counter) in metrics.errors.iter().enumerate() {
+            add(&[counter], now.errors[index], &mut last.errors[index]);
+        }
+        let gauge = |gauges: &[&Gauge], now: u64, seen: &mut u64| {
+            if now != *seen {
+                let delta = i64::try_from(now).unwrap_or(i64::MAX)
+                    - i64::try_from(*seen).unwrap_or(i64::MAX);
+                for gauge in gauges {
+                    gauge.inc_by(delta);
+                }
+                *seen = now;
+            }
+        };
+        gauge(
+            &[&metrics.subscribers],
+            now.subscribers,
+            &mut last.subscribers,
+        );
+        gauge(
+            &[&metrics.connections],
+            now.connections,
+            &mut last.connections,
+        );
+        gauge(
+            &[&core.ingress_depth, &metrics.ingress_depth],
+            now.ingress_depth,
+            &mut last.ingress_depth,
+        );
     }
 }
 

@@ -1,14 +1,11 @@
 //! Thread-per-core behaviour of the real `felix` binary on loopback: pinning, cross-core
-//! routing (naive vs core-aware clients), ingress overload answers, and the per-core settings.
+//! routing (naive vs core-aware clients), and the per-core settings.
 
 mod support;
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
 
-use felix_client::{
-    Client, ClientError, ErrorCode, Record, ShardSelection, StartPosition, StreamKind, record,
-};
+use felix_client::{Client, Record, ShardSelection, StartPosition, StreamKind, record};
 use futures::StreamExt as _;
 use support::{BrokerProcess, within};
 
@@ -135,162 +132,9 @@ async fn core_aware_client_causes_zero_cross_core_hops() {
     client.close().await;
 }
 
-/// A broker whose core 1 can be paused (test-only knob TEST_FELIX_PAUSE_CORE_EXECUTOR: while
-/// the file exists core 1 leaves its inbound queue alone), with a one-job ingress queue.
-struct Paused {
-    broker: BrokerProcess,
-    pause: std::path::PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-fn paused_broker(extra: &[(&'static str, &'static str)]) -> Paused {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let pause = dir.path().join("pause");
-    let pause_text: &'static str = Box::leak(pause.display().to_string().into_boxed_str());
-    let mut env = vec![
-        ("FELIX_DATAPLANE_CORES", "2"),
-        ("FELIX_INGRESS_QUEUE_DEPTH", "1"),
-        ("TEST_FELIX_PAUSE_CORE_EXECUTOR", pause_text),
-    ];
-    env.extend_from_slice(extra);
-    Paused {
-        broker: BrokerProcess::start(&env),
-        pause,
-        _dir: dir,
-    }
-}
-
-/// A naive client on core 0's own port, and a key owned by core 1 (shard 1 of 2).
-async fn core_zero_client(paused: &Paused) -> (Client, Record) {
-    let mut config = paused.broker.naive_client_config();
-    config.addr = paused.broker.core_addrs[0];
-    let client = within(Client::connect(config)).await.expect("connects");
-    within(client.create_stream("held", 2, StreamKind::InMemory))
-        .await
-        .expect("created");
-    let key = (0..)
-        .map(|index| format!("k{index}"))
-        .find(|key| felix_wire::shard_for_key(key.as_bytes(), 2) == 1)
-        .expect("some key lands on shard 1");
-    // Pause core 1 only now: catalogue changes need it too.
-    std::fs::write(&paused.pause, b"").expect("pause file");
-    (client, record(key, "x".repeat(100)))
-}
-
-fn metric(broker: &BrokerProcess, name: &str) -> u64 {
-    support::metric_value(&broker.metrics(), name).unwrap_or(0)
-}
-
-#[tokio::test]
-async fn full_ingress_sheds_fire_and_forget_and_refuses_acked() {
-    // Proves shed = sent - accepted for fire-and-forget and the exact refusal text for acked.
-    let paused = paused_broker(&[]);
-    let (client, held) = core_zero_client(&paused).await;
-    // Holds the only slot: its record waits in core 1's (paused) queue.
-    let first = within(client.publish_pipelined("held", std::slice::from_ref(&held)))
-        .await
-        .expect("queued");
-    let sent = 5u64;
-    for _ in 0..sent {
-        within(client.publish_no_ack("held", std::slice::from_ref(&held)))
-            .await
-            .expect("queued");
-    }
-    let refused = within(client.publish("held", std::slice::from_ref(&held))).await;
-    match refused {
-        Err(ClientError::Server { code, message, .. }) => {
-            assert_eq!(code, ErrorCode::IngressBudgetExhausted);
-            assert_eq!(message, "publish ingress byte budget exhausted");
-        }
-        other => panic!("expected a refusal, got {other:?}"),
-    }
-    std::fs::remove_file(&paused.pause).expect("unpause");
-    within(first).await.expect("the held publish completes");
-    let shed = metric(&paused.broker, "felix_publishes_shed_total");
-    let accepted = support::labelled_value(
-        &paused.broker.metrics(),
-        "felix_publishes_total{ack=\"fire_and_forget\"}",
-    )
-    .unwrap_or(0.0) as u64;
-    assert_eq!(sent, accepted + shed, "{}", paused.broker.metrics());
-    assert_eq!(shed, sent, "the queue was full for every one");
-    assert_eq!(metric(&paused.broker, "felix_publishes_refused_total"), 1);
-    client.close().await;
-}
-
-#[tokio::test]
-async fn ingress_wait_sheds_nothing_and_other_streams_keep_serving() {
-    // Proves FELIX_PUB_INGRESS_WAIT=1 makes fire-and-forget wait (sent = accepted), and a
-    // connection with a waiting publish still answers on its other streams.
-    let paused = paused_broker(&[("FELIX_PUB_INGRESS_WAIT", "1")]);
-    let (client, held) = core_zero_client(&paused).await;
-    let sent = 4u64;
-    for _ in 0..sent {
-        within(client.publish_no_ack("held", std::slice::from_ref(&held)))
-            .await
-            .expect("queued");
-    }
-    // The publish stream is parked behind the full queue; the admin stream still answers.
-    let deadline = Instant::now() + support::DEADLINE;
-    while support::sum_over_cores(&paused.broker.metrics(), "felix_core_ingress_waits_total") == 0.0
-    {
-        assert!(Instant::now() < deadline, "a publish never waited");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let streams = within(client.list_streams())
-        .await
-        .expect("other stream served");
-    assert_eq!(streams.len(), 1);
-    std::fs::remove_file(&paused.pause).expect("unpause");
-    let deadline = Instant::now() + support::DEADLINE;
-    loop {
-        let body = paused.broker.metrics();
-        let accepted =
-            support::labelled_value(&body, "felix_publishes_total{ack=\"fire_and_forget\"}")
-                .unwrap_or(0.0) as u64;
-        if accepted == sent {
-            assert_eq!(
-                support::metric_value(&body, "felix_publishes_shed_total"),
-                Some(0)
-            );
-            break;
-        }
-        assert!(Instant::now() < deadline, "not all accepted: {body}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    client.close().await;
-}
-
-#[tokio::test]
-async fn ack_on_commit_waits_then_is_refused() {
-    // Proves an ack-on-commit publish waits FELIX_PUBLISH_QUEUE_WAIT_MS for room before the
-    // refusal (a lower bound on the wait, not a speed assertion).
-    let paused = paused_broker(&[
-        ("FELIX_ACK_ON_COMMIT", "1"),
-        ("FELIX_PUBLISH_QUEUE_WAIT_MS", "300"),
-    ]);
-    let (client, held) = core_zero_client(&paused).await;
-    let first = within(client.publish_pipelined("held", std::slice::from_ref(&held)))
-        .await
-        .expect("queued");
-    let started = Instant::now();
-    let refused = within(client.publish("held", std::slice::from_ref(&held))).await;
-    let waited = started.elapsed();
-    match refused {
-        Err(ClientError::Server { code, message, .. }) => {
-            assert_eq!(code, ErrorCode::IngressBudgetExhausted);
-            assert_eq!(message, "publish ingress byte budget exhausted");
-        }
-        other => panic!("expected a refusal, got {other:?}"),
-    }
-    assert!(
-        waited >= Duration::from_millis(300),
-        "refused after {waited:?}"
-    );
-    std::fs::remove_file(&paused.pause).expect("unpause");
-    within(first).await.expect("the held publish completes");
-    client.close().await;
-}
+// Ingress overload (shed, refuse, wait, ack-on-commit deadline) is tested on the state
+// machine itself, on logical time: dataplane/core/tests/overload.rs and the simulation
+// (`make sim`).
 
 #[test]
 fn socket_settings_are_applied_and_reported() {

@@ -1,11 +1,12 @@
 //! The durable catalogue: which durable streams exist (name, shard count, catalogue stream
 //! id), persisted in `<data_dir>/catalog.json`.
 //!
-//! Lives on core 0 (catalogue changes go through core 0, like every admin request); the other
-//! cores get the entries at start-up and through core 0's admin messages. A change is written
-//! atomically *before* it is acknowledged: the new catalogue goes to a temporary file, which
-//! is fsynced, renamed over `catalog.json`, and the directory is fsynced, so after a crash
-//! (SIGKILL or power loss) the file holds either the old or the new catalogue, never a mix.
+//! Loaded by the shell at start-up (every core restores its entries) and written by core 0's
+//! shell when core 0's state machine asks for a change ([`crate::CatalogWrite`]), *before*
+//! the change is applied or acknowledged. A change is written atomically: the new catalogue
+//! goes to a temporary file, which is fsynced, renamed over `catalog.json`, and the directory
+//! is fsynced, so after a crash (SIGKILL or power loss) the file holds either the old or the
+//! new catalogue, never a mix.
 //!
 //! Stream ids are never reused: `next_stream_id` is persisted and only grows, so a log shard
 //! id (`stream_id << 12 | shard`) of a deleted stream can never name a new stream's records
@@ -19,8 +20,6 @@ use std::path::{Path, PathBuf};
 use felix_engine::DURABLE_STREAM_ID_MAX;
 use serde::{Deserialize, Serialize};
 
-use crate::BrokerError;
-
 /// File name of the catalogue in the data directory.
 pub const CATALOG_FILE: &str = "catalog.json";
 /// Temporary file a new catalogue is written to before the rename.
@@ -29,7 +28,34 @@ const CATALOG_TEMP_FILE: &str = "catalog.json.tmp";
 const CATALOG_VERSION: u32 = 1;
 /// Largest catalogue file read at start-up: 64 MiB is ~500,000 streams at ~100 bytes each,
 /// far beyond the 2^20 stream ids' practical use; bigger means the file is not ours.
-const CATALOG_MAX_BYTES: u64 = 64 << 20;
+const CATALOG_BYTES_MAX: u64 = 64 << 20;
+
+/// Why the catalogue cannot be read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum CatalogError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot write {path}: {source}")]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("durable catalogue {path}: {reason}")]
+    Invalid { path: PathBuf, reason: String },
+}
+
+/// A change core 0 asks its shell to persist ([`crate::CatalogWrite`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CatalogChange {
+    /// A new durable stream; its id is the catalogue's next stream id.
+    Add(CatalogEntry),
+    Remove {
+        name: String,
+    },
+}
 
 /// One durable stream of the catalogue.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -67,8 +93,8 @@ impl Catalog {
     /// Loads `<data_dir>/catalog.json` (an absent file is an empty catalogue), removing a
     /// temporary file a crash left behind (its rename never happened, so its change was never
     /// acknowledged). A malformed file stops start-up: guessing would risk reusing stream ids.
-    pub fn load(data_dir: &Path) -> Result<Catalog, BrokerError> {
-        fs::create_dir_all(data_dir).map_err(|source| BrokerError::Write {
+    pub fn load(data_dir: &Path) -> Result<Catalog, CatalogError> {
+        fs::create_dir_all(data_dir).map_err(|source| CatalogError::Write {
             path: data_dir.to_owned(),
             source,
         })?;
@@ -78,7 +104,7 @@ impl Catalog {
                 tracing::info!(path = %temp.display(), "removed an unfinished catalogue write")
             }
             Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
-            Err(source) => return Err(BrokerError::Write { path: temp, source }),
+            Err(source) => return Err(CatalogError::Write { path: temp, source }),
         }
         let path = data_dir.join(CATALOG_FILE);
         let text = match read_bounded(&path) {
@@ -91,9 +117,9 @@ impl Catalog {
                     streams: BTreeMap::new(),
                 });
             }
-            Err(source) => return Err(BrokerError::Read { path, source }),
+            Err(source) => return Err(CatalogError::Read { path, source }),
         };
-        let bad = |reason: String| BrokerError::Catalog {
+        let bad = |reason: String| CatalogError::Invalid {
             path: data_dir.join(CATALOG_FILE),
             reason,
         };
@@ -140,13 +166,13 @@ impl Catalog {
     /// Checks that the logs were written with `cores` data-plane cores and records the count
     /// for later starts. A different count while durable streams exist stops start-up: their
     /// shards' records are in the logs of the cores that owned them (`shard % cores`).
-    pub fn bind_cores(&mut self, cores: u16) -> Result<(), BrokerError> {
+    pub fn bind_cores(&mut self, cores: u16) -> Result<(), CatalogError> {
         assert!(cores > 0, "a broker has at least one data-plane core");
         if self.cores == cores {
             return Ok(());
         }
         if self.cores != 0 && !self.streams.is_empty() {
-            return Err(BrokerError::Catalog {
+            return Err(CatalogError::Invalid {
                 path: self.dir.join(CATALOG_FILE),
                 reason: format!(
                     "the durable streams were written by {} data-plane cores, this start has {cores}; \
@@ -184,17 +210,17 @@ impl Catalog {
     /// Adds a stream with a fresh id and persists the catalogue before returning (the caller
     /// acknowledges the create only after this). On any error nothing changed, in memory or
     /// on disk. The caller checked the name and shard count (the engine's rules).
-    pub fn add(&mut self, name: &str, shards: u32) -> Result<CatalogEntry, BrokerError> {
+    pub fn add(&mut self, name: &str, shards: u32) -> Result<CatalogEntry, CatalogError> {
         assert!(shards > 0, "the engine refuses streams without shards");
         if self.streams.contains_key(name) {
-            return Err(BrokerError::Catalog {
+            return Err(CatalogError::Invalid {
                 path: self.dir.join(CATALOG_FILE),
                 reason: format!("stream {name:?} is already in the catalogue"),
             });
         }
         let stream_id = self.next_stream_id;
         if stream_id > DURABLE_STREAM_ID_MAX {
-            return Err(BrokerError::Catalog {
+            return Err(CatalogError::Invalid {
                 path: self.dir.join(CATALOG_FILE),
                 reason: format!(
                     "every durable stream id up to {DURABLE_STREAM_ID_MAX} has been used"
@@ -216,9 +242,29 @@ impl Catalog {
         Ok(entry)
     }
 
+    /// Persists a change core 0 asked for. An `Add` must carry the catalogue's next stream id
+    /// (core 0 assigns ids in the same order); on any error nothing changed.
+    pub fn apply(&mut self, change: &CatalogChange) -> Result<(), CatalogError> {
+        match change {
+            CatalogChange::Add(entry) => {
+                if entry.stream_id != self.next_stream_id {
+                    return Err(CatalogError::Invalid {
+                        path: self.dir.join(CATALOG_FILE),
+                        reason: format!(
+                            "stream {:?} was given id {}, the catalogue's next id is {}",
+                            entry.name, entry.stream_id, self.next_stream_id
+                        ),
+                    });
+                }
+                self.add(&entry.name, entry.shards).map(|_| ())
+            }
+            CatalogChange::Remove { name } => self.remove(name).map(|_| ()),
+        }
+    }
+
     /// Removes a stream and persists the catalogue; `Ok(None)` when it was not listed. Its id
     /// stays used. On any error nothing changed.
-    pub fn remove(&mut self, name: &str) -> Result<Option<CatalogEntry>, BrokerError> {
+    pub fn remove(&mut self, name: &str) -> Result<Option<CatalogEntry>, CatalogError> {
         let Some(entry) = self.streams.remove(name) else {
             return Ok(None);
         };
@@ -230,7 +276,7 @@ impl Catalog {
     }
 
     /// Writes the catalogue atomically: temp file, fsync, rename, fsync of the directory.
-    fn persist(&self) -> Result<(), BrokerError> {
+    fn persist(&self) -> Result<(), CatalogError> {
         let file = CatalogFile {
             version: CATALOG_VERSION,
             next_stream_id: self.next_stream_id,
@@ -238,13 +284,13 @@ impl Catalog {
             streams: self.streams.values().cloned().collect(),
         };
         // Serializing plain strings and integers cannot fail.
-        let mut text = serde_json::to_vec_pretty(&file).map_err(|error| BrokerError::Catalog {
+        let mut text = serde_json::to_vec_pretty(&file).map_err(|error| CatalogError::Invalid {
             path: self.dir.join(CATALOG_FILE),
             reason: format!("cannot encode: {error}"),
         })?;
         text.push(b'\n');
         let temp = self.dir.join(CATALOG_TEMP_FILE);
-        let write_error = |path: &Path, source: std::io::Error| BrokerError::Write {
+        let write_error = |path: &Path, source: std::io::Error| CatalogError::Write {
             path: path.to_owned(),
             source,
         };
@@ -268,13 +314,13 @@ impl Catalog {
     }
 }
 
-/// Reads a file of at most [`CATALOG_MAX_BYTES`].
+/// Reads a file of at most [`CATALOG_BYTES_MAX`].
 fn read_bounded(path: &Path) -> std::io::Result<String> {
     let size = fs::metadata(path)?.len();
-    if size > CATALOG_MAX_BYTES {
+    if size > CATALOG_BYTES_MAX {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
-            format!("{size} bytes, over the limit of {CATALOG_MAX_BYTES}"),
+            format!("{size} bytes, over the limit of {CATALOG_BYTES_MAX}"),
         ));
     }
     fs::read_to_string(path)

@@ -1,4 +1,4 @@
-//! Ingress admission (SPEC section 3, "Overload, the ingress queue"), sans-IO: one per
+//! Ingress admission (docs/semantics.md, 3 Publishing: the ingress queue), sans-IO: one per
 //! data-plane core, used from that core's thread only. Time is passed in; nothing here touches
 //! a clock, a socket or a task.
 //!

@@ -1,42 +1,39 @@
-//! The per-core durable glue: one `felix_storage::Log` per data-plane core, under
-//! `<data_dir>/log/core-<i>/`, and the moves between it and the core's sans-IO
-//! `felix_engine::Engine` (see `docs/design/durable.md`).
+//! The durable log of one data-plane core: one `felix_storage::Log` under
+//! `<data_dir>/log/core-<i>/`, and the moves between it and the core's engine (see
+//! `docs/design/durable.md`). Shared by the broker shell and the simulation, so both drive the
+//! log exactly the same way.
 //!
 //! Lives on one data-plane core: created, recovered and driven on that core's thread, never
-//! shared. The core's event loop calls [`DurableLog::pump`] after every publish, when the log's
-//! wake-up eventfd ([`DurableLog::wake_fd`], wrapped in tokio's `AsyncFd`) is readable, and at
-//! [`DurableLog::next_deadline`] (the periodic fsync timer). `pump`:
+//! shared. The shell calls [`Core::pump_log`] after an input left log work
+//! ([`Core::has_log_work`]), when the log's wake-up eventfd ([`DurableLog::wake_fd`]) is
+//! readable, and at [`DurableLog::next_deadline`] (the periodic fsync timer). A pump:
 //! 1. moves `Engine::poll_append` into `Log::append` (a refused append rolls the shard back
 //!    with `Engine::handle_rejected`, which fails its publishes with `StorageFull`);
 //! 2. drives the log (`Log::drive`: reaps the finished round, starts the next);
 //! 3. routes the log's events: the commit level (`Synced` on on_commit, `Written` on periodic)
 //!    to `Engine::handle_durable`, `Rejected` (disk full) to `Engine::handle_rejected`;
-//! 4. answers every `Engine::poll_log_read` with `Log::read` (catch-up of subscribers resuming
-//!    from offsets on disk);
-//! 5. drains `Engine::poll_completed_publish` for the shell to send acks or errors.
+//! 4. answers `Engine::poll_log_read` with `Log::read` (catch-up of subscribers resuming
+//!    from offsets on disk), at most [`LOG_READS_PER_PUMP`];
+//! 5. ([`Core::pump_log`]) lets the core answer what completed: acks written straight to the
+//!    streams they answer, parts answered to the cores that forwarded them.
 //!
-//! Any error `pump` returns is fatal (a failed fdatasync or write, a corrupt committed record):
-//! the shell calls [`fatal_exit`], which logs it and exits the process at once, so no ack is
-//! ever sent after a failed fsync; recovery at the next start takes over.
+//! Any error a pump returns is fatal (a failed fdatasync or write, a corrupt committed
+//! record): the shell must send no further ack and stop the process; recovery at the next
+//! start takes over.
 
 use std::os::fd::BorrowedFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use felix_engine::{
-    AppendRequest, Engine, EngineError, LogRecord, LogShardId, PublishCompletion, StreamDescription,
-};
+use felix_engine::{AppendRequest, Engine, EngineError, LogRecord, LogShardId, StreamDescription};
 use felix_storage::{
     Backend, BackendChoice, Counters, FsyncMode, Log, LogConfig, LogEvent, RecoveryReport,
     RetentionReport, StorageError, SystemBackend,
 };
 
-use crate::BrokerError;
 use crate::catalog::CatalogEntry;
-
-/// Exit code of the process after a fatal storage error (EX_IOERR from sysexits.h), so a
-/// supervisor can tell it from a configuration error.
-pub const FATAL_STORAGE_EXIT_CODE: i32 = 74;
+use crate::config::Now;
+use crate::core::Core;
 
 /// Log reads answered per `pump`: each reads at most 1 MiB (`LOG_READ_MAX_BYTES`) with pread
 /// on the core's thread, so 16 bound one pump's catch-up work to ~16 MiB of reads and keep the
@@ -90,8 +87,6 @@ pub struct PumpReport {
     pub appended: u64,
     /// Records refused by `Log::append` (e.g. `PendingFull`) and rolled back.
     pub refused: u64,
-    /// Publishes completed (pushed to the caller's vector).
-    pub completed: usize,
     /// Log reads were left for the next pump: call `pump` again soon.
     pub more: bool,
 }
@@ -120,7 +115,7 @@ impl DurableLog<SystemBackend> {
         data_dir: &Path,
         core: usize,
         settings: &DurableSettings,
-    ) -> Result<DurableLog<SystemBackend>, BrokerError> {
+    ) -> Result<DurableLog<SystemBackend>, StorageError> {
         let backend = SystemBackend::open(settings.backend)?;
         DurableLog::open(core, settings.log_config(data_dir, core), backend)
     }
@@ -129,7 +124,7 @@ impl DurableLog<SystemBackend> {
 impl<B: Backend> DurableLog<B> {
     /// Opens and recovers a log on `backend`; logs what recovery did (truncations are logged
     /// by the storage crate too, segment by segment).
-    pub fn open(core: usize, config: LogConfig, backend: B) -> Result<DurableLog<B>, BrokerError> {
+    pub fn open(core: usize, config: LogConfig, backend: B) -> Result<DurableLog<B>, StorageError> {
         let dir = config.dir.clone();
         let (log, report) = Log::open(config, backend)?;
         let recovery = summarize(&report);
@@ -181,16 +176,11 @@ impl<B: Backend> DurableLog<B> {
         engine.restore_durable_stream(&entry.name, entry.shards, entry.stream_id, &offsets)
     }
 
-    /// Moves appends into the log, drives it, routes its events, answers log reads and
-    /// pushes finished publishes to `completions`. Never blocks on the disk (log reads pread
-    /// on this thread, bounded by [`LOG_READS_PER_PUMP`]). An error is fatal: the caller must
-    /// not send any ack it has not sent yet, and should call [`fatal_exit`].
-    pub fn pump(
-        &mut self,
-        engine: &mut Engine,
-        now: Instant,
-        completions: &mut Vec<PublishCompletion>,
-    ) -> Result<PumpReport, StorageError> {
+    /// Steps 1-4 of a pump on `engine` (the engine's finished publishes stay queued in
+    /// `Engine::poll_completed_publish`). Never blocks on the disk (log reads pread on this
+    /// thread, bounded by [`LOG_READS_PER_PUMP`]). An error is fatal: the caller must not send
+    /// any ack it has not sent yet.
+    pub fn pump(&mut self, engine: &mut Engine, now: Instant) -> Result<PumpReport, StorageError> {
         let mut report = PumpReport::default();
         // 1. Appends, in publish order. Bounded by the engine's queue, which only publishes
         //    (not this loop) grow.
@@ -290,11 +280,6 @@ impl<B: Backend> DurableLog<B> {
         }
         // At the bound there may be more (a read's answer often asks for the next).
         report.more = answered == LOG_READS_PER_PUMP;
-        // 5. Finished publishes.
-        while let Some(completion) = engine.poll_completed_publish() {
-            completions.push(completion);
-            report.completed += 1;
-        }
         Ok(report)
     }
 
@@ -373,11 +358,10 @@ impl<B: Backend> DurableLog<B> {
     }
 
     /// Clean shutdown: moves the engine's last appends in, then blocks until everything is
-    /// written and synced (whatever the mode) or `timeout` passes. Completions are dropped:
-    /// the connections are gone by then.
+    /// written and synced (whatever the mode) or `timeout` passes. Completions are not
+    /// answered: the connections are gone by then.
     pub fn shutdown(&mut self, engine: &mut Engine, timeout: Duration) -> Result<(), StorageError> {
-        let mut completions = Vec::new();
-        self.pump(engine, Instant::now(), &mut completions)?;
+        self.pump(engine, Instant::now())?;
         self.log.sync_now();
         self.log.flush(timeout)
     }
@@ -391,13 +375,50 @@ fn summarize(report: &RecoveryReport) -> RecoverySummary {
     }
 }
 
-/// Logs a fatal storage error and exits the process at once (no destructors, no further
-/// acks): an fdatasync error leaves the page cache in an unknown state, so the only safe
-/// continuation is a restart and recovery (DESIGN: "an fsync error is fatal").
-pub fn fatal_exit(core: usize, error: &StorageError) -> ! {
-    tracing::error!(core, error = %error, "fatal durable log error: stopping the broker");
-    eprintln!("felix: core {core}: fatal durable log error: {error}; stopping (restart recovers)");
-    std::process::exit(FATAL_STORAGE_EXIT_CODE)
+impl Core {
+    /// Recreates every catalogued durable stream from `log`'s offsets (start-up, before the
+    /// core serves).
+    pub fn restore_durable<B: Backend>(
+        &mut self,
+        log: &DurableLog<B>,
+        entries: &[CatalogEntry],
+    ) -> Result<(), (String, EngineError)> {
+        for entry in entries {
+            log.restore(&mut self.engine, entry)
+                .map_err(|error| (entry.name.clone(), error))?;
+        }
+        Ok(())
+    }
+
+    /// Pumps `log` (see the module docs) and answers what completed. An error is fatal.
+    pub fn pump_log<B: Backend>(
+        &mut self,
+        log: &mut DurableLog<B>,
+        now: Now,
+    ) -> Result<PumpReport, StorageError> {
+        let report = log.pump(&mut self.engine, now.at)?;
+        self.settle(now);
+        Ok(report)
+    }
+
+    /// Deletes `log`'s segments past the retention bounds (every few seconds, from the
+    /// shell's timer).
+    pub fn apply_retention<B: Backend>(
+        &mut self,
+        log: &mut DurableLog<B>,
+        now: Now,
+    ) -> Result<RetentionReport, StorageError> {
+        log.apply_retention(&mut self.engine, now.unix_us)
+    }
+
+    /// Clean shutdown of `log` (see [`DurableLog::shutdown`]).
+    pub fn shutdown_log<B: Backend>(
+        &mut self,
+        log: &mut DurableLog<B>,
+        timeout: Duration,
+    ) -> Result<(), StorageError> {
+        log.shutdown(&mut self.engine, timeout)
+    }
 }
 
 #[cfg(test)]
@@ -405,7 +426,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     use bytes::Bytes;
-    use felix_engine::{EngineConfig, PublishToken, SubscriptionId};
+    use felix_engine::{EngineConfig, PublishCompletion, PublishToken, SubscriptionId};
     use felix_storage::{FaultBackend, FaultHandle, wait_readable};
     use felix_wire::{ErrorCode, Record, ShardSelection, StartPosition};
 
@@ -450,11 +471,9 @@ mod tests {
     }
 
     fn pump(log: &mut DurableLog<impl Backend>, engine: &mut Engine) -> Vec<PublishCompletion> {
-        let mut completions = Vec::new();
-        log.pump(engine, Instant::now(), &mut completions)
-            .expect("no fatal error");
+        log.pump(engine, Instant::now()).expect("no fatal error");
         engine.assert_invariants();
-        completions
+        std::iter::from_fn(|| engine.poll_completed_publish()).collect()
     }
 
     /// Pumps a real-backend log until `want` publishes completed, waiting on its eventfd.
@@ -495,14 +514,11 @@ mod tests {
         engine
             .publish_tracked(1, STREAM, batch(1, 10, 64), PublishToken(1))
             .expect("published");
-        let report = {
-            let mut completions = Vec::new();
-            let report = log
-                .pump(&mut engine, Instant::now(), &mut completions)
-                .expect("pumped");
-            assert!(completions.is_empty(), "no ack before the round completes");
-            report
-        };
+        let report = log.pump(&mut engine, Instant::now()).expect("pumped");
+        assert!(
+            engine.poll_completed_publish().is_none(),
+            "no ack before the round completes"
+        );
         assert_eq!(report.appended, 10);
         assert!(drain(&mut engine, sub.id).is_empty());
         assert_eq!(handle.held_rounds(), 1);
@@ -604,17 +620,13 @@ mod tests {
         assert!(pump(&mut log, &mut engine).is_empty());
         handle.fail_next_sync(libc::EIO);
         assert!(handle.complete_next());
-        let mut completions = Vec::new();
-        let error = log
-            .pump(&mut engine, Instant::now(), &mut completions)
-            .expect_err("fatal");
+        let error = log.pump(&mut engine, Instant::now()).expect_err("fatal");
         assert!(error.is_fatal(), "{error}");
         assert!(matches!(error, StorageError::SyncFailed { .. }), "{error}");
-        assert!(completions.is_empty());
         assert!(engine.poll_completed_publish().is_none());
         assert!(drain(&mut engine, sub.id).is_empty());
         // The log stays failed: later pumps fail too.
-        let again = log.pump(&mut engine, Instant::now(), &mut completions);
+        let again = log.pump(&mut engine, Instant::now());
         assert!(again.is_err());
     }
 

@@ -1,0 +1,235 @@
+//! [`Shell`]: what one core's tasks share on the core's thread: the state machine, its
+//! durable log, the catalogue file (core 0), the stream writers' wake-ups, the connection
+//! handles and the metrics export. Every input goes through [`Shell::input`], which hands the
+//! machine the time and then carries out everything the input produced ([`Shell::drain`]).
+//! No `RefCell` borrow is ever held across an `.await`.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use felix_core::{Catalog, ConnectionId, Core, DurableLog, Event, Now, StreamId};
+use felix_storage::StorageError;
+use felix_wire::{Decoder, ErrorCode};
+use tokio::sync::Notify;
+
+use crate::mesh::Mesh;
+use crate::metrics::{CoreExport, CoreMetrics, DurableExported, Metrics};
+use crate::runtime::fatal_exit;
+
+/// Rounds of [`Shell::drain`]: each round carries out every queued output, and an output can
+/// cause one more round (a catalogue write answered, a pump's completions), so two or three
+/// rounds suffice; the bound only guards against a defect looping forever.
+const DRAIN_ROUNDS_MAX: usize = 8;
+
+/// One core's shared state.
+pub(crate) struct Shell {
+    pub index: u16,
+    pub core: RefCell<Core>,
+    pub log: RefCell<DurableLog>,
+    /// Core 0: the durable catalogue file, written when the machine asks.
+    catalog: Option<RefCell<Catalog>>,
+    pub mesh: Arc<Mesh>,
+    /// Each open stream's writer task, woken by `StreamReady`.
+    writers: RefCell<HashMap<StreamId, Rc<Notify>>>,
+    /// Open connections, so the machine (a refused handshake) and shutdown can close them.
+    pub connections: RefCell<HashMap<ConnectionId, s2n_quic::connection::Handle>>,
+    /// Notified whenever a connection leaves `connections`.
+    pub connections_changed: Notify,
+    /// Wakes the timer task: the log has more reads to answer, or a deadline moved.
+    pub timers_changed: Notify,
+    /// The earliest deadline the timer task sleeps until (to notice an earlier one).
+    pub next_deadline: Cell<Option<Instant>>,
+    pub decoder: Decoder,
+    metrics: Metrics,
+    pub core_metrics: CoreMetrics,
+    exported: RefCell<CoreExport>,
+    durable_exported: RefCell<DurableExported>,
+}
+
+/// The time now, as the machine takes it.
+pub(crate) fn now() -> Now {
+    let unix_us = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |elapsed| {
+            u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX)
+        });
+    Now {
+        at: Instant::now(),
+        unix_us,
+    }
+}
+
+impl Shell {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        core: Core,
+        log: DurableLog,
+        catalog: Option<Catalog>,
+        mesh: Arc<Mesh>,
+        decoder: Decoder,
+        metrics: Metrics,
+        core_metrics: CoreMetrics,
+    ) -> Shell {
+        Shell {
+            index: core.index(),
+            core: RefCell::new(core),
+            log: RefCell::new(log),
+            catalog: catalog.map(RefCell::new),
+            mesh,
+            writers: RefCell::new(HashMap::new()),
+            connections: RefCell::new(HashMap::new()),
+            connections_changed: Notify::new(),
+            timers_changed: Notify::new(),
+            next_deadline: Cell::new(None),
+            decoder,
+            metrics,
+            core_metrics,
+            exported: RefCell::new(CoreExport::default()),
+            durable_exported: RefCell::new(DurableExported::default()),
+        }
+    }
+
+    /// Runs one input on the machine, then carries out what it produced.
+    pub fn input<R>(&self, input: impl FnOnce(&mut Core, Now) -> R) -> R {
+        let now = now();
+        let mut core = self.core.borrow_mut();
+        let result = input(&mut core, now);
+        self.drain(&mut core, now);
+        result
+    }
+
+    /// Registers a stream's writer (woken on `StreamReady`).
+    pub fn add_writer(&self, stream: StreamId) -> Rc<Notify> {
+        let notify = Rc::new(Notify::new());
+        self.writers.borrow_mut().insert(stream, Rc::clone(&notify));
+        notify
+    }
+
+    pub fn remove_writer(&self, stream: StreamId) {
+        self.writers.borrow_mut().remove(&stream);
+    }
+
+    /// Carries out the machine's outputs: messages into the mesh (what does not fit stays in
+    /// the outbox, retried by the pump), catalogue writes (core 0, on this thread: they are
+    /// rare and the answer waits for the disk anyway), the durable log, writer wake-ups, the
+    /// timer task's deadline and the metrics.
+    pub fn drain(&self, core: &mut Core, now: Now) {
+        // The log is pumped at most once per input: a pump that left reads for later says so
+        // (`PumpReport::more`) and the timer task comes back for them, so one input never
+        // reads more than LOG_READS_PER_PUMP chunks on the core's thread.
+        let mut pumped = false;
+        for _ in 0..DRAIN_ROUNDS_MAX {
+            let mut more = false;
+            if core.outbox_len() > 0 {
+                self.send_messages(core);
+            }
+            while let Some(write) = core.poll_catalog_write() {
+                let catalog = self
+                    .catalog
+                    .as_ref()
+                    .expect("catalogue writes come from core 0, which holds the catalogue");
+                let result = catalog
+                    .borrow_mut()
+                    .apply(&write.change)
+                    .map_err(|error| error.to_string());
+                core.handle_catalog_written(now, write.id, result);
+                more = true;
+            }
+            if !pumped && core.has_log_work() {
+                self.pump_log(core, now);
+                pumped = true;
+                more = true;
+            }
+            while let Some(Event::StreamReady(stream)) = core.poll_event() {
+                if let Some(writer) = self.writers.borrow().get(&stream) {
+                    writer.notify_one();
+                }
+            }
+            if !more {
+                break;
+            }
+        }
+        if core.has_log_work() {
+            self.timers_changed.notify_one();
+        }
+        if let Some(deadline) = core.poll_timeout()
+            && self.next_deadline.get().is_none_or(|next| deadline < next)
+        {
+            self.timers_changed.notify_one();
+        }
+        self.exported
+            .borrow_mut()
+            .export(core.counters(), &self.metrics, &self.core_metrics);
+    }
+
+    /// Moves outbox messages into the mesh while the queues have room.
+    pub fn send_messages(&self, core: &mut Core) {
+        for to in (0..self.mesh.cores()).filter(|&to| to != self.index) {
+            while let Some(message) = core.poll_message(to) {
+                if let Err(message) = self.mesh.try_send(self.index, to, message) {
+                    core.return_message(to, message);
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Pumps the durable log; a fatal storage error stops the process here, before any
+    /// later ack can be written.
+    pub fn pump_log(&self, core: &mut Core, now: Now) {
+        let mut log = self.log.borrow_mut();
+        let before = log.next_deadline();
+        match core.pump_log(&mut log, now) {
+            Ok(report) => {
+                if report.more || before != log.next_deadline() {
+                    self.timers_changed.notify_one();
+                }
+            }
+            Err(error) => fatal_exit(usize::from(self.index), &error),
+        }
+        self.core_metrics.durable.observe(
+            log.counters(),
+            core.engine().durable_counters().records_pending,
+            &mut self.durable_exported.borrow_mut(),
+        );
+    }
+
+    /// Applies retention to the durable log (the timer task, every few seconds).
+    pub fn apply_retention(&self, core: &mut Core, now: Now) {
+        let result = core.apply_retention(&mut self.log.borrow_mut(), now);
+        if let Err(error) = result {
+            if error.is_fatal() {
+                fatal_exit(usize::from(self.index), &error);
+            }
+            tracing::warn!(core = self.index, %error, "retention failed; retrying later");
+        }
+    }
+
+    /// Clean shutdown: write and fdatasync what the log holds.
+    pub fn shutdown_log(&self, timeout: std::time::Duration) {
+        let result: Result<(), StorageError> = {
+            let mut core = self.core.borrow_mut();
+            core.shutdown_log(&mut self.log.borrow_mut(), timeout)
+        };
+        match result {
+            Ok(()) => tracing::info!(core = self.index, "durable log flushed"),
+            Err(error) if error.is_fatal() => fatal_exit(usize::from(self.index), &error),
+            Err(error) => tracing::error!(core = self.index, %error, "durable log flush failed"),
+        }
+    }
+
+    /// Closes a connection (a refused handshake, or shutdown) if it is still open.
+    pub fn close_connection(&self, connection: ConnectionId, code: ErrorCode) {
+        if let Some(handle) = self.connections.borrow().get(&connection) {
+            handle.close(close_code(code));
+        }
+    }
+}
+
+/// A wire error code as a QUIC application close code.
+pub(crate) fn close_code(code: ErrorCode) -> s2n_quic::application::Error {
+    u32::from(code as u16).into()
+}

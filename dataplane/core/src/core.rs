@@ -1,0 +1,1058 @@
+//! [`Core`]: the state machine of one data-plane core. Lives on that core's thread (or on the
+//! simulation's one thread, next to the other cores' machines); never shared.
+//!
+//! Inputs are `handle_*(now, ...)` calls; outputs are drained with `poll_*` calls. After any
+//! input the shell drains, in this order: [`Core::poll_message`] for every other core (into
+//! the mesh), [`Core::poll_catalog_write`] (core 0), the durable log when
+//! [`Core::has_log_work`] (the log driver), and [`Core::poll_event`] (wake stream writers).
+//! A stream's writer calls [`Core::poll_transmit`] after feeding it frames and whenever a
+//! `StreamReady` event names it. Every queue here is independent, so any order is correct;
+//! this one sends cross-core work first, which keeps latency lowest.
+
+use std::collections::{HashMap, VecDeque};
+
+use bytes::{Bytes, BytesMut};
+use felix_engine::{
+    Engine, EngineError, EngineEvent, PublishToken, StreamDescription, SubscriptionId,
+};
+use felix_wire::{
+    ErrorCode, ErrorFrame, Frame, HashKind, HelloOk, Limits, PROTOCOL_VERSION, Publish, ShardAck,
+    ShardInfo, StreamInfo, StreamRoute, StreamSummary, WireError,
+};
+
+use crate::admin::{AdminOp, PendingDescribe};
+use crate::admission::{Admission, AdmissionEvent, Ticket};
+use crate::catalog::{CatalogChange, CatalogEntry};
+use crate::config::{
+    CONNECTIONS_PER_CORE_MAX, ConnectionId, CoreConfig, HELLO_SHARD_MAP_FRAME_SHARE,
+    IngressSettings, Now, StreamId,
+};
+use crate::counters::CoreCounters;
+use crate::message::CoreMessage;
+use crate::publish::{PendingPublish, Tracked};
+use crate::subscribe::{RemoteSubscription, SubscriptionSlot};
+
+/// Something the shell must act on, drained with [`Core::poll_event`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    /// The stream has bytes to write, must finish, or accepts frames again: its writer calls
+    /// [`Core::poll_transmit`], and feeds frames again if [`Core::accepts_frames`]. Queued at
+    /// most once per stream between two `poll_transmit` calls, and never for the stream whose
+    /// frame is being handled (its writer polls right after anyway).
+    StreamReady(StreamId),
+}
+
+/// What a stream's reader does after a frame ([`Core::handle_frame`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub enum Flow {
+    /// Feed the next frame.
+    Continue,
+    /// A request on this stream waits (for ingress room, or for other cores): feed nothing
+    /// until a `StreamReady` event and [`Core::accepts_frames`] say it goes on. Leaving the
+    /// bytes unread is the backpressure: QUIC flow control stops the client.
+    Blocked,
+    /// The stream became a subscription: it carries no more frames. Any further byte from the
+    /// client is [`Core::handle_extra_data`].
+    Subscribed,
+    /// The stream reads nothing more (an `Error` with request id 0 is queued, or the
+    /// handshake was refused): write what [`Core::poll_transmit`] gives, then finish.
+    Done,
+}
+
+/// What [`Core::poll_transmit`] gives a stream's writer.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Transmit {
+    /// Encoded frames to write, in order.
+    pub bytes: Option<Bytes>,
+    /// Finish the stream after `bytes`: nothing more will come.
+    pub finish: bool,
+    /// After finishing (and giving the client a moment to read the `Error`), close the whole
+    /// connection with this code: the handshake was refused.
+    pub close_connection: Option<ErrorCode>,
+}
+
+/// A durable catalogue change core 0 needs persisted before it goes on; answer it with
+/// [`Core::handle_catalog_written`] (in any order relative to other inputs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CatalogWrite {
+    pub id: u64,
+    pub change: CatalogChange,
+}
+
+/// One connection: counted for the per-core limit; its first stream is the hello stream.
+#[derive(Debug)]
+struct Connection {
+    streams_opened: u64,
+    /// `HelloOk` was written.
+    hello_done: bool,
+}
+
+/// What a client stream is.
+#[derive(Debug)]
+pub(crate) enum Role {
+    /// The connection's first stream, before `Hello`.
+    Hello,
+    /// No frame yet: the first one decides.
+    New,
+    /// Requests answered on the same stream (admin, publish).
+    Requests,
+    /// A subscription: `Subscribed`, then `Delivery` frames.
+    Subscription(Box<SubscriptionSlot>),
+}
+
+/// A request that holds up the later frames of its stream.
+#[derive(Debug)]
+pub(crate) enum Parked {
+    /// A publish waiting for ingress room.
+    Admission {
+        ticket: Ticket,
+        publish: Publish,
+        payload_bytes: u64,
+    },
+    /// An admin request or a describe waiting for other cores (or for the catalogue write).
+    Remote,
+}
+
+/// One client stream of this core.
+#[derive(Debug)]
+pub(crate) struct StreamState {
+    pub(crate) connection: ConnectionId,
+    pub(crate) role: Role,
+    /// Encoded frames not yet handed to the writer.
+    pub(crate) out: BytesMut,
+    /// Answers still owed on this stream: publishes with parts on other cores or waiting for
+    /// their commit. Each is at most one per publish frame read, and frames are read only as
+    /// fast as the ingress queue admits them, so this is bounded by the ingress depth.
+    pub(crate) owed: u32,
+    pub(crate) parked: Option<Parked>,
+    /// The client finished its side: finish ours once nothing is owed.
+    pub(crate) fin: bool,
+    /// Finish once `out` is written, whatever is owed.
+    pub(crate) finishing: bool,
+    pub(crate) close_connection: Option<ErrorCode>,
+    /// A `StreamReady` event is queued and not yet followed by `poll_transmit`.
+    ready_queued: bool,
+}
+
+/// A request sent to another core, waiting for its answer (by token).
+#[derive(Debug)]
+pub(crate) enum Request {
+    /// A part of publish `publish` (answered by `PublishDone`).
+    PublishPart { publish: u64 },
+    /// A catalogue change forwarded to core 0 for stream `stream` (answered by `AdminDone`).
+    Admin {
+        stream: StreamId,
+        request_id: u64,
+        delete: bool,
+    },
+    /// A describe part (answered by `DescribeDone`).
+    Describe { describe: u64 },
+    /// The part of subscription `stream` on core `core` (answered by `SubscribeDone`).
+    Subscribe { stream: StreamId, core: u16 },
+}
+
+/// The state machine of one data-plane core: publish routing and splitting, ingress
+/// admission, the cross-core protocol (tokens, credits, the outbox per destination),
+/// subscription slots, durable waiters, and, on core 0, the serialized catalogue changes.
+/// It owns no thread, socket, file, clock or channel.
+pub struct Core {
+    pub(crate) index: u16,
+    pub(crate) core_count: u16,
+    core_ports: Vec<u16>,
+    pub(crate) limits: Limits,
+    pub(crate) ingress: IngressSettings,
+    pub(crate) engine: Engine,
+    pub(crate) admission: Admission,
+    pub(crate) counters: CoreCounters,
+    next_token: u64,
+    next_connection: u64,
+    next_stream: u64,
+    connections: HashMap<ConnectionId, Connection>,
+    pub(crate) streams: HashMap<StreamId, StreamState>,
+    /// The stream of each admission waiter.
+    pub(crate) waiters: HashMap<Ticket, StreamId>,
+    /// Requests sent to other cores, by token. Bounded by the ingress queue (publish parts)
+    /// and by the streams (at most one admin, describe or subscribe each).
+    pub(crate) requests: HashMap<u64, Request>,
+    /// Admitted publishes with parts not yet answered, by publish token.
+    pub(crate) publishes: HashMap<u64, PendingPublish>,
+    /// Durable publishes (or parts) this core's engine tracks, by engine token.
+    pub(crate) tracked: HashMap<u64, Tracked>,
+    /// Describes gathering shard states from the owner cores.
+    pub(crate) describes: HashMap<u64, PendingDescribe>,
+    /// Engine subscriptions feeding a subscription stream of this core.
+    pub(crate) local_subscriptions: HashMap<SubscriptionId, StreamId>,
+    /// Engine subscriptions feeding a subscription stream on another core.
+    pub(crate) remote_subscriptions: HashMap<SubscriptionId, RemoteSubscription>,
+    /// Messages per destination core, oldest first. FIFO per pair; the shell moves them into
+    /// the mesh while it has room. Bounded by what caused them: publish parts by the ingress
+    /// queue, answers by the requests received, deliveries by the credits.
+    outbox: Vec<VecDeque<CoreMessage>>,
+    outbox_len: usize,
+    events: VecDeque<Event>,
+    /// Core 0: the catalogue id the next durable stream gets.
+    pub(crate) next_stream_id: u32,
+    /// Core 0: catalogue changes, one at a time, oldest first.
+    pub(crate) admin_ops: VecDeque<AdminOp>,
+    pub(crate) catalog_writes: VecDeque<CatalogWrite>,
+    /// The stream whose frame is being handled: its writer polls next, so no event for it.
+    in_call: Option<StreamId>,
+    /// Scratch of `run_publish` (each record's shard), kept to avoid an allocation per publish.
+    pub(crate) scratch_shards: Vec<u32>,
+}
+
+impl std::fmt::Debug for Core {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Core")
+            .field("index", &self.index)
+            .field("streams", &self.streams.len())
+            .field("outbox", &self.outbox_len)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Core {
+    #[must_use]
+    pub fn new(config: CoreConfig) -> Core {
+        assert!(config.core_count >= 1, "at least one data-plane core");
+        assert!(
+            config.index < config.core_count,
+            "the core is one of the plan's"
+        );
+        assert_eq!(
+            config.core_ports.len(),
+            usize::from(config.core_count),
+            "one own port per core"
+        );
+        let mut engine = Engine::new(config.engine);
+        engine.enable_durable();
+        Core {
+            index: config.index,
+            core_count: config.core_count,
+            core_ports: config.core_ports,
+            limits: config.limits,
+            ingress: config.ingress,
+            engine,
+            admission: Admission::new(config.ingress.depth, config.ingress.budget_bytes),
+            counters: CoreCounters::default(),
+            next_token: 1,
+            next_connection: 1,
+            next_stream: 1,
+            connections: HashMap::new(),
+            streams: HashMap::new(),
+            waiters: HashMap::new(),
+            requests: HashMap::new(),
+            publishes: HashMap::new(),
+            tracked: HashMap::new(),
+            describes: HashMap::new(),
+            local_subscriptions: HashMap::new(),
+            remote_subscriptions: HashMap::new(),
+            outbox: (0..config.core_count).map(|_| VecDeque::new()).collect(),
+            outbox_len: 0,
+            events: VecDeque::new(),
+            next_stream_id: config.next_stream_id,
+            admin_ops: VecDeque::new(),
+            catalog_writes: VecDeque::new(),
+            in_call: None,
+            scratch_shards: Vec::new(),
+        }
+    }
+
+    // ---- getters ----
+
+    #[must_use]
+    pub fn index(&self) -> u16 {
+        self.index
+    }
+
+    /// The engine, read-only (descriptions, counters, invariants).
+    #[must_use]
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// This core's counters, gauges brought up to date.
+    pub fn counters(&mut self) -> &CoreCounters {
+        self.counters.ingress_depth = self.admission.depth();
+        self.counters.ingress_bytes = self.admission.held_bytes();
+        self.counters.ingress_waiting = self.admission.waiting() as u64;
+        &self.counters
+    }
+
+    /// Whether the stream takes frames now (not parked, not done, not a subscription).
+    #[must_use]
+    pub fn accepts_frames(&self, stream: StreamId) -> bool {
+        self.streams.get(&stream).is_some_and(|state| {
+            state.parked.is_none()
+                && !state.finishing
+                && matches!(state.role, Role::Hello | Role::New | Role::Requests)
+        })
+    }
+
+    /// Whether the connection's handshake was answered with `HelloOk`.
+    #[must_use]
+    pub fn handshake_done(&self, connection: ConnectionId) -> bool {
+        self.connections
+            .get(&connection)
+            .is_some_and(|state| state.hello_done)
+    }
+
+    /// Open streams of this core.
+    #[must_use]
+    pub fn stream_count(&self) -> usize {
+        self.streams.len()
+    }
+
+    /// Messages waiting in the outbox, all destinations.
+    #[must_use]
+    pub fn outbox_len(&self) -> usize {
+        self.outbox_len
+    }
+
+    /// The engine has appends or log reads for the durable log (the shell pumps it).
+    #[must_use]
+    pub fn has_log_work(&self) -> bool {
+        self.engine.has_log_work()
+    }
+
+    pub(crate) fn token(&mut self) -> u64 {
+        let token = self.next_token;
+        self.next_token += 1;
+        token
+    }
+
+    /// The core owning `shard`: the core plan's rule, `shard % cores`.
+    pub(crate) fn owner(&self, shard: u32) -> u16 {
+        felix_affinity::shard_core(shard, self.core_count)
+    }
+
+    // ---- start-up ----
+
+    /// Recreates a catalogued durable stream from its log's per-shard `(oldest, next)`
+    /// offsets (start-up, before the core serves).
+    pub fn restore_durable_stream(
+        &mut self,
+        entry: &CatalogEntry,
+        offsets: &[(u64, u64)],
+    ) -> Result<StreamDescription, EngineError> {
+        self.engine
+            .restore_durable_stream(&entry.name, entry.shards, entry.stream_id, offsets)
+    }
+
+    // ---- connections and streams ----
+
+    /// A connection was accepted. Refused (`LimitExceeded`, counted) beyond
+    /// [`CONNECTIONS_PER_CORE_MAX`]: the shell closes it with that code.
+    pub fn handle_connection_opened(&mut self) -> Result<ConnectionId, ErrorCode> {
+        if self.connections.len() >= CONNECTIONS_PER_CORE_MAX {
+            self.counters.error(ErrorCode::LimitExceeded);
+            return Err(ErrorCode::LimitExceeded);
+        }
+        let id = ConnectionId(self.next_connection);
+        self.next_connection += 1;
+        self.connections.insert(
+            id,
+            Connection {
+                streams_opened: 0,
+                hello_done: false,
+            },
+        );
+        self.counters.connections += 1;
+        Ok(id)
+    }
+
+    /// No `Hello` arrived in time: counts the violation; the shell closes with the code.
+    pub fn handle_hello_timeout(&mut self, connection: ConnectionId) -> ErrorCode {
+        assert!(
+            self.connections.contains_key(&connection),
+            "a live connection"
+        );
+        self.counters.error(ErrorCode::ProtocolViolation);
+        ErrorCode::ProtocolViolation
+    }
+
+    /// The connection is gone (its streams are closed one by one by their writers).
+    pub fn handle_connection_closed(&mut self, connection: ConnectionId) {
+        if self.connections.remove(&connection).is_some() {
+            self.counters.connections -= 1;
+        }
+    }
+
+    /// The client opened a bidirectional stream on `connection`; the connection's first
+    /// stream carries the handshake.
+    pub fn handle_stream_opened(&mut self, connection: ConnectionId) -> StreamId {
+        let opened = self
+            .connections
+            .get_mut(&connection)
+            .expect("streams are opened on live connections");
+        let role = if opened.streams_opened == 0 {
+            Role::Hello
+        } else {
+            Role::New
+        };
+        opened.streams_opened += 1;
+        let id = StreamId(self.next_stream);
+        self.next_stream += 1;
+        self.streams.insert(
+            id,
+            StreamState {
+                connection,
+                role,
+                out: BytesMut::new(),
+                owed: 0,
+                parked: None,
+                fin: false,
+                finishing: false,
+                close_connection: None,
+                ready_queued: false,
+            },
+        );
+        id
+    }
+
+    /// One decoded frame from the client on `stream`. Only while [`Core::accepts_frames`].
+    pub fn handle_frame(&mut self, now: Now, stream: StreamId, frame: Frame) -> Flow {
+        self.in_call = Some(stream);
+        let flow = self.dispatch_frame(now, stream, frame);
+        self.settle(now);
+        self.in_call = None;
+        // A request that parked its stream may have been answered within this call (a
+        // catalogue change on a one-core broker, say): then nothing waits.
+        if flow == Flow::Blocked && self.accepts_frames(stream) {
+            return Flow::Continue;
+        }
+        flow
+    }
+
+    fn dispatch_frame(&mut self, now: Now, stream: StreamId, frame: Frame) -> Flow {
+        let state = self
+            .streams
+            .get_mut(&stream)
+            .expect("frames come from open streams");
+        assert!(
+            state.parked.is_none() && !state.finishing,
+            "frames are fed only while the stream accepts them"
+        );
+        match state.role {
+            Role::Hello => self.handle_hello(stream, frame),
+            Role::New => match frame {
+                Frame::Subscribe(subscribe) => self.start_subscription(stream, subscribe),
+                other => {
+                    state.role = Role::Requests;
+                    self.handle_request(now, stream, other)
+                }
+            },
+            Role::Requests => self.handle_request(now, stream, frame),
+            Role::Subscription(_) => {
+                self.refuse_extra_data(stream);
+                Flow::Done
+            }
+        }
+    }
+
+    fn handle_hello(&mut self, stream: StreamId, frame: Frame) -> Flow {
+        let refusal = match frame {
+            Frame::Hello(hello)
+                if hello.min_version <= PROTOCOL_VERSION
+                    && PROTOCOL_VERSION <= hello.max_version =>
+            {
+                tracing::debug!(client = hello.client_name, "hello");
+                let hello_ok = Frame::HelloOk(self.hello_ok());
+                self.write(stream, &hello_ok);
+                let state = self.stream_mut(stream);
+                state.role = Role::Requests;
+                let connection = state.connection;
+                if let Some(state) = self.connections.get_mut(&connection) {
+                    state.hello_done = true;
+                }
+                return Flow::Continue;
+            }
+            Frame::Hello(hello) => error_frame(
+                ErrorCode::UnsupportedVersion,
+                format!(
+                    "this broker speaks protocol version {PROTOCOL_VERSION}; the client offered \
+                     {}..={}",
+                    hello.min_version, hello.max_version
+                ),
+            ),
+            other => error_frame(
+                ErrorCode::ProtocolViolation,
+                format!(
+                    "the first frame of a connection must be hello, not {}",
+                    other.frame_type().name()
+                ),
+            ),
+        };
+        self.refuse_handshake(stream, refusal);
+        Flow::Done
+    }
+
+    /// Writes the refusal, finishes the stream and closes the connection after it.
+    fn refuse_handshake(&mut self, stream: StreamId, refusal: ErrorFrame) {
+        let code = refusal.code;
+        self.write_error(stream, refusal);
+        let state = self.stream_mut(stream);
+        state.finishing = true;
+        state.close_connection = Some(code);
+    }
+
+    /// The bytes on `stream` are not a valid frame: the stream answers `Error` (request id 0)
+    /// and finishes; on the hello stream the connection closes too.
+    pub fn handle_decode_error(&mut self, now: Now, stream: StreamId, error: &WireError) {
+        tracing::debug!(%error, "undecodable frame; finishing the stream");
+        let refusal = error_frame(error.code(), error.to_string());
+        if matches!(self.stream_mut(stream).role, Role::Hello) {
+            self.refuse_handshake(stream, refusal);
+        } else {
+            self.write_error(stream, refusal);
+            self.stream_mut(stream).finishing = true;
+        }
+        self.settle(now);
+    }
+
+    /// The client finished its side of `stream`; `partial_frame`: bytes of an incomplete
+    /// frame were left (a truncated frame, answered like an undecodable one).
+    pub fn handle_fin(&mut self, now: Now, stream: StreamId, partial_frame: bool) {
+        if partial_frame {
+            let truncated = WireError::Malformed {
+                frame: "frame",
+                reason: "the stream ended inside a frame".to_owned(),
+            };
+            self.handle_decode_error(now, stream, &truncated);
+            return;
+        }
+        let state = self.stream_mut(stream);
+        match state.role {
+            Role::Hello => self.refuse_handshake(
+                stream,
+                error_frame(
+                    ErrorCode::ProtocolViolation,
+                    "the first stream ended before Hello".to_owned(),
+                ),
+            ),
+            // A subscriber may half-close after Subscribe: deliveries go on.
+            Role::Subscription(_) => {}
+            Role::New | Role::Requests => state.fin = true,
+        }
+    }
+
+    /// Bytes arrived on a subscription stream after its `Subscribe`.
+    pub fn handle_extra_data(&mut self, now: Now, stream: StreamId) {
+        self.refuse_extra_data(stream);
+        self.settle(now);
+    }
+
+    /// The stream's writer is gone (finished, reset, or its connection closed): forget
+    /// everything of it. Answers still owed are dropped when they arrive; the ingress jobs they
+    /// hold are freed as they complete.
+    pub fn handle_stream_closed(&mut self, now: Now, stream: StreamId) {
+        let Some(state) = self.streams.remove(&stream) else {
+            return;
+        };
+        match state.parked {
+            Some(Parked::Admission { ticket, .. }) => {
+                let removed = self.waiters.remove(&ticket);
+                assert_eq!(removed, Some(stream), "a parked publish is a waiter");
+                let waiting = self.admission.handle_cancel(ticket);
+                assert!(waiting, "admitted waiters are unparked in the same input");
+            }
+            Some(Parked::Remote) | None => {}
+        }
+        if let Role::Subscription(slot) = state.role {
+            self.drop_subscription(*slot);
+        }
+        self.settle(now);
+    }
+
+    // ---- output ----
+
+    /// The next bytes to write on `stream`, and whether to finish it. For a subscription this
+    /// takes one delivery batch (at most [`crate::DELIVERY_RECORDS_MAX`] records): call it
+    /// until it gives nothing, then wait for a `StreamReady` event.
+    pub fn poll_transmit(&mut self, now: Now, stream: StreamId) -> Transmit {
+        let Some(state) = self.streams.get_mut(&stream) else {
+            return Transmit {
+                bytes: None,
+                finish: true,
+                close_connection: None,
+            };
+        };
+        state.ready_queued = false;
+        if state.out.is_empty() && !state.finishing && matches!(state.role, Role::Subscription(_)) {
+            self.in_call = Some(stream);
+            self.fill_delivery(stream);
+            self.settle(now);
+            self.in_call = None;
+        }
+        let state = self.stream_mut(stream);
+        let bytes = (!state.out.is_empty()).then(|| state.out.split().freeze());
+        let requests_done = state.fin
+            && state.owed == 0
+            && state.parked.is_none()
+            && matches!(state.role, Role::New | Role::Requests);
+        let finish = state.finishing || requests_done;
+        Transmit {
+            bytes,
+            finish,
+            close_connection: if finish { state.close_connection } else { None },
+        }
+    }
+
+    /// Next event for the shell, oldest first.
+    #[must_use]
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+
+    /// Next message for core `to`, oldest first.
+    #[must_use]
+    pub fn poll_message(&mut self, to: u16) -> Option<CoreMessage> {
+        let message = self.outbox[usize::from(to)].pop_front()?;
+        self.outbox_len -= 1;
+        Some(message)
+    }
+
+    /// Gives back a message [`Core::poll_message`] returned whose queue was full; it goes out
+    /// first next time (FIFO per pair is kept).
+    pub fn return_message(&mut self, to: u16, message: CoreMessage) {
+        self.outbox[usize::from(to)].push_front(message);
+        self.outbox_len += 1;
+    }
+
+    /// Next durable catalogue change to persist (core 0).
+    #[must_use]
+    pub fn poll_catalog_write(&mut self) -> Option<CatalogWrite> {
+        self.catalog_writes.pop_front()
+    }
+
+    /// The earliest deadline of an admission waiter: call [`Core::handle_timeout`] then.
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<std::time::Instant> {
+        self.admission.poll_timeout()
+    }
+
+    /// Expires admission waiters whose deadline passed (they are refused).
+    pub fn handle_timeout(&mut self, now: Now) {
+        self.admission.handle_timeout(now.at);
+        self.settle(now);
+    }
+
+    // ---- messages from other cores ----
+
+    /// One message from another core.
+    pub fn handle_message(&mut self, now: Now, message: CoreMessage) {
+        match message {
+            CoreMessage::Publish {
+                from,
+                token,
+                stream,
+                shard_count,
+                records,
+                shards,
+                now_us,
+            } => self.publish_for(from, token, &stream, shard_count, records, &shards, now_us),
+            CoreMessage::PublishDone { token, result } => match self.requests.remove(&token) {
+                Some(Request::PublishPart { publish }) => self.resolve_part(now, publish, result),
+                other => panic!("PublishDone {token} answers {other:?}"),
+            },
+            CoreMessage::Admin {
+                from,
+                token,
+                request,
+            } => self.queue_admin(crate::admin::AdminOrigin::Remote { from, token }, request),
+            CoreMessage::Apply { token, request } => self.apply_from_core_zero(token, &request),
+            CoreMessage::Applied { token } => self.handle_applied(token),
+            CoreMessage::AdminDone { token, result } => self.handle_admin_done(token, result),
+            CoreMessage::Describe {
+                from,
+                token,
+                stream,
+            } => self.describe_for(from, token, &stream),
+            CoreMessage::DescribeDone { token, result } => self.handle_describe_done(token, result),
+            CoreMessage::Subscribe {
+                from,
+                token,
+                slot,
+                stream,
+                shards,
+                start,
+            } => self.subscribe_for(from, token, slot, &stream, shards, &start),
+            CoreMessage::SubscribeDone { token, result } => {
+                self.handle_subscribe_done(token, result);
+            }
+            CoreMessage::Deliver {
+                slot,
+                owner,
+                id,
+                records,
+            } => self.handle_deliver(slot, owner, id, records),
+            CoreMessage::Ended { slot, error } => self.handle_ended(slot, error),
+            CoreMessage::Credit { id } => self.handle_credit(id),
+            CoreMessage::Unsubscribe { id } => {
+                if self.remote_subscriptions.remove(&id).is_some() {
+                    self.engine.unsubscribe(id);
+                }
+            }
+        }
+        self.settle(now);
+    }
+
+    // ---- internals shared by the modules ----
+
+    pub(crate) fn send(&mut self, to: u16, message: CoreMessage) {
+        assert_ne!(to, self.index, "a core never messages itself");
+        self.outbox[usize::from(to)].push_back(message);
+        self.outbox_len += 1;
+    }
+
+    pub(crate) fn stream_mut(&mut self, stream: StreamId) -> &mut StreamState {
+        self.streams
+            .get_mut(&stream)
+            .expect("the stream is open (checked by the caller)")
+    }
+
+    /// Queues a `StreamReady` for `stream`, unless its writer is the caller or one is queued.
+    pub(crate) fn mark_ready(&mut self, stream: StreamId) {
+        if self.in_call == Some(stream) {
+            return;
+        }
+        if let Some(state) = self.streams.get_mut(&stream)
+            && !state.ready_queued
+        {
+            state.ready_queued = true;
+            self.events.push_back(Event::StreamReady(stream));
+        }
+    }
+
+    /// Encodes `frame` on `stream` (if it is still open) and wakes its writer.
+    pub(crate) fn write(&mut self, stream: StreamId, frame: &Frame) {
+        if let Some(state) = self.streams.get_mut(&stream) {
+            felix_wire::encode(frame, &mut state.out);
+            self.mark_ready(stream);
+        }
+    }
+
+    /// Counts an error and writes it on `stream` (if it is still open).
+    pub(crate) fn write_error(&mut self, stream: StreamId, error: ErrorFrame) {
+        self.counters.error(error.code);
+        self.write(stream, &Frame::Error(error));
+    }
+
+    /// Unparks `stream`: its reader may feed frames again.
+    pub(crate) fn unpark(&mut self, stream: StreamId) {
+        if let Some(state) = self.streams.get_mut(&stream) {
+            state.parked = None;
+            self.mark_ready(stream);
+        }
+    }
+
+    /// One answer fewer owed on `stream`.
+    pub(crate) fn answered(&mut self, stream: StreamId) {
+        if let Some(state) = self.streams.get_mut(&stream) {
+            assert!(state.owed > 0, "an owed answer was counted");
+            state.owed -= 1;
+            if state.owed == 0 && state.fin {
+                self.mark_ready(stream);
+            }
+        }
+    }
+
+    /// Drains what one input set off, until nothing is left: admission events (admitted or
+    /// expired waiters), finished durable publishes, engine events. Each step can feed the
+    /// others (an admitted publish completes a job and admits the next waiter), so it loops;
+    /// every pass consumes queued work, and new work is bounded by the waiters and
+    /// subscriptions that exist, so it ends.
+    pub(crate) fn settle(&mut self, now: Now) {
+        loop {
+            let mut progressed = false;
+            while let Some(event) = self.admission.poll_event() {
+                progressed = true;
+                match event {
+                    AdmissionEvent::Admitted(ticket) => self.admit_waiter(now, ticket),
+                    AdmissionEvent::Expired(ticket) => self.expire_waiter(ticket),
+                }
+            }
+            while let Some(completion) = self.engine.poll_completed_publish() {
+                progressed = true;
+                self.complete_tracked(now, completion.token, completion.result);
+            }
+            while let Some(event) = self.engine.poll_event() {
+                progressed = true;
+                match event {
+                    EngineEvent::DeliveryReady(id) => self.delivery_ready(id),
+                    EngineEvent::SubscriptionEnded(id, error) => self.subscription_ended(id, error),
+                }
+            }
+            if !progressed {
+                return;
+            }
+        }
+    }
+
+    fn complete_tracked(&mut self, now: Now, token: PublishToken, result: Result<(), EngineError>) {
+        let tracked = self
+            .tracked
+            .remove(&token.0)
+            .expect("every tracked publish is registered when the engine takes it");
+        match tracked {
+            Tracked::Local { publish } => {
+                self.resolve_part(now, publish, result.map(|()| Vec::new()));
+            }
+            Tracked::Remote { from, token, acks } => self.send(
+                from,
+                CoreMessage::PublishDone {
+                    token,
+                    result: result.map(|()| acks),
+                },
+            ),
+        }
+    }
+
+    // ---- requests ----
+
+    fn handle_request(&mut self, now: Now, stream: StreamId, frame: Frame) -> Flow {
+        match frame {
+            Frame::Publish(publish) => self.handle_publish(now, stream, publish),
+            Frame::CreateStream(create) => self.request_admin(
+                stream,
+                create.request_id,
+                crate::message::AdminRequest::Create {
+                    name: create.name,
+                    shard_count: create.shard_count,
+                    kind: create.kind,
+                    stream_id: None,
+                },
+            ),
+            Frame::DeleteStream { request_id, name } => self.request_admin(
+                stream,
+                request_id,
+                crate::message::AdminRequest::Delete { name },
+            ),
+            Frame::DescribeStream { request_id, name } => {
+                self.start_describe(stream, request_id, &name)
+            }
+            Frame::ListStreams { request_id } => {
+                let streams = self
+                    .engine
+                    .list_streams()
+                    .into_iter()
+                    .map(|(name, kind, shard_count)| StreamSummary {
+                        name,
+                        kind,
+                        shard_count,
+                    })
+                    .collect();
+                self.write(
+                    stream,
+                    &Frame::StreamList {
+                        request_id,
+                        streams,
+                    },
+                );
+                Flow::Continue
+            }
+            Frame::Subscribe(subscribe) => {
+                self.write_error(
+                    stream,
+                    ErrorFrame {
+                        request_id: subscribe.request_id,
+                        code: ErrorCode::ProtocolViolation,
+                        detail: 0,
+                        message: "Subscribe must be the first and only frame of its own stream"
+                            .to_owned(),
+                    },
+                );
+                Flow::Continue
+            }
+            other => {
+                self.write_error(
+                    stream,
+                    error_frame(
+                        ErrorCode::ProtocolViolation,
+                        format!(
+                            "{} is not a request a client may send on a request stream",
+                            other.frame_type().name()
+                        ),
+                    ),
+                );
+                self.stream_mut(stream).finishing = true;
+                Flow::Done
+            }
+        }
+    }
+
+    /// The handshake answer: version, limits, every core's own port, and every stream's route.
+    #[must_use]
+    pub fn hello_ok(&self) -> HelloOk {
+        let streams = self.engine.list_streams();
+        let budget = usize::try_from(self.limits.max_frame_bytes).unwrap_or(usize::MAX)
+            / HELLO_SHARD_MAP_FRAME_SHARE;
+        let mut used = 0usize;
+        let mut shard_map = Vec::with_capacity(streams.len());
+        for (name, kind, shard_count) in streams {
+            // Generous upper bound of one route's encoding: name, fixed fields, u16 per shard.
+            let cost = name.len() + 32 + 2 * usize::try_from(shard_count).unwrap_or(usize::MAX);
+            used = used.saturating_add(cost);
+            if used > budget {
+                tracing::warn!(
+                    "shard map too large for HelloOk; clients must describe the remaining streams"
+                );
+                break;
+            }
+            shard_map.push(StreamRoute {
+                name,
+                kind,
+                shard_count,
+                hash: HashKind::Fnv1a64Mod,
+                shard_cores: (0..shard_count).map(|shard| self.owner(shard)).collect(),
+            });
+        }
+        HelloOk {
+            version: PROTOCOL_VERSION,
+            features: 0,
+            limits: self.limits,
+            core_ports: self.core_ports.clone(),
+            shard_map,
+        }
+    }
+
+    /// Writes a `StreamInfo` answer, each shard with its owner core.
+    pub(crate) fn write_stream_info(
+        &mut self,
+        stream: StreamId,
+        request_id: u64,
+        description: StreamDescription,
+    ) {
+        let shards = description
+            .shards
+            .iter()
+            .map(|shard| ShardInfo {
+                shard: shard.shard,
+                core: self.owner(shard.shard),
+                oldest_offset: shard.oldest_offset,
+                next_offset: shard.next_offset,
+            })
+            .collect();
+        let info = StreamInfo {
+            request_id,
+            name: description.name,
+            kind: description.kind,
+            hash: description.hash,
+            shards,
+        };
+        self.write(stream, &Frame::StreamInfo(info));
+    }
+
+    // ---- checks ----
+
+    /// Checks every invariant of this core and of its engine. O(everything held): for tests
+    /// and the simulation, not the hot path.
+    pub fn assert_invariants(&self) {
+        self.engine.assert_invariants();
+        assert!(
+            self.admission.depth() <= self.ingress.depth,
+            "the ingress depth stays within its bound"
+        );
+        assert!(
+            self.admission.held_bytes() <= self.ingress.budget_bytes || self.admission.depth() == 1,
+            "the ingress byte budget is exceeded only by one job alone"
+        );
+        assert_eq!(
+            self.waiters.len(),
+            self.admission.waiting(),
+            "every admission waiter is a parked publish"
+        );
+        for (ticket, stream) in &self.waiters {
+            let state = self.streams.get(stream).expect("a waiter's stream is open");
+            assert!(
+                matches!(state.parked, Some(Parked::Admission { ticket: parked, .. }) if parked == *ticket),
+                "a waiter's stream is parked on it"
+            );
+        }
+        assert_eq!(
+            self.tracked.len(),
+            self.engine.tracked_publishes(),
+            "every engine-tracked publish is registered once"
+        );
+        // Each admitted publish holds one job until it is finished.
+        assert!(
+            self.publishes.len() as u64 <= self.admission.depth(),
+            "a pending publish holds an ingress job"
+        );
+        let owed: u64 = self
+            .streams
+            .values()
+            .map(|state| u64::from(state.owed))
+            .sum();
+        let pending_live = self
+            .publishes
+            .values()
+            .filter(|publish| self.streams.contains_key(&publish.stream))
+            .count() as u64;
+        assert_eq!(
+            owed, pending_live,
+            "each owed answer is one pending publish"
+        );
+        assert_eq!(
+            self.outbox_len,
+            self.outbox.iter().map(VecDeque::len).sum::<usize>(),
+            "the outbox length is kept"
+        );
+        for (stream, state) in &self.streams {
+            assert!(
+                self.connections.contains_key(&state.connection),
+                "a stream's connection is open"
+            );
+            if let Role::Subscription(slot) = &state.role {
+                slot.assert_invariants();
+                if let Some(id) = slot.local {
+                    assert_eq!(self.local_subscriptions.get(&id), Some(stream));
+                }
+            }
+        }
+        for stream in self.local_subscriptions.values() {
+            assert!(
+                matches!(
+                    self.streams.get(stream).map(|state| &state.role),
+                    Some(Role::Subscription(_))
+                ),
+                "a local engine subscription feeds an open subscription stream"
+            );
+        }
+        for remote in self.remote_subscriptions.values() {
+            assert!(
+                remote.credits <= crate::config::REMOTE_DELIVERY_CREDITS,
+                "credits stay within their bound"
+            );
+        }
+        assert!(
+            self.index == 0 || (self.admin_ops.is_empty() && self.catalog_writes.is_empty()),
+            "catalogue changes run on core 0 only"
+        );
+        assert!(
+            self.catalog_writes.len() <= 1,
+            "one catalogue change at a time"
+        );
+    }
+}
+
+/// An `Error` frame answering no particular request (request id 0).
+pub(crate) fn error_frame(code: ErrorCode, message: String) -> ErrorFrame {
+    ErrorFrame {
+        request_id: 0,
+        code,
+        detail: 0,
+        message,
+    }
+}
+
+/// An error of the core itself (the engine's constructor bounds the message length).
+pub(crate) fn core_error(code: ErrorCode, message: String) -> EngineError {
+    EngineError::new(code, 0, message)
+}
+
+/// `ShardAck`s of the parts of one publish, merged in ascending shard order.
+pub(crate) fn sort_acks(acks: &mut [ShardAck]) {
+    acks.sort_unstable_by_key(|ack| ack.shard);
+}

@@ -1,0 +1,457 @@
+//! Publishing on one core: admission through the ingress queue, the shard of each record
+//! computed once, the split by owner core, the parts' answers merged into one `Ack`, and the
+//! owner's side of a forwarded part (docs/semantics.md, 3 Publishing).
+//!
+//! A publish holds its ingress job from admission until every part is answered: applied here
+//! (in-memory), committed here (durable), or answered by its owner core. A durable ack is one
+//! output of the machine: the engine's completion resolves the part, the merged `Ack` is
+//! encoded on the stream it answers and the stream's writer is woken.
+
+use felix_engine::{EngineError, PublishToken, StreamMeta};
+use felix_wire::{AckMode, ErrorCode, ErrorFrame, Frame, Publish, Record, ShardAck, StreamKind};
+
+use crate::admission::{Decision, Policy, Ticket};
+use crate::config::{INGRESS_EXHAUSTED_MESSAGE, Now, StreamId};
+use crate::core::{Core, Flow, Parked, Request, sort_acks};
+use crate::message::CoreMessage;
+
+/// An admitted publish whose parts are not all answered yet (origin core).
+#[derive(Debug)]
+pub(crate) struct PendingPublish {
+    pub(crate) stream: StreamId,
+    request_id: u64,
+    ack: AckMode,
+    payload_bytes: u64,
+    records: u64,
+    /// Parts still to be answered (this core's durable part, and one per owner core).
+    parts: u16,
+    acks: Vec<ShardAck>,
+    /// The first error a part answered with; the publish answers it.
+    error: Option<EngineError>,
+}
+
+/// A durable publish (or part) the engine tracks until its records are committed.
+#[derive(Debug)]
+pub(crate) enum Tracked {
+    /// This core's part of pending publish `publish` (its acks are already merged).
+    Local { publish: u64 },
+    /// A part forwarded by core `from`: answer `PublishDone { token }` with `acks`.
+    Remote {
+        from: u16,
+        token: u64,
+        acks: Vec<ShardAck>,
+    },
+}
+
+impl Core {
+    /// A `Publish` frame: admit it, then run it, or park the stream while it waits for room.
+    pub(crate) fn handle_publish(&mut self, now: Now, stream: StreamId, publish: Publish) -> Flow {
+        self.counters.publishes += 1;
+        let payload_bytes: u64 = publish
+            .records
+            .iter()
+            .map(|record| record.payload.len() as u64)
+            .sum();
+        // The stream's name is resolved here, once; the engine is then reached by handle.
+        let Some(meta) = self.engine.lookup(&publish.stream) else {
+            let error = EngineError::stream_not_found(&publish.stream);
+            self.answer_publish(stream, publish.request_id, publish.ack, Err(error));
+            return Flow::Continue;
+        };
+        match self.admission.handle_request(
+            now.at,
+            payload_bytes,
+            self.policy(now, publish.ack, meta.kind),
+        ) {
+            Decision::Admitted => {
+                self.run_publish(now, stream, publish, meta, payload_bytes);
+                Flow::Continue
+            }
+            Decision::Shed => {
+                self.counters.shed += 1;
+                Flow::Continue
+            }
+            Decision::Refused => {
+                self.refuse_publish(stream, publish.request_id);
+                Flow::Continue
+            }
+            Decision::Waiting(ticket) => {
+                self.counters.waits += 1;
+                self.waiters.insert(ticket, stream);
+                self.stream_mut(stream).parked = Some(Parked::Admission {
+                    ticket,
+                    publish,
+                    payload_bytes,
+                });
+                Flow::Blocked
+            }
+        }
+    }
+
+    /// What a publish does when the ingress queue is full (docs/semantics.md, 3 Publishing).
+    fn policy(&self, now: Now, ack: AckMode, kind: StreamKind) -> Policy {
+        match ack {
+            AckMode::FireAndForget if self.ingress.fire_and_forget_waits => {
+                Policy::Wait { deadline: None }
+            }
+            AckMode::FireAndForget => Policy::Shed,
+            // Durable streams ack after commit by default.
+            AckMode::Acked if self.ingress.ack_on_commit || kind == StreamKind::Durable => {
+                Policy::Wait {
+                    deadline: Some(now.at + self.ingress.commit_wait),
+                }
+            }
+            AckMode::Acked => Policy::Refuse,
+        }
+    }
+
+    fn refuse_publish(&mut self, stream: StreamId, request_id: u64) {
+        self.counters.refused += 1;
+        self.write_error(
+            stream,
+            ErrorFrame {
+                request_id,
+                code: ErrorCode::IngressBudgetExhausted,
+                detail: 0,
+                message: INGRESS_EXHAUSTED_MESSAGE.to_owned(),
+            },
+        );
+    }
+
+    /// A parked publish got its room: run it (its stream may have been deleted meanwhile;
+    /// the name is resolved again) and let its stream go on.
+    pub(crate) fn admit_waiter(&mut self, now: Now, ticket: Ticket) {
+        let stream = self
+            .waiters
+            .remove(&ticket)
+            .expect("every admission waiter is registered");
+        let Some(Parked::Admission {
+            ticket: parked,
+            publish,
+            payload_bytes,
+        }) = self.stream_mut(stream).parked.take()
+        else {
+            panic!("a waiter's stream is parked on its publish");
+        };
+        assert_eq!(parked, ticket, "a stream parks one publish at a time");
+        self.unpark(stream);
+        match self.engine.lookup(&publish.stream) {
+            Some(meta) => self.run_publish(now, stream, publish, meta, payload_bytes),
+            None => {
+                self.complete_job(now, payload_bytes);
+                let error = EngineError::stream_not_found(&publish.stream);
+                self.answer_publish(stream, publish.request_id, publish.ack, Err(error));
+            }
+        }
+    }
+
+    /// A parked publish's deadline passed: it is refused, and its stream goes on.
+    pub(crate) fn expire_waiter(&mut self, ticket: Ticket) {
+        let stream = self
+            .waiters
+            .remove(&ticket)
+            .expect("every admission waiter is registered");
+        let Some(Parked::Admission { publish, .. }) = self.stream_mut(stream).parked.take() else {
+            panic!("a waiter's stream is parked on its publish");
+        };
+        self.unpark(stream);
+        self.refuse_publish(stream, publish.request_id);
+    }
+
+    /// An admitted publish: each record's shard is computed here, once; the records this core
+    /// owns go to its engine, the others to their owners in one message per owner core.
+    fn run_publish(
+        &mut self,
+        now: Now,
+        stream: StreamId,
+        publish: Publish,
+        meta: StreamMeta,
+        payload_bytes: u64,
+    ) {
+        let Publish {
+            request_id,
+            ack,
+            stream: name,
+            records,
+        } = publish;
+        let record_count = records.len() as u64;
+        let durable = meta.kind == StreamKind::Durable;
+        let mut shards = std::mem::take(&mut self.scratch_shards);
+        shards.clear();
+        let mut local = true;
+        for record in &records {
+            let shard = felix_wire::shard_for_key(&record.key, meta.shard_count);
+            local &= self.owner(shard) == self.index;
+            shards.push(shard);
+        }
+        let pending = PendingPublish {
+            stream,
+            request_id,
+            ack,
+            payload_bytes,
+            records: record_count,
+            parts: 0,
+            acks: Vec::new(),
+            error: None,
+        };
+        if local {
+            // The common case (a core-aware client): no split, no allocation here.
+            let token = if durable { self.token() } else { 0 };
+            let result = self.engine.publish_routed(
+                now.unix_us,
+                meta.handle,
+                records,
+                &shards,
+                durable.then_some(PublishToken(token)),
+            );
+            self.scratch_shards = shards;
+            match result {
+                Ok(acks) if durable => {
+                    self.tracked
+                        .insert(token, Tracked::Local { publish: token });
+                    self.hold(
+                        token,
+                        PendingPublish {
+                            parts: 1,
+                            acks,
+                            ..pending
+                        },
+                    );
+                }
+                result => {
+                    self.complete_job(now, payload_bytes);
+                    self.finish_publish(&pending, result);
+                }
+            }
+            return;
+        }
+        let mut parts: Vec<(Vec<Record>, Vec<u32>)> = (0..self.core_count)
+            .map(|_| (Vec::new(), Vec::new()))
+            .collect();
+        for (record, &shard) in records.into_iter().zip(&shards) {
+            let part = &mut parts[usize::from(self.owner(shard))];
+            part.0.push(record);
+            part.1.push(shard);
+        }
+        self.scratch_shards = shards;
+        let publish_token = self.token();
+        let mut pending = pending;
+        for (core, (records, shards)) in (0..self.core_count).zip(parts) {
+            if records.is_empty() {
+                continue;
+            }
+            if core == self.index {
+                let result = self.engine.publish_routed(
+                    now.unix_us,
+                    meta.handle,
+                    records,
+                    &shards,
+                    durable.then_some(PublishToken(publish_token)),
+                );
+                match result {
+                    Ok(acks) => {
+                        pending.acks.extend(acks);
+                        if durable {
+                            pending.parts += 1;
+                            self.tracked.insert(
+                                publish_token,
+                                Tracked::Local {
+                                    publish: publish_token,
+                                },
+                            );
+                        }
+                    }
+                    Err(error) => {
+                        pending.error.get_or_insert(error);
+                    }
+                }
+                continue;
+            }
+            self.counters.cross_core_hops += 1;
+            let token = self.token();
+            self.requests.insert(
+                token,
+                Request::PublishPart {
+                    publish: publish_token,
+                },
+            );
+            pending.parts += 1;
+            self.send(
+                core,
+                CoreMessage::Publish {
+                    from: self.index,
+                    token,
+                    stream: name.clone(),
+                    shard_count: meta.shard_count,
+                    records,
+                    shards,
+                    now_us: now.unix_us,
+                },
+            );
+        }
+        if pending.parts == 0 {
+            self.complete_job(now, payload_bytes);
+            let result = take_result(&mut pending);
+            self.finish_publish(&pending, result);
+        } else {
+            self.hold(publish_token, pending);
+        }
+    }
+
+    /// Keeps a publish until its parts are answered; its stream owes the answer.
+    fn hold(&mut self, token: u64, pending: PendingPublish) {
+        if let Some(state) = self.streams.get_mut(&pending.stream) {
+            state.owed += 1;
+        }
+        self.publishes.insert(token, pending);
+    }
+
+    /// One part of pending publish `publish` was answered.
+    pub(crate) fn resolve_part(
+        &mut self,
+        now: Now,
+        publish: u64,
+        result: Result<Vec<ShardAck>, EngineError>,
+    ) {
+        let pending = self
+            .publishes
+            .get_mut(&publish)
+            .expect("a part answers a pending publish");
+        match result {
+            Ok(acks) => pending.acks.extend(acks),
+            Err(error) => {
+                pending.error.get_or_insert(error);
+            }
+        }
+        pending.parts -= 1;
+        if pending.parts > 0 {
+            return;
+        }
+        let mut pending = self
+            .publishes
+            .remove(&publish)
+            .expect("looked up just above");
+        self.complete_job(now, pending.payload_bytes);
+        let result = take_result(&mut pending);
+        self.finish_publish(&pending, result);
+        self.answered(pending.stream);
+    }
+
+    /// An admitted publish finished: its ingress job frees (admitting the next waiter, handled
+    /// by `settle`).
+    pub(crate) fn complete_job(&mut self, now: Now, payload_bytes: u64) {
+        self.admission.handle_complete(now.at, payload_bytes);
+    }
+
+    /// Counts a finished publish and writes its answer.
+    fn finish_publish(
+        &mut self,
+        pending: &PendingPublish,
+        result: Result<Vec<ShardAck>, EngineError>,
+    ) {
+        if result.is_ok() {
+            self.counters.payload_bytes += pending.payload_bytes;
+            self.counters.records += pending.records;
+        }
+        self.answer_publish(pending.stream, pending.request_id, pending.ack, result);
+    }
+
+    /// Writes a publish's answer (an acked one) and counts it.
+    fn answer_publish(
+        &mut self,
+        stream: StreamId,
+        request_id: u64,
+        ack: AckMode,
+        result: Result<Vec<ShardAck>, EngineError>,
+    ) {
+        match (result, ack) {
+            (Ok(mut shards), AckMode::Acked) => {
+                self.counters.publishes_acked += 1;
+                self.counters.acks += 1;
+                sort_acks(&mut shards);
+                self.write(stream, &Frame::Ack(felix_wire::Ack { request_id, shards }));
+            }
+            (Ok(_), AckMode::FireAndForget) => self.counters.publishes_fire_and_forget += 1,
+            (Err(error), AckMode::Acked) => {
+                self.counters.acked_failed += 1;
+                self.write_error(stream, error.to_frame(request_id));
+            }
+            (Err(error), AckMode::FireAndForget) => {
+                tracing::debug!(%error, "fire-and-forget publish refused");
+                self.counters.fire_and_forget_failed += 1;
+                self.counters.error(error.code);
+            }
+        }
+    }
+
+    /// The owner's side of a forwarded part: append (in-memory: answer now; durable: answer
+    /// once committed).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn publish_for(
+        &mut self,
+        from: u16,
+        token: u64,
+        stream: &str,
+        shard_count: u32,
+        records: Vec<Record>,
+        shards: &[u32],
+        now_us: u64,
+    ) {
+        // A stream deleted (and maybe re-created with another shard count) since the sender
+        // resolved it is not the stream the part was meant for.
+        let meta = self
+            .engine
+            .lookup(stream)
+            .filter(|meta| meta.shard_count == shard_count);
+        let Some(meta) = meta else {
+            let error = EngineError::stream_not_found(stream);
+            self.send(
+                from,
+                CoreMessage::PublishDone {
+                    token,
+                    result: Err(error),
+                },
+            );
+            return;
+        };
+        assert!(
+            shards.iter().all(|&shard| self.owner(shard) == self.index),
+            "a forwarded part holds only the receiver's shards"
+        );
+        if meta.kind != StreamKind::Durable {
+            let result = self
+                .engine
+                .publish_routed(now_us, meta.handle, records, shards, None);
+            self.send(from, CoreMessage::PublishDone { token, result });
+            return;
+        }
+        let tracked = self.token();
+        match self.engine.publish_routed(
+            now_us,
+            meta.handle,
+            records,
+            shards,
+            Some(PublishToken(tracked)),
+        ) {
+            Ok(acks) => {
+                self.tracked
+                    .insert(tracked, Tracked::Remote { from, token, acks });
+            }
+            Err(error) => self.send(
+                from,
+                CoreMessage::PublishDone {
+                    token,
+                    result: Err(error),
+                },
+            ),
+        }
+    }
+}
+
+/// The merged result of a publish whose parts are all answered.
+fn take_result(pending: &mut PendingPublish) -> Result<Vec<ShardAck>, EngineError> {
+    match pending.error.take() {
+        Some(error) => Err(error),
+        None => Ok(std::mem::take(&mut pending.acks)),
+    }
+}

@@ -1,0 +1,478 @@
+//! Subscriptions (docs/semantics.md, 4 Subscribing).
+//!
+//! A subscription stream on core C is a slot fed by C's engine (the shards C owns) and by
+//! the engines of the other owner cores, which push delivery batches back to C under a
+//! credit of [`REMOTE_DELIVERY_CREDITS`] batches per subscription; C gives a credit back for
+//! each batch its writer takes. Beyond that the records wait in the owner's engine queue,
+//! where the lag bound ends the subscription as it does for local subscribers. Each shard
+//! comes from one owner core over one FIFO queue, so per-shard order holds.
+
+use std::collections::VecDeque;
+
+use felix_engine::{EngineError, SubscriptionId, select_shards};
+use felix_wire::{
+    DeliveredRecord, Delivery, ErrorCode, Frame, ShardSelection, StartPosition, Subscribe,
+    Subscribed,
+};
+
+use crate::config::{DELIVERY_BYTES_MAX, DELIVERY_RECORDS_MAX, REMOTE_DELIVERY_CREDITS, StreamId};
+use crate::core::{Core, Flow, Request, Role, error_frame};
+use crate::message::CoreMessage;
+
+/// Where a subscription stream is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Waiting for `waiting` owner cores to register their parts.
+    Registering { waiting: u16 },
+    /// `Subscribed` written: deliveries flow.
+    Active,
+    /// Refused or ended: the error is written, the stream finishes.
+    Over,
+}
+
+/// The state of one subscription stream on its core.
+#[derive(Debug)]
+pub(crate) struct SubscriptionSlot {
+    request_id: u64,
+    phase: Phase,
+    /// This core's engine subscription, for the shards it owns.
+    pub(crate) local: Option<SubscriptionId>,
+    /// The other owner cores' engine subscriptions.
+    remotes: Vec<(u16, SubscriptionId)>,
+    /// Batches from owner cores, oldest first; at most [`REMOTE_DELIVERY_CREDITS`] per owner.
+    remote_batches: VecDeque<(u16, SubscriptionId, Vec<DeliveredRecord>)>,
+    /// `(shard, first offset delivered)` per shard, gathered while registering.
+    start: Vec<(u32, u64)>,
+    /// The refusal of the lowest core that refused while registering.
+    refusal: Option<(u16, EngineError)>,
+    /// Set when an owner ended the subscription (lagged, stream deleted).
+    ended: Option<EngineError>,
+    /// Counted in the subscribers gauge (from `Subscribed` on).
+    counted: bool,
+}
+
+impl SubscriptionSlot {
+    pub(crate) fn assert_invariants(&self) {
+        let owners = self.remotes.len().max(1);
+        assert!(
+            self.remote_batches.len() <= owners * REMOTE_DELIVERY_CREDITS as usize,
+            "remote batches stay within the credits: {} batches from {:?}, parts {:?}, {:?}",
+            self.remote_batches.len(),
+            self.remote_batches
+                .iter()
+                .map(|(owner, id, _)| (*owner, id.0))
+                .collect::<Vec<_>>(),
+            self.remotes,
+            self.phase
+        );
+        match self.phase {
+            Phase::Registering { .. } => assert!(!self.counted, "counted from Subscribed on"),
+            Phase::Active => assert!(self.counted, "an active subscription is counted"),
+            Phase::Over => {}
+        }
+    }
+}
+
+/// An owner-side subscription whose records go to a subscription stream on another core.
+#[derive(Debug)]
+pub(crate) struct RemoteSubscription {
+    to: u16,
+    slot: StreamId,
+    pub(crate) credits: u32,
+}
+
+impl Core {
+    /// The first frame of a stream is `Subscribe`: register on this core for the shards it
+    /// owns and on each other owner core for the rest; `Subscribed` follows once all did.
+    pub(crate) fn start_subscription(&mut self, stream: StreamId, subscribe: Subscribe) -> Flow {
+        let Subscribe {
+            request_id,
+            stream: name,
+            shards,
+            from,
+        } = subscribe;
+        let mut slot = Box::new(SubscriptionSlot {
+            request_id,
+            phase: Phase::Registering { waiting: 0 },
+            local: None,
+            remotes: Vec::new(),
+            remote_batches: VecDeque::new(),
+            start: Vec::new(),
+            refusal: None,
+            ended: None,
+            counted: false,
+        });
+        let selected = match self.engine.lookup(&name) {
+            None => Err(EngineError::stream_not_found(&name)),
+            // The selection is checked once, here; each owner checks only its offsets.
+            Some(meta) => select_shards(&shards, &from, meta.shard_count),
+        };
+        let selected = match selected {
+            Ok(selected) => selected,
+            Err(error) => {
+                tracing::debug!(%error, stream = name, "subscribe refused");
+                slot.refusal = Some((self.index, error));
+                self.stream_mut(stream).role = Role::Subscription(slot);
+                self.end_registration(stream);
+                return Flow::Subscribed;
+            }
+        };
+        let mut waiting = 0;
+        for core in 0..self.core_count {
+            let shards: Vec<u32> = selected
+                .iter()
+                .copied()
+                .filter(|&shard| self.owner(shard) == core)
+                .collect();
+            if shards.is_empty() {
+                continue;
+            }
+            let position = match &from {
+                StartPosition::Offsets(positions) => StartPosition::Offsets(
+                    positions
+                        .iter()
+                        .copied()
+                        .filter(|(shard, _)| self.owner(*shard) == core)
+                        .collect(),
+                ),
+                other => other.clone(),
+            };
+            if core != self.index {
+                let token = self.token();
+                self.requests
+                    .insert(token, Request::Subscribe { stream, core });
+                self.send(
+                    core,
+                    CoreMessage::Subscribe {
+                        from: self.index,
+                        token,
+                        slot: stream,
+                        stream: name.clone(),
+                        shards,
+                        start: position,
+                    },
+                );
+                waiting += 1;
+                continue;
+            }
+            match self
+                .engine
+                .subscribe(&name, &ShardSelection::List(shards), &position)
+            {
+                Ok(subscription) => {
+                    self.local_subscriptions.insert(subscription.id, stream);
+                    slot.local = Some(subscription.id);
+                    slot.start.extend(subscription.start);
+                }
+                Err(error) => {
+                    // Like a sequential registration: the cores after a refusal are not asked.
+                    slot.refusal = Some((core, error));
+                    break;
+                }
+            }
+        }
+        slot.phase = Phase::Registering { waiting };
+        self.stream_mut(stream).role = Role::Subscription(slot);
+        if waiting == 0 {
+            self.end_registration(stream);
+        }
+        Flow::Subscribed
+    }
+
+    /// Every owner answered: `Subscribed`, or the first refusal (and every part undone).
+    fn end_registration(&mut self, stream: StreamId) {
+        let slot = self
+            .slot_mut(stream)
+            .expect("a registering subscription stream");
+        let request_id = slot.request_id;
+        match slot.refusal.take() {
+            Some((_, error)) => {
+                slot.phase = Phase::Over;
+                // Batches the parts that did register sent meanwhile are not delivered.
+                slot.remote_batches.clear();
+                let local = slot.local.take();
+                let remotes = std::mem::take(&mut slot.remotes);
+                self.unsubscribe_parts(local, remotes);
+                self.write_error(stream, error.to_frame(request_id));
+                self.stream_mut(stream).finishing = true;
+            }
+            None => {
+                slot.phase = Phase::Active;
+                slot.counted = true;
+                let mut shards = std::mem::take(&mut slot.start);
+                shards.sort_unstable_by_key(|(shard, _)| *shard);
+                self.counters.subscribers += 1;
+                self.write(
+                    stream,
+                    &Frame::Subscribed(Subscribed { request_id, shards }),
+                );
+            }
+        }
+    }
+
+    fn slot_mut(&mut self, stream: StreamId) -> Option<&mut SubscriptionSlot> {
+        match &mut self.streams.get_mut(&stream)?.role {
+            Role::Subscription(slot) => Some(slot),
+            _ => None,
+        }
+    }
+
+    /// Forgets engine subscriptions here and on their owner cores.
+    fn unsubscribe_parts(
+        &mut self,
+        local: Option<SubscriptionId>,
+        remotes: Vec<(u16, SubscriptionId)>,
+    ) {
+        if let Some(id) = local {
+            self.local_subscriptions.remove(&id);
+            self.engine.unsubscribe(id);
+        }
+        for (core, id) in remotes {
+            self.send(core, CoreMessage::Unsubscribe { id });
+        }
+    }
+
+    /// The subscription stream closed: its parts are forgotten everywhere.
+    pub(crate) fn drop_subscription(&mut self, slot: SubscriptionSlot) {
+        if slot.counted {
+            self.counters.subscribers -= 1;
+        }
+        self.unsubscribe_parts(slot.local, slot.remotes);
+    }
+
+    /// The owner's side: registers a part whose records go to another core.
+    pub(crate) fn subscribe_for(
+        &mut self,
+        from: u16,
+        token: u64,
+        slot: StreamId,
+        stream: &str,
+        shards: Vec<u32>,
+        start: &StartPosition,
+    ) {
+        let result = self
+            .engine
+            .subscribe(stream, &ShardSelection::List(shards), start);
+        let result = result.map(|subscription| {
+            self.remote_subscriptions.insert(
+                subscription.id,
+                RemoteSubscription {
+                    to: from,
+                    slot,
+                    credits: REMOTE_DELIVERY_CREDITS,
+                },
+            );
+            (subscription.id, subscription.start)
+        });
+        // Queued before any Deliver of this part (the engine's DeliveryReady is handled by
+        // `settle`, after this): the subscriber learns the part before its records.
+        self.send(from, CoreMessage::SubscribeDone { token, result });
+    }
+
+    pub(crate) fn handle_subscribe_done(
+        &mut self,
+        token: u64,
+        result: Result<(SubscriptionId, Vec<(u32, u64)>), EngineError>,
+    ) {
+        let Some(Request::Subscribe { stream, core }) = self.requests.remove(&token) else {
+            panic!("SubscribeDone {token} answers a subscribe");
+        };
+        let Some(slot) = self.slot_mut(stream) else {
+            // The stream closed meanwhile: undo the part.
+            if let Ok((id, _)) = result {
+                self.send(core, CoreMessage::Unsubscribe { id });
+            }
+            return;
+        };
+        let Phase::Registering { waiting } = &mut slot.phase else {
+            // Refused meanwhile (extra data): undo the part.
+            if let Ok((id, _)) = result {
+                self.send(core, CoreMessage::Unsubscribe { id });
+            }
+            return;
+        };
+        *waiting -= 1;
+        let done = *waiting == 0;
+        match result {
+            Ok((id, start)) => {
+                slot.remotes.push((core, id));
+                slot.start.extend(start);
+            }
+            Err(error) => {
+                if slot
+                    .refusal
+                    .as_ref()
+                    .is_none_or(|(lowest, _)| core < *lowest)
+                {
+                    slot.refusal = Some((core, error));
+                }
+            }
+        }
+        if done {
+            self.end_registration(stream);
+        }
+    }
+
+    /// Bytes after `Subscribe` on a subscription stream: refused, the subscription undone.
+    pub(crate) fn refuse_extra_data(&mut self, stream: StreamId) {
+        let Some(slot) = self.slot_mut(stream) else {
+            return;
+        };
+        if slot.phase == Phase::Over {
+            return;
+        }
+        slot.phase = Phase::Over;
+        let counted = std::mem::take(&mut slot.counted);
+        let local = slot.local.take();
+        let remotes = std::mem::take(&mut slot.remotes);
+        slot.remote_batches.clear();
+        if counted {
+            self.counters.subscribers -= 1;
+        }
+        self.unsubscribe_parts(local, remotes);
+        self.write_error(
+            stream,
+            error_frame(
+                ErrorCode::ProtocolViolation,
+                "a subscription stream carries exactly one Subscribe frame".to_owned(),
+            ),
+        );
+        self.stream_mut(stream).finishing = true;
+    }
+
+    /// Puts the next delivery batch of an active subscription into its stream's output:
+    /// this core's records first, then a batch from an owner core (its credit goes back),
+    /// and once nothing is left, the error that ended the subscription.
+    pub(crate) fn fill_delivery(&mut self, stream: StreamId) {
+        let max_records = DELIVERY_RECORDS_MAX
+            .min(usize::try_from(self.limits.max_batch_records).unwrap_or(usize::MAX));
+        let max_bytes = DELIVERY_BYTES_MAX
+            .min(usize::try_from(self.limits.max_frame_bytes / 2).unwrap_or(usize::MAX));
+        let Some(slot) = self.slot_mut(stream) else {
+            return;
+        };
+        if slot.phase != Phase::Active {
+            return;
+        }
+        let local = slot.local;
+        let mut records = match local {
+            Some(id) => self.engine.poll_delivery(id, max_records, max_bytes),
+            None => Vec::new(),
+        };
+        let slot = self.slot_mut(stream).expect("looked up above");
+        if records.is_empty()
+            && let Some((owner, id, batch)) = slot.remote_batches.pop_front()
+        {
+            records = batch;
+            self.send(owner, CoreMessage::Credit { id });
+        }
+        if !records.is_empty() {
+            self.counters.delivered_records += records.len() as u64;
+            self.write(stream, &Frame::Delivery(Delivery { records }));
+            return;
+        }
+        // Records already queued went out before the error that ended the subscription.
+        let slot = self.slot_mut(stream).expect("looked up above");
+        if let Some(error) = slot.ended.take() {
+            tracing::debug!(%error, "subscription ended by an owner core");
+            slot.phase = Phase::Over;
+            let request_id = slot.request_id;
+            self.write_error(stream, error.to_frame(request_id));
+            self.stream_mut(stream).finishing = true;
+        }
+    }
+
+    /// The engine has records for subscription `id`.
+    pub(crate) fn delivery_ready(&mut self, id: SubscriptionId) {
+        if let Some(&stream) = self.local_subscriptions.get(&id) {
+            self.mark_ready(stream);
+        } else {
+            self.pump_remote(id);
+        }
+    }
+
+    /// The engine ended subscription `id` (lagged, stream deleted); it already forgot it.
+    pub(crate) fn subscription_ended(&mut self, id: SubscriptionId, error: EngineError) {
+        if let Some(stream) = self.local_subscriptions.remove(&id) {
+            let slot = self.slot_mut(stream).expect("a local subscription's slot");
+            slot.local = None;
+            slot.ended.get_or_insert(error);
+            self.mark_ready(stream);
+        } else if let Some(remote) = self.remote_subscriptions.remove(&id) {
+            self.send(
+                remote.to,
+                CoreMessage::Ended {
+                    slot: remote.slot,
+                    error,
+                },
+            );
+        }
+    }
+
+    /// Sends queued records of an owner-side subscription while it has credits.
+    fn pump_remote(&mut self, id: SubscriptionId) {
+        let max_records = DELIVERY_RECORDS_MAX
+            .min(usize::try_from(self.limits.max_batch_records).unwrap_or(usize::MAX));
+        let max_bytes = DELIVERY_BYTES_MAX
+            .min(usize::try_from(self.limits.max_frame_bytes / 2).unwrap_or(usize::MAX));
+        // At most REMOTE_DELIVERY_CREDITS rounds: each takes a credit.
+        loop {
+            let Some(remote) = self.remote_subscriptions.get(&id) else {
+                return;
+            };
+            if remote.credits == 0 {
+                return;
+            }
+            let (to, slot) = (remote.to, remote.slot);
+            let records = self.engine.poll_delivery(id, max_records, max_bytes);
+            if records.is_empty() {
+                return;
+            }
+            if let Some(remote) = self.remote_subscriptions.get_mut(&id) {
+                remote.credits -= 1;
+            }
+            self.send(
+                to,
+                CoreMessage::Deliver {
+                    slot,
+                    owner: self.index,
+                    id,
+                    records,
+                },
+            );
+        }
+    }
+
+    /// Records from an owner core for one of this core's subscription streams.
+    pub(crate) fn handle_deliver(
+        &mut self,
+        slot: StreamId,
+        owner: u16,
+        id: SubscriptionId,
+        records: Vec<DeliveredRecord>,
+    ) {
+        // No active slot: the subscriber left (its Unsubscribe is on the way to the owner).
+        if let Some(target) = self.slot_mut(slot)
+            && target.phase != Phase::Over
+        {
+            target.remote_batches.push_back((owner, id, records));
+            self.mark_ready(slot);
+        }
+    }
+
+    /// An owner ended its part of a subscription stream of this core.
+    pub(crate) fn handle_ended(&mut self, slot: StreamId, error: EngineError) {
+        if let Some(target) = self.slot_mut(slot) {
+            target.ended.get_or_insert(error);
+            self.mark_ready(slot);
+        }
+    }
+
+    /// The subscriber core wrote a batch of owner-side subscription `id`.
+    pub(crate) fn handle_credit(&mut self, id: SubscriptionId) {
+        if let Some(remote) = self.remote_subscriptions.get_mut(&id) {
+            remote.credits = (remote.credits + 1).min(REMOTE_DELIVERY_CREDITS);
+        }
+        self.pump_remote(id);
+    }
+}

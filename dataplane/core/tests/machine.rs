@@ -1,0 +1,317 @@
+//! The per-core state machine driven by hand: the handshake, publish routing and the merged
+//! ack, catalogue changes through core 0, subscriptions across cores under credits, and the
+//! durable ack as one output written straight to the stream it answers.
+
+mod support;
+
+use felix_core::{CatalogChange, DurableLog, DurableSettings, Flow, REMOTE_DELIVERY_CREDITS};
+use felix_storage::{BackendChoice, FaultBackend, FsyncMode};
+use felix_wire::{
+    AckMode, ErrorCode, Frame, Hello, PROTOCOL_VERSION, ShardSelection, StartPosition, StreamKind,
+    Subscribe,
+};
+use support::{Broker, ingress, key_on_core, publish, record};
+
+#[test]
+fn handshake_refusals_close_the_connection() {
+    // Proves a bad version or a first frame other than Hello is answered and closes.
+    let mut broker = Broker::new(1, ingress());
+    for first in [
+        Frame::Hello(Hello {
+            min_version: PROTOCOL_VERSION + 1,
+            max_version: PROTOCOL_VERSION + 1,
+            features: 0,
+            client_name: "new".to_owned(),
+        }),
+        Frame::ListStreams { request_id: 1 },
+    ] {
+        let id = broker.cores[0].handle_connection_opened().expect("room");
+        let stream = broker.cores[0].handle_stream_opened(id);
+        assert_eq!(broker.feed(0, stream, first), Flow::Done);
+        let now = broker.now();
+        let transmit = broker.cores[0].poll_transmit(now, stream);
+        assert!(transmit.bytes.is_some() && transmit.finish);
+        assert!(matches!(
+            transmit.close_connection,
+            Some(ErrorCode::UnsupportedVersion | ErrorCode::ProtocolViolation)
+        ));
+        assert!(!broker.cores[0].handshake_done(id));
+    }
+}
+
+#[test]
+fn a_split_publish_is_acked_once_in_shard_order() {
+    // Proves a naive client's batch spanning cores is split by owner, each part appended on
+    // its owner, and answered by one Ack in ascending shard order with dense offsets.
+    let mut broker = Broker::new(3, ingress());
+    let conn = broker.connect(1);
+    assert!(matches!(
+        broker.create(&conn, "orders", 6, StreamKind::InMemory),
+        Frame::StreamInfo(info) if info.shards.iter().all(|s| s.core == (s.shard % 3) as u16)
+    ));
+    let records: Vec<_> = (0..30).map(|i| record(&format!("key-{i}"), "p")).collect();
+    assert_eq!(
+        broker.feed(
+            1,
+            conn.requests,
+            publish(7, AckMode::Acked, "orders", records.clone())
+        ),
+        Flow::Continue
+    );
+    assert!(
+        broker.read(1, conn.requests).is_empty(),
+        "parts on other cores are pending"
+    );
+    assert_eq!(broker.cores[1].counters().cross_core_hops, 2);
+    broker.settle();
+    let frames = broker.read(1, conn.requests);
+    let Frame::Ack(ack) = &frames[0] else {
+        panic!("{frames:?}")
+    };
+    assert_eq!(ack.request_id, 7);
+    let shards: Vec<u32> = ack.shards.iter().map(|a| a.shard).collect();
+    let mut sorted = shards.clone();
+    sorted.sort_unstable();
+    assert_eq!(shards, sorted);
+    for shard_ack in &ack.shards {
+        let expected = records
+            .iter()
+            .filter(|r| felix_wire::shard_for_key(&r.key, 6) == shard_ack.shard)
+            .count();
+        assert_eq!(
+            (shard_ack.first_offset, shard_ack.count as usize),
+            (0, expected)
+        );
+    }
+}
+
+#[test]
+fn catalogue_changes_run_through_core_zero_and_park_their_stream() {
+    // Proves a create on core 2 parks its stream, goes to core 0, is applied everywhere,
+    // and only then answered; a durable create is persisted before it is applied.
+    let mut broker = Broker::new(3, ingress());
+    let conn = broker.connect(2);
+    let create = Frame::CreateStream(felix_wire::CreateStream {
+        request_id: 5,
+        name: "d".to_owned(),
+        shard_count: 3,
+        kind: StreamKind::Durable,
+    });
+    assert_eq!(broker.feed(2, conn.requests, create), Flow::Blocked);
+    assert!(!broker.cores[2].accepts_frames(conn.requests));
+    assert!(broker.deliver_one(0), "the change reaches core 0");
+    let write = broker.cores[0]
+        .poll_catalog_write()
+        .expect("a durable change is persisted first");
+    assert!(
+        matches!(&write.change, CatalogChange::Add(entry) if entry.name == "d" && entry.stream_id == 0)
+    );
+    assert!(
+        broker.cores[0].engine().lookup("d").is_none(),
+        "nothing is applied before it is persisted"
+    );
+    let now = broker.now();
+    broker.cores[0].handle_catalog_written(now, write.id, Ok(()));
+    broker.settle();
+    for core in &broker.cores {
+        assert!(
+            core.engine().lookup("d").is_some(),
+            "applied on core {}",
+            core.index()
+        );
+    }
+    let frames = broker.read(2, conn.requests);
+    assert!(matches!(frames.as_slice(), [Frame::StreamInfo(info)] if info.request_id == 5));
+    assert!(broker.cores[2].accepts_frames(conn.requests));
+    // A failed write refuses the create and changes nothing.
+    let create = Frame::CreateStream(felix_wire::CreateStream {
+        request_id: 6,
+        name: "e".to_owned(),
+        shard_count: 1,
+        kind: StreamKind::Durable,
+    });
+    assert_eq!(broker.feed(2, conn.requests, create), Flow::Blocked);
+    assert!(broker.deliver_one(0));
+    let write = broker.cores[0]
+        .poll_catalog_write()
+        .expect("persisted first");
+    let now = broker.now();
+    broker.cores[0].handle_catalog_written(now, write.id, Err("disk full".to_owned()));
+    broker.settle();
+    let frames = broker.read(2, conn.requests);
+    assert!(
+        matches!(frames.as_slice(), [Frame::Error(e)] if e.code == ErrorCode::StorageFailed && e.request_id == 6),
+        "{frames:?}"
+    );
+    assert!(
+        broker
+            .cores
+            .iter()
+            .all(|core| core.engine().lookup("e").is_none())
+    );
+}
+
+#[test]
+fn remote_subscription_parts_send_at_most_their_credits() {
+    // Proves an owner core sends a subscriber core at most REMOTE_DELIVERY_CREDITS batches
+    // until credits come back, and per-shard order holds across the batches.
+    let mut broker = Broker::new(2, ingress());
+    let conn = broker.connect(0);
+    broker.create(&conn, "feed", 2, StreamKind::InMemory);
+    let subscription = broker.open(&conn);
+    let flow = broker.feed(
+        0,
+        subscription,
+        Frame::Subscribe(Subscribe {
+            request_id: 9,
+            stream: "feed".to_owned(),
+            shards: ShardSelection::List(vec![1]),
+            from: StartPosition::Latest,
+        }),
+    );
+    assert_eq!(flow, Flow::Subscribed);
+    broker.settle();
+    let frames = broker.read(0, subscription);
+    assert!(matches!(frames.as_slice(), [Frame::Subscribed(s)] if s.shards == vec![(1, 0)]));
+    // Publish on core 1 (the owner of shard 1) in many small batches.
+    let publisher = broker.connect(1);
+    let key = key_on_core(2, 2, 1);
+    for id in 0..20 {
+        let payload = "y".repeat(600 * 1024);
+        let frame = publish(
+            100 + id,
+            AckMode::FireAndForget,
+            "feed",
+            vec![record(&key, &payload)],
+        );
+        assert_eq!(broker.feed(1, publisher.requests, frame), Flow::Continue);
+    }
+    broker.settle();
+    // Each delivery batch holds at most ~1 MiB: 20 records of 600 KiB need more batches
+    // than the credits, so the owner stopped at the credits.
+    assert_eq!(broker.queued_for(0), 0);
+    let mut offsets = Vec::new();
+    let mut rounds = 0;
+    loop {
+        let frames = broker.read(0, subscription);
+        let batches = frames.len();
+        assert!(
+            batches <= REMOTE_DELIVERY_CREDITS as usize,
+            "{batches} batches in one round"
+        );
+        for frame in frames {
+            let Frame::Delivery(delivery) = frame else {
+                panic!("a delivery")
+            };
+            offsets.extend(delivery.records.iter().map(|r| r.offset));
+        }
+        broker.settle();
+        rounds += 1;
+        if offsets.len() == 20 || rounds > 40 {
+            break;
+        }
+    }
+    assert_eq!(
+        offsets,
+        (0..20).collect::<Vec<u64>>(),
+        "per-shard order, no gap or duplicate"
+    );
+}
+
+#[test]
+fn deleting_a_stream_ends_its_subscriptions_on_every_core() {
+    // Proves a delete ends a subscription spanning cores with StreamNotFound, and the stream
+    // finishes after the error.
+    let mut broker = Broker::new(2, ingress());
+    let conn = broker.connect(0);
+    broker.create(&conn, "gone", 4, StreamKind::InMemory);
+    let subscription = broker.open(&conn);
+    let flow = broker.feed(
+        0,
+        subscription,
+        Frame::Subscribe(Subscribe {
+            request_id: 3,
+            stream: "gone".to_owned(),
+            shards: ShardSelection::All,
+            from: StartPosition::Earliest,
+        }),
+    );
+    assert_eq!(flow, Flow::Subscribed);
+    broker.settle();
+    assert_eq!(broker.read(0, subscription).len(), 1, "Subscribed");
+    let other = broker.connect(1);
+    let delete = Frame::DeleteStream {
+        request_id: 4,
+        name: "gone".to_owned(),
+    };
+    assert_eq!(broker.feed(1, other.requests, delete), Flow::Blocked);
+    broker.settle();
+    assert!(matches!(
+        broker.read(1, other.requests).as_slice(),
+        [Frame::Done { request_id: 4 }]
+    ));
+    let (frames, finished) = broker.read_all(0, subscription);
+    assert!(finished, "the subscription stream finishes");
+    assert!(
+        matches!(frames.as_slice(), [Frame::Error(e)] if e.code == ErrorCode::StreamNotFound && e.request_id == 3),
+        "{frames:?}"
+    );
+}
+
+#[test]
+fn a_durable_ack_is_written_to_its_stream_once_the_round_is_synced() {
+    // Proves the one hand-off of a durable ack: nothing before the round's fdatasync
+    // completes; after the pump, the Ack is in the stream's output, no other step between.
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut broker = Broker::new(1, ingress());
+    let (backend, fault) = FaultBackend::new(false).expect("fault backend");
+    let settings = DurableSettings {
+        fsync: FsyncMode::OnCommit,
+        backend: BackendChoice::Pwrite,
+        segment_bytes: 1 << 20,
+        retention_bytes: None,
+        retention_age: None,
+    };
+    let mut log = DurableLog::open(0, settings.log_config(dir.path(), 0), backend).expect("log");
+    let conn = broker.connect(0);
+    let create = Frame::CreateStream(felix_wire::CreateStream {
+        request_id: 1,
+        name: "d".to_owned(),
+        shard_count: 2,
+        kind: StreamKind::Durable,
+    });
+    assert_eq!(broker.feed(0, conn.requests, create), Flow::Blocked);
+    let write = broker.cores[0]
+        .poll_catalog_write()
+        .expect("persisted first");
+    let now = broker.now();
+    broker.cores[0].handle_catalog_written(now, write.id, Ok(()));
+    assert_eq!(broker.read(0, conn.requests).len(), 1, "StreamInfo");
+    let records = vec![record("a", "1"), record("b", "2"), record("c", "3")];
+    assert_eq!(
+        broker.feed(0, conn.requests, publish(2, AckMode::Acked, "d", records)),
+        Flow::Continue
+    );
+    assert!(broker.cores[0].has_log_work());
+    let now = broker.now();
+    broker.cores[0].pump_log(&mut log, now).expect("pumped");
+    assert!(
+        broker.read(0, conn.requests).is_empty(),
+        "no ack before the fdatasync"
+    );
+    assert_eq!(fault.held_rounds(), 1);
+    assert_eq!(
+        broker.cores[0].counters().ingress_depth,
+        1,
+        "the job waits for the commit"
+    );
+    assert!(fault.complete_next());
+    broker.cores[0].pump_log(&mut log, now).expect("pumped");
+    let frames = broker.read(0, conn.requests);
+    assert!(
+        matches!(frames.as_slice(), [Frame::Ack(ack)] if ack.request_id == 2),
+        "{frames:?}"
+    );
+    assert_eq!(fault.syncs_completed(), 1);
+    assert_eq!(broker.cores[0].counters().ingress_depth, 0);
+}
