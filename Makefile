@@ -4,7 +4,7 @@
 CARGO ?= cargo
 APT_PACKAGES := pkg-config libhwloc-dev libudev-dev fonts-dejavu-core valgrind
 
-.PHONY: run build test lint fmt deps bench-micro bench clean
+.PHONY: run build test lint fmt deps bench-micro bench clean sim
 
 run: deps
 	$(CARGO) build --release -p felix
@@ -16,6 +16,20 @@ build: deps
 # Everything CI checks: formatting, lints (warnings are errors), then every test.
 test: deps lint
 	$(CARGO) test --workspace --all-targets --no-fail-fast
+
+# The seeded simulation of the per-core state machines (dataplane/sim, docs/design/simulation.md):
+# SEEDS seeds from FIRST, STEPS steps each (200 x 1500 by default: well under a minute here);
+# `SEED=<n> make sim` replays one seed and prints its whole step log. Exits non-zero on a
+# failure, after printing the seed, its last steps and the replay command.
+SEEDS ?= 200
+FIRST ?= 0
+STEPS ?= 1500
+sim: deps
+	@if [ -n "$(SEED)" ]; then \
+		$(CARGO) run -q -p felix-sim -- --seed $(SEED) --steps $(STEPS) --log all; \
+	else \
+		$(CARGO) run -q -p felix-sim -- --seeds $(SEEDS) --first $(FIRST) --steps $(STEPS); \
+	fi
 
 lint:
 	$(CARGO) fmt --all -- --check

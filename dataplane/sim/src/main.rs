@@ -1,0 +1,141 @@
+//! `felix-sim`: runs seeds of the simulation (`make sim`).
+//!
+//! ```text
+//! felix-sim [--seeds N] [--first S] [--seed S] [--steps K] [--threads T] [--log all]
+//! ```
+//! `--seed S` runs one seed (and prints its step log with `--log all`); `--seeds N` runs
+//! `S..S+N` from `--first S` (default 0). A failure prints the seed, its last steps and the
+//! command that replays it, and the exit status is 1.
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use felix_sim::{STEPS_DEFAULT, Stats, run_seed, run_seeds};
+
+struct Options {
+    first: u64,
+    count: u64,
+    steps: u64,
+    threads: usize,
+    echo: bool,
+    single: bool,
+}
+
+fn parse() -> Result<Options, String> {
+    let mut options = Options {
+        first: 0,
+        count: 200,
+        steps: STEPS_DEFAULT,
+        threads: std::thread::available_parallelism().map_or(1, usize::from),
+        echo: false,
+        single: false,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        let mut value = |name: &str| args.next().ok_or_else(|| format!("{name} needs a value"));
+        let number = |text: String, name: &str| {
+            text.parse::<u64>()
+                .map_err(|error| format!("{name} {text:?}: {error}"))
+        };
+        match arg.as_str() {
+            "--seeds" => options.count = number(value("--seeds")?, "--seeds")?,
+            "--first" => options.first = number(value("--first")?, "--first")?,
+            "--seed" => {
+                options.first = number(value("--seed")?, "--seed")?;
+                options.count = 1;
+                options.single = true;
+            }
+            "--steps" => options.steps = number(value("--steps")?, "--steps")?,
+            "--threads" => {
+                options.threads =
+                    usize::try_from(number(value("--threads")?, "--threads")?).unwrap_or(1);
+            }
+            "--log" => options.echo = value("--log")? == "all",
+            "--help" | "-h" => {
+                return Err(
+                    "usage: felix-sim [--seeds N] [--first S] [--seed S] [--steps K] \
+                            [--threads T] [--log all]"
+                        .to_owned(),
+                );
+            }
+            other => return Err(format!("unknown argument {other:?} (try --help)")),
+        }
+    }
+    Ok(options)
+}
+
+fn main() -> ExitCode {
+    let options = match parse() {
+        Ok(options) => options,
+        Err(message) => {
+            eprintln!("felix-sim: {message}");
+            return ExitCode::from(2);
+        }
+    };
+    let started = Instant::now();
+    let (outcomes, failures) = if options.single {
+        match run_seed(options.first, options.steps, options.echo) {
+            Ok(outcome) => (vec![outcome], Vec::new()),
+            Err(failure) => (Vec::new(), vec![failure]),
+        }
+    } else {
+        run_seeds(options.first, options.count, options.steps, options.threads)
+    };
+    for failure in &failures {
+        eprintln!(
+            "\nfelix-sim: seed {} FAILED after {} logged steps: {}",
+            failure.seed, failure.steps_logged, failure.message
+        );
+        eprintln!("--- the last {} lines of its step log:", failure.tail.len());
+        for line in &failure.tail {
+            eprintln!("{line}");
+        }
+        eprintln!(
+            "--- replay: SEED={} make sim   (or felix-sim --seed {} --steps {} --log all)",
+            failure.seed, failure.seed, options.steps
+        );
+    }
+    let mut total = Stats::default();
+    for outcome in &outcomes {
+        total.add(&outcome.stats);
+        if options.single {
+            println!("seed {} digest {:016x}", outcome.seed, outcome.digest);
+        }
+    }
+    println!(
+        "felix-sim: {} seeds from {} x {} steps: {} passed, {} failed in {:.1} s",
+        outcomes.len() + failures.len(),
+        options.first,
+        options.steps,
+        outcomes.len(),
+        failures.len(),
+        started.elapsed().as_secs_f64()
+    );
+    println!(
+        "felix-sim: exercised {} frames, {} acks, {} deliveries, {} refused, {} shed, {} waits, \
+         {} lagged ({} resumed), {} messages, {} log rounds, {} crashes ({} power cuts), {} \
+         fsync failures, {} disk-full writes, {} catalogue failures, {} durable records \
+         checked after crashes",
+        total.frames,
+        total.acks,
+        total.deliveries,
+        total.refused,
+        total.shed,
+        total.waits,
+        total.lagged,
+        total.resumed,
+        total.messages,
+        total.rounds,
+        total.crashes,
+        total.power_cuts,
+        total.fsync_failures,
+        total.disk_full,
+        total.catalog_failures,
+        total.durable_checked
+    );
+    if failures.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}

@@ -1,0 +1,552 @@
+//! The simulated broker: N cores of the real state machine, each with its real durable log on
+//! the storage crate's fault backend (real files in a temporary directory; rounds held until
+//! the simulation completes them, fsync errors, disk-full writes, power cuts), core 0's real
+//! catalogue file, a mesh of bounded FIFO queues per ordered pair of cores delivered in a
+//! random interleaving, and a logical clock. Everything random comes from the seed.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use felix_core::{
+    Catalog, Core, CoreConfig, CoreMessage, DurableLog, DurableSettings, IngressSettings, Now,
+    REMOTE_DELIVERY_CREDITS,
+};
+use felix_engine::{EngineConfig, LogShardId};
+use felix_storage::{BackendChoice, FaultBackend, FaultHandle, FsyncMode, PowerCut};
+use felix_wire::Limits;
+
+use crate::client::Client;
+use crate::oracle::Oracle;
+use crate::rng::Rng;
+use crate::trace::Trace;
+
+/// Wall-clock time of the simulation's start, stamped on records (any fixed value works).
+const BASE_UNIX_US: u64 = 1_800_000_000_000_000;
+/// Segment size of the simulated logs: small, so segments roll over within a run.
+const SEGMENT_BYTES: u64 = 256 << 10;
+
+/// The shape of one run, drawn from its seed.
+#[derive(Debug, Clone)]
+pub struct Shape {
+    pub cores: u16,
+    pub clients: usize,
+    pub steps: u64,
+    pub fsync: FsyncMode,
+    pub ingress: IngressSettings,
+    pub ring_max_records: usize,
+    pub subscriber_queue_max_bytes: u64,
+    pub mesh_capacity: usize,
+    /// Per mille of steps that inject a storage fault or crash.
+    pub fault_rate: u64,
+    pub crashes_max: u32,
+}
+
+impl Shape {
+    pub fn draw(rng: &mut Rng, steps: u64) -> Shape {
+        let fsync = if rng.chance(750) {
+            FsyncMode::OnCommit
+        } else {
+            FsyncMode::Periodic {
+                interval: Duration::from_millis(rng.range(5, 200)),
+            }
+        };
+        Shape {
+            cores: u16::try_from(rng.range(1, 4)).expect("small"),
+            clients: usize::try_from(rng.range(1, 4)).expect("small"),
+            steps,
+            fsync,
+            ingress: IngressSettings {
+                depth: rng.range(1, 8),
+                budget_bytes: [64, 512, 4096, 1 << 20][rng.index(4)],
+                fire_and_forget_waits: rng.chance(300),
+                ack_on_commit: rng.chance(300),
+                commit_wait: Duration::from_millis(rng.range(5, 400)),
+            },
+            ring_max_records: usize::try_from(rng.range(2, 64)).expect("small"),
+            subscriber_queue_max_bytes: [256, 2048, 1 << 16][rng.index(3)],
+            mesh_capacity: usize::try_from(rng.range(1, 16)).expect("small"),
+            fault_rate: [0, 2, 10][rng.index(3)],
+            crashes_max: u32::try_from(rng.range(0, 3)).expect("small"),
+        }
+    }
+
+    fn durable(&self) -> DurableSettings {
+        DurableSettings {
+            fsync: self.fsync,
+            backend: BackendChoice::Pwrite,
+            segment_bytes: SEGMENT_BYTES,
+            retention_bytes: None,
+            retention_age: None,
+        }
+    }
+}
+
+/// One simulated core: its machine, its log and the log's fault handle.
+pub struct SimCore {
+    pub core: Core,
+    pub log: DurableLog<FaultBackend>,
+    pub fault: FaultHandle,
+}
+
+/// Counts of what a run exercised (printed in the summary, to show coverage).
+#[derive(Debug, Default, Clone)]
+pub struct Stats {
+    pub frames: u64,
+    pub acks: u64,
+    pub refused: u64,
+    pub shed: u64,
+    pub waits: u64,
+    pub deliveries: u64,
+    pub lagged: u64,
+    pub resumed: u64,
+    pub crashes: u64,
+    pub power_cuts: u64,
+    pub fsync_failures: u64,
+    pub disk_full: u64,
+    pub catalog_failures: u64,
+    pub messages: u64,
+    pub rounds: u64,
+    pub durable_checked: u64,
+}
+
+impl Stats {
+    pub fn add(&mut self, other: &Stats) {
+        self.frames += other.frames;
+        self.acks += other.acks;
+        self.refused += other.refused;
+        self.shed += other.shed;
+        self.waits += other.waits;
+        self.deliveries += other.deliveries;
+        self.lagged += other.lagged;
+        self.resumed += other.resumed;
+        self.crashes += other.crashes;
+        self.power_cuts += other.power_cuts;
+        self.fsync_failures += other.fsync_failures;
+        self.disk_full += other.disk_full;
+        self.catalog_failures += other.catalog_failures;
+        self.messages += other.messages;
+        self.rounds += other.rounds;
+        self.durable_checked += other.durable_checked;
+    }
+}
+
+/// Publish outcomes per core as the clients see them, for the exact-count checks.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Fed {
+    pub acked: u64,
+    pub fire_and_forget: u64,
+    /// Refusals the clients read (`IngressBudgetExhausted`).
+    pub refused: u64,
+    /// Parked publishes whose stream the client closed (never admitted, never answered).
+    pub cancelled_acked: u64,
+    pub cancelled_fire_and_forget: u64,
+}
+
+/// The whole simulated broker and its clients.
+pub struct World {
+    pub rng: Rng,
+    pub shape: Shape,
+    dir: tempfile::TempDir,
+    base: Instant,
+    pub clock: Duration,
+    pub cores: Vec<SimCore>,
+    catalog: Catalog,
+    /// Indexed `from * cores + to`.
+    mesh: Vec<VecDeque<CoreMessage>>,
+    pub clients: Vec<Client>,
+    pub oracle: Oracle,
+    pub trace: Trace,
+    pub stats: Stats,
+    /// Per core since the last restart.
+    pub fed: Vec<Fed>,
+    /// A core hit a fatal storage error: the process would exit now; nothing more happens
+    /// until the crash is carried out.
+    pub halted: bool,
+}
+
+impl World {
+    pub fn new(seed: u64, steps: u64, trace: Trace) -> World {
+        let mut rng = Rng::new(seed);
+        let shape = Shape::draw(&mut rng, steps);
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let mut catalog = Catalog::load(dir.path()).expect("an empty catalogue");
+        catalog.bind_cores(shape.cores).expect("bound");
+        let clients = (0..shape.clients).map(|_| Client::new()).collect();
+        let mut world = World {
+            rng,
+            shape,
+            dir,
+            base: Instant::now(),
+            clock: Duration::ZERO,
+            cores: Vec::new(),
+            catalog,
+            mesh: Vec::new(),
+            clients,
+            oracle: Oracle::default(),
+            trace,
+            stats: Stats::default(),
+            fed: Vec::new(),
+            halted: false,
+        };
+        world.trace.line(format!("shape {:?}", world.shape));
+        world.open_cores();
+        world
+    }
+
+    pub fn now(&self) -> Now {
+        Now {
+            at: self.base + self.clock,
+            unix_us: BASE_UNIX_US + u64::try_from(self.clock.as_micros()).expect("a short run"),
+        }
+    }
+
+    fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Opens (recovers) every core's log and builds the machines from the catalogue.
+    fn open_cores(&mut self) {
+        let cores = self.shape.cores;
+        let entries: Vec<_> = self.catalog.entries().cloned().collect();
+        let core_ports: Vec<u16> = (0..cores).map(|i| 7401 + i).collect();
+        self.cores = (0..cores)
+            .map(|index| {
+                let (backend, fault) = FaultBackend::new(false).expect("fault backend");
+                let config = self
+                    .shape
+                    .durable()
+                    .log_config(self.dir.path(), usize::from(index));
+                let log = DurableLog::open(usize::from(index), config, backend).expect("recovered");
+                let mut core = Core::new(CoreConfig {
+                    index,
+                    core_count: cores,
+                    core_ports: core_ports.clone(),
+                    limits: Limits::DEFAULT,
+                    engine: EngineConfig {
+                        ring_max_records: self.shape.ring_max_records,
+                        ring_max_bytes: 1 << 20,
+                        subscriber_queue_max_bytes: self.shape.subscriber_queue_max_bytes,
+                        ..EngineConfig::default()
+                    },
+                    ingress: self.shape.ingress,
+                    next_stream_id: self.catalog.next_stream_id(),
+                });
+                core.restore_durable(&log, &entries).expect("restored");
+                SimCore { core, log, fault }
+            })
+            .collect();
+        let pairs = usize::from(cores) * usize::from(cores);
+        self.mesh = (0..pairs).map(|_| VecDeque::new()).collect();
+        self.fed = vec![Fed::default(); usize::from(cores)];
+    }
+
+    // ---- the shell's part ----
+
+    /// What the broker shell does after every input on core `index`: outbox into the mesh
+    /// (what does not fit waits), catalogue writes (core 0; some fail), the log when it has
+    /// work. Then every core's invariants are checked.
+    pub fn drain(&mut self, index: u16) {
+        if self.halted {
+            return;
+        }
+        let now = self.now();
+        for _ in 0..8 {
+            let mut more = false;
+            self.send_messages(index);
+            while let Some(write) = self.cores[usize::from(index)].core.poll_catalog_write() {
+                let result = if self.rng.chance(self.shape.fault_rate * 10) {
+                    self.stats.catalog_failures += 1;
+                    Err("injected: no space left on the catalogue's disk".to_owned())
+                } else {
+                    self.catalog
+                        .apply(&write.change)
+                        .map_err(|error| error.to_string())
+                };
+                self.trace.line(format!(
+                    "  core{index} catalogue {:?}: {}",
+                    write.change,
+                    if result.is_ok() { "written" } else { "failed" }
+                ));
+                self.cores[usize::from(index)]
+                    .core
+                    .handle_catalog_written(now, write.id, result);
+                more = true;
+            }
+            if self.cores[usize::from(index)].core.has_log_work() {
+                self.pump(index);
+                if self.halted {
+                    return;
+                }
+                more = true;
+            }
+            while self.cores[usize::from(index)].core.poll_event().is_some() {}
+            if !more {
+                break;
+            }
+        }
+        self.check_invariants();
+    }
+
+    fn send_messages(&mut self, from: u16) {
+        let cores = self.shape.cores;
+        for to in (0..cores).filter(|&to| to != from) {
+            let queue = usize::from(from) * usize::from(cores) + usize::from(to);
+            while self.mesh[queue].len() < self.shape.mesh_capacity {
+                let Some(message) = self.cores[usize::from(from)].core.poll_message(to) else {
+                    break;
+                };
+                self.mesh[queue].push_back(message);
+            }
+        }
+    }
+
+    /// Pumps a core's log; a fatal error halts the broker (the process would exit).
+    pub fn pump(&mut self, index: u16) {
+        let now = self.now();
+        let sim = &mut self.cores[usize::from(index)];
+        if let Err(error) = sim.core.pump_log(&mut sim.log, now) {
+            assert!(error.is_fatal(), "pump errors are fatal: {error}");
+            self.trace
+                .line(format!("  core{index} fatal storage error: {error}"));
+            self.halted = true;
+        }
+    }
+
+    /// Delivers the oldest message of one random non-empty queue.
+    pub fn deliver_message(&mut self) -> bool {
+        let busy: Vec<usize> = (0..self.mesh.len())
+            .filter(|&queue| !self.mesh[queue].is_empty())
+            .collect();
+        if busy.is_empty() {
+            return false;
+        }
+        let queue = busy[self.rng.index(busy.len())];
+        let message = self.mesh[queue].pop_front().expect("non-empty");
+        let cores = usize::from(self.shape.cores);
+        let to = u16::try_from(queue % cores).expect("a core index");
+        let from = queue / cores;
+        self.trace.line(format!(
+            "  mesh {from}->{to} {}",
+            describe_message(&message)
+        ));
+        self.stats.messages += 1;
+        let now = self.now();
+        self.cores[usize::from(to)]
+            .core
+            .handle_message(now, message);
+        self.drain(to);
+        // Room freed in the queue: the sender's outbox may move on.
+        let from = u16::try_from(from).expect("a core index");
+        self.send_messages(from);
+        true
+    }
+
+    /// Completes one held log round of a random core (maybe failing it first), then pumps.
+    pub fn complete_round(&mut self, inject: bool) -> bool {
+        let held: Vec<u16> = (0..self.shape.cores)
+            .filter(|&index| self.cores[usize::from(index)].fault.held_rounds() > 0)
+            .collect();
+        if held.is_empty() {
+            return false;
+        }
+        let index = held[self.rng.index(held.len())];
+        if inject {
+            if self.rng.chance(300) {
+                self.stats.fsync_failures += 1;
+                self.trace
+                    .line(format!("  core{index} next fdatasync fails (EIO)"));
+                self.cores[usize::from(index)]
+                    .fault
+                    .fail_next_sync(libc::EIO);
+            } else {
+                self.stats.disk_full += 1;
+                let written = usize::try_from(self.rng.below(200)).expect("small");
+                self.trace.line(format!(
+                    "  core{index} next write fails (ENOSPC after {written} bytes)"
+                ));
+                self.cores[usize::from(index)]
+                    .fault
+                    .fail_next_write(libc::ENOSPC, written);
+            }
+        }
+        self.stats.rounds += 1;
+        self.trace.line(format!("  core{index} round completes"));
+        assert!(self.cores[usize::from(index)].fault.complete_next());
+        self.pump(index);
+        if !self.halted {
+            self.drain(index);
+        }
+        true
+    }
+
+    /// Advances the logical clock, then fires what is due: admission deadlines, periodic
+    /// fsyncs.
+    pub fn advance(&mut self, by: Duration) {
+        self.clock += by;
+        let now = self.now();
+        for index in 0..self.shape.cores {
+            if self.halted {
+                return;
+            }
+            let sim = &mut self.cores[usize::from(index)];
+            if sim.core.poll_timeout().is_some_and(|at| at <= now.at) {
+                sim.core.handle_timeout(now);
+            }
+            if sim.log.next_deadline().is_some_and(|at| at <= now.at) {
+                self.pump(index);
+            }
+            self.drain(index);
+        }
+    }
+
+    // ---- crashes ----
+
+    /// The broker dies (a power cut, or the process is killed), restarts from its disk, and
+    /// every acknowledged or delivered durable record must be there.
+    pub fn crash(&mut self, power_cut: Option<PowerCut>) {
+        self.stats.crashes += 1;
+        self.trace.line(format!("crash: power cut {power_cut:?}"));
+        if let Some(how) = power_cut {
+            self.stats.power_cuts += 1;
+            for sim in &self.cores {
+                sim.fault.power_cut(how).expect("power cut");
+            }
+        }
+        self.cores.clear();
+        self.halted = false;
+        for client in &mut self.clients {
+            client.reset();
+        }
+        self.oracle.crash();
+        self.catalog = Catalog::load(self.dir()).expect("the catalogue recovers");
+        self.open_cores();
+        let catalogued: BTreeMap<String, u32> = self
+            .catalog
+            .entries()
+            .map(|entry| (entry.name.clone(), entry.shards))
+            .collect();
+        let contradictions = self.oracle.resolve(&catalogued);
+        assert!(
+            contradictions.is_empty(),
+            "after the crash the catalogue contradicts acknowledged changes of {contradictions:?}"
+        );
+        self.check_durable();
+    }
+
+    /// Every acknowledged or delivered record of every current durable incarnation is in its
+    /// core's log, byte for byte, at its offset.
+    fn check_durable(&mut self) {
+        let entries: Vec<_> = self.catalog.entries().cloned().collect();
+        let cores = self.shape.cores;
+        for entry in entries {
+            let Some(state) = self.oracle.names.get(&entry.name) else {
+                continue;
+            };
+            let Some(id) = state.current else { continue };
+            let inc = &self.oracle.incarnations[&id];
+            for (shard, records) in inc.records.iter().enumerate() {
+                let shard = u32::try_from(shard).expect("few shards");
+                let must: Vec<(u64, &crate::oracle::Seen)> = records
+                    .iter()
+                    .filter(|(_, seen)| seen.acked || seen.delivered)
+                    .map(|(offset, seen)| (*offset, seen))
+                    .collect();
+                if must.is_empty() {
+                    continue;
+                }
+                let log_shard = LogShardId::new(entry.stream_id, shard).expect("in range");
+                let core = usize::from(felix_affinity::shard_core(shard, cores));
+                let log = self.cores[core].log.log();
+                for (offset, seen) in must {
+                    let found = log.read(log_shard.0, offset, 1, usize::MAX).unwrap_or_else(
+                        |error| {
+                            panic!(
+                                "acknowledged record {offset} of shard {shard} of {:?} is not in \
+                                 the log after the crash: {error}",
+                                entry.name
+                            )
+                        },
+                    );
+                    let record = found.first().unwrap_or_else(|| {
+                        panic!(
+                            "acknowledged record {offset} of shard {shard} of {:?} is lost \
+                             after the crash (log holds up to {:?})",
+                            entry.name,
+                            log.shard_offsets(log_shard.0)
+                        )
+                    });
+                    assert_eq!(record.offset, offset, "the log reads from the offset asked");
+                    assert!(
+                        record.key == seen.key && record.payload == seen.payload,
+                        "record {offset} of shard {shard} of {:?} changed across the crash",
+                        entry.name
+                    );
+                    self.stats.durable_checked += 1;
+                }
+            }
+        }
+    }
+
+    // ---- checks ----
+
+    /// Every core's invariants, and the memory bounds of what waits between cores.
+    pub fn check_invariants(&self) {
+        let streams: usize = self.cores.iter().map(|sim| sim.core.stream_count()).sum();
+        let cores = self.shape.cores as usize;
+        for sim in &self.cores {
+            sim.core.assert_invariants();
+            // Publish parts are bounded by every core's ingress queue, answers by the requests
+            // received (the same, plus one admin/describe/subscribe per stream), deliveries by
+            // the credits of each subscription part.
+            let bound = cores * (2 * self.shape.ingress.depth as usize)
+                + streams * (3 + cores * (REMOTE_DELIVERY_CREDITS as usize + 2))
+                + 16;
+            assert!(
+                sim.core.outbox_len() <= bound,
+                "core {} holds {} outgoing messages, over the bound {bound}",
+                sim.core.index(),
+                sim.core.outbox_len()
+            );
+        }
+    }
+
+    /// Nothing waits anywhere: no message, no round, no parked request.
+    pub fn quiet(&self) -> bool {
+        self.mesh.iter().all(VecDeque::is_empty)
+            && self.cores.iter().all(|sim| {
+                sim.core.outbox_len() == 0
+                    && sim.fault.held_rounds() == 0
+                    && !sim.core.has_log_work()
+            })
+    }
+}
+
+/// A short name of a message for the step log.
+fn describe_message(message: &CoreMessage) -> String {
+    match message {
+        CoreMessage::Publish { token, records, .. } => {
+            format!("Publish#{token} x{}", records.len())
+        }
+        CoreMessage::PublishDone { token, result } => {
+            format!(
+                "PublishDone#{token} {}",
+                if result.is_ok() { "ok" } else { "err" }
+            )
+        }
+        CoreMessage::Admin { token, request, .. } => format!("Admin#{token} {request:?}"),
+        CoreMessage::Apply { token, request } => format!("Apply#{token} {request:?}"),
+        CoreMessage::Applied { token } => format!("Applied#{token}"),
+        CoreMessage::AdminDone { token, .. } => format!("AdminDone#{token}"),
+        CoreMessage::Describe { token, .. } => format!("Describe#{token}"),
+        CoreMessage::DescribeDone { token, .. } => format!("DescribeDone#{token}"),
+        CoreMessage::Subscribe { token, .. } => format!("Subscribe#{token}"),
+        CoreMessage::SubscribeDone { token, .. } => format!("SubscribeDone#{token}"),
+        CoreMessage::Deliver { slot, records, .. } => {
+            format!("Deliver slot{} x{}", slot.0, records.len())
+        }
+        CoreMessage::Ended { slot, error } => format!("Ended slot{} {:?}", slot.0, error.code),
+        CoreMessage::Credit { id } => format!("Credit {}", id.0),
+        CoreMessage::Unsubscribe { id } => format!("Unsubscribe {}", id.0),
+    }
+}
