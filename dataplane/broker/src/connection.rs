@@ -155,10 +155,10 @@ fn feed(
     buffer: &mut BytesMut,
     decoder: &felix_wire::Decoder,
 ) -> (Reading, bool) {
+    if !core.accepts_frames(stream) {
+        return (Reading::Frames, false);
+    }
     for _ in 0..FRAMES_PER_FEED_MAX {
-        if !core.accepts_frames(stream) {
-            return (Reading::Frames, false);
-        }
         let frame = match decoder.decode(buffer) {
             Ok(Some(frame)) => frame,
             Ok(None) => return (Reading::Frames, false),
@@ -168,7 +168,9 @@ fn feed(
             }
         };
         match core.handle_frame(now, stream, frame) {
-            Flow::Continue | Flow::Blocked => {}
+            Flow::Continue => {}
+            // Parked: the rest stays buffered until the machine says the stream goes on.
+            Flow::Blocked => return (Reading::Frames, false),
             Flow::Subscribed if buffer.is_empty() => return (Reading::Subscription, false),
             Flow::Subscribed => {
                 core.handle_extra_data(now, stream);
@@ -200,17 +202,18 @@ async fn serve_stream(
     let mut reading = Reading::Frames;
     let mut receive_open = true;
     loop {
+        // Feed what is buffered and take the answers in one input.
         let mut frames_left = false;
-        if reading == Reading::Frames {
-            (reading, frames_left) =
-                shell.input(|core, now| feed(core, now, stream, &mut buffer, &shell.decoder));
-        }
+        let mut transmit = shell.input(|core, now| {
+            if reading == Reading::Frames {
+                (reading, frames_left) = feed(core, now, stream, &mut buffer, &shell.decoder);
+            }
+            core.poll_transmit(now, stream)
+        });
         // Write everything the machine has for this stream (a subscription: batch by batch).
         let mut writes = 0u32;
         loop {
-            let transmit = shell.input(|core, now| core.poll_transmit(now, stream));
-            let wrote = transmit.bytes.is_some();
-            if let Some(bytes) = transmit.bytes
+            if let Some(bytes) = transmit.bytes.take()
                 && send.send(bytes).await.is_err()
             {
                 return;
@@ -222,7 +225,7 @@ async fn serve_stream(
                 }
                 return;
             }
-            if !wrote {
+            if !transmit.more {
                 break;
             }
             writes += 1;
@@ -230,6 +233,7 @@ async fn serve_stream(
                 writes = 0;
                 tokio::task::yield_now().await;
             }
+            transmit = shell.input(|core, now| core.poll_transmit(now, stream));
         }
         if handshake.is_some()
             && shell.core.borrow().handshake_done(connection)

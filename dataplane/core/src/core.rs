@@ -9,9 +9,11 @@
 //! `StreamReady` event names it. Every queue here is independent, so any order is correct;
 //! this one sends cross-core work first, which keeps latency lowest.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 
 use bytes::{Bytes, BytesMut};
+// Keys are ids this core assigns (connections, streams, tokens), never network input, so a
+// fast non-keyed hash is safe; it is also deterministic, which the simulation relies on.
 use felix_engine::{
     Engine, EngineError, EngineEvent, PublishToken, StreamDescription, SubscriptionId,
 };
@@ -19,10 +21,11 @@ use felix_wire::{
     ErrorCode, ErrorFrame, Frame, HashKind, HelloOk, Limits, PROTOCOL_VERSION, Publish, ShardAck,
     ShardInfo, StreamInfo, StreamRoute, StreamSummary, WireError,
 };
+use rustc_hash::FxHashMap as HashMap;
 
 use crate::admin::{AdminOp, PendingDescribe};
 use crate::admission::{Admission, AdmissionEvent, Ticket};
-use crate::catalog::{CatalogChange, CatalogEntry};
+use crate::catalog::CatalogChange;
 use crate::config::{
     CONNECTIONS_PER_CORE_MAX, ConnectionId, CoreConfig, HELLO_SHARD_MAP_FRAME_SHARE,
     IngressSettings, Now, StreamId,
@@ -70,6 +73,9 @@ pub struct Transmit {
     /// After finishing (and giving the client a moment to read the `Error`), close the whole
     /// connection with this code: the handshake was refused.
     pub close_connection: Option<ErrorCode>,
+    /// A subscription gave a batch: call again for the next (a request stream's output comes
+    /// whole in one call).
+    pub more: bool,
 }
 
 /// A durable catalogue change core 0 needs persisted before it goes on; answer it with
@@ -239,15 +245,15 @@ impl Core {
             next_token: 1,
             next_connection: 1,
             next_stream: 1,
-            connections: HashMap::new(),
-            streams: HashMap::new(),
-            waiters: HashMap::new(),
-            requests: HashMap::new(),
-            publishes: HashMap::new(),
-            tracked: HashMap::new(),
-            describes: HashMap::new(),
-            local_subscriptions: HashMap::new(),
-            remote_subscriptions: HashMap::new(),
+            connections: HashMap::default(),
+            streams: HashMap::default(),
+            waiters: HashMap::default(),
+            requests: HashMap::default(),
+            publishes: HashMap::default(),
+            tracked: HashMap::default(),
+            describes: HashMap::default(),
+            local_subscriptions: HashMap::default(),
+            remote_subscriptions: HashMap::default(),
             outbox: (0..config.core_count).map(|_| VecDeque::new()).collect(),
             outbox_len: 0,
             events: VecDeque::new(),
@@ -325,19 +331,6 @@ impl Core {
     /// The core owning `shard`: the core plan's rule, `shard % cores`.
     pub(crate) fn owner(&self, shard: u32) -> u16 {
         felix_affinity::shard_core(shard, self.core_count)
-    }
-
-    // ---- start-up ----
-
-    /// Recreates a catalogued durable stream from its log's per-shard `(oldest, next)`
-    /// offsets (start-up, before the core serves).
-    pub fn restore_durable_stream(
-        &mut self,
-        entry: &CatalogEntry,
-        offsets: &[(u64, u64)],
-    ) -> Result<StreamDescription, EngineError> {
-        self.engine
-            .restore_durable_stream(&entry.name, entry.shards, entry.stream_id, offsets)
     }
 
     // ---- connections and streams ----
@@ -576,10 +569,12 @@ impl Core {
                 bytes: None,
                 finish: true,
                 close_connection: None,
+                more: false,
             };
         };
         state.ready_queued = false;
-        if state.out.is_empty() && !state.finishing && matches!(state.role, Role::Subscription(_)) {
+        let subscription = matches!(state.role, Role::Subscription(_));
+        if subscription && state.out.is_empty() && !state.finishing {
             self.in_call = Some(stream);
             self.fill_delivery(stream);
             self.settle(now);
@@ -593,6 +588,7 @@ impl Core {
             && matches!(state.role, Role::New | Role::Requests);
         let finish = state.finishing || requests_done;
         Transmit {
+            more: subscription && !finish && bytes.is_some(),
             bytes,
             finish,
             close_connection: if finish { state.close_connection } else { None },
