@@ -38,8 +38,8 @@ mod topology;
 pub use cpulist::{CPU_INDEX_MAX, format_cpu_list, parse_cpu_list};
 pub use error::AffinityError;
 pub use plan::{
-    CorePlan, CpuSelection, DataplaneCore, MAX_LISTENERS_PER_CORE,
-    MIN_CPUS_TO_RESERVE_HOUSEKEEPING, PlanOptions, shard_core,
+    CorePlan, CpuSelection, DataplaneCore, HOUSEKEEPING_RESERVE_CPUS_MIN, LISTENERS_PER_CORE_MAX,
+    PlanOptions, shard_core,
 };
 pub use thread::{
     Tid, current_thread_allowed_cpus, pin_current_thread, thread_cpu_seconds, thread_cpu_seconds_of,

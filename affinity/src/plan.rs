@@ -10,14 +10,14 @@ use crate::{AffinityError, Cpu, Topology};
 /// With fewer usable CPUs than this, every CPU runs a data-plane loop and housekeeping shares
 /// data-plane core 0. Giving one CPU away on a 2- or 3-CPU machine would cost a third to a
 /// half of the data plane for work (timers, metrics, admin, IRQs) that is mostly idle.
-pub const MIN_CPUS_TO_RESERVE_HOUSEKEEPING: usize = 4;
+pub const HOUSEKEEPING_RESERVE_CPUS_MIN: usize = 4;
 
 /// Most QUIC endpoints one data-plane core may run (FELIX_QUIC_LISTENERS / cores, rounded up).
 ///
 /// Each endpoint is one UDP socket and one s2n-quic endpoint driven by the same single
 /// thread; past a few, more endpoints only add polling work. 8 leaves room to experiment
 /// while refusing values that are surely typos (e.g. 64 listeners on 2 cores).
-pub const MAX_LISTENERS_PER_CORE: u32 = 8;
+pub const LISTENERS_PER_CORE_MAX: u32 = 8;
 
 /// Largest port number.
 const PORT_MAX: u32 = u16::MAX as u32;
@@ -115,7 +115,7 @@ impl CorePlan {
     /// Builds the plan.
     ///
     /// Default data-plane CPUs: all usable CPUs when there are fewer than
-    /// [`MIN_CPUS_TO_RESERVE_HOUSEKEEPING`], otherwise all but the first CPU of the
+    /// [`HOUSEKEEPING_RESERVE_CPUS_MIN`], otherwise all but the first CPU of the
     /// lowest-numbered package (package 0 on any ordinary machine), which is kept for
     /// housekeeping and IRQs. `options.dataplane_cores` overrides that; a listed CPU missing
     /// from `topology` (offline, or outside the affinity mask) is an error naming it.
@@ -199,12 +199,12 @@ impl CorePlan {
             return Err(AffinityError::NoListeners);
         }
         let per_core_max = listeners.div_ceil(core_count as u32);
-        if per_core_max > MAX_LISTENERS_PER_CORE {
+        if per_core_max > LISTENERS_PER_CORE_MAX {
             return Err(AffinityError::TooManyListeners {
                 listeners,
                 cores: core_count,
                 per_core: per_core_max,
-                max: MAX_LISTENERS_PER_CORE,
+                max: LISTENERS_PER_CORE_MAX,
             });
         }
 
@@ -380,7 +380,7 @@ fn counted(count: usize, noun: &str) -> String {
 /// The CPU kept for housekeeping by default: the first CPU of the lowest-numbered package,
 /// or none when there are too few CPUs to give one away.
 fn reserved_cpu(topology: &Topology) -> Option<usize> {
-    if topology.cpus.len() < MIN_CPUS_TO_RESERVE_HOUSEKEEPING {
+    if topology.cpus.len() < HOUSEKEEPING_RESERVE_CPUS_MIN {
         return None;
     }
     // cpus is ascending by os_index, so min_by_key keeps the first CPU of the lowest package.

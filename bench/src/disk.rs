@@ -36,11 +36,11 @@ pub const DEFAULT_SMALL_MIB: u64 = 16;
 
 /// Largest probe: 64 GiB. Larger than any page cache we run on, and a guard against filling a
 /// disk by a typo.
-pub const MAX_PROBE_MIB: u64 = 64 * 1024;
+pub const PROBE_MIB_MAX: u64 = 64 * 1024;
 
 /// Longest fdatasync the latency histogram records exactly: 60 s, in nanoseconds. Longer ones
 /// are clamped to it (a disk that slow has failed the baseline anyway).
-const MAX_RECORDED_NS: u64 = 60_000_000_000;
+const RECORDED_NS_MAX: u64 = 60_000_000_000;
 
 /// Significant figures of the latency histogram: 3 gives 0.1% resolution.
 const HISTOGRAM_SIGFIG: u8 = 3;
@@ -81,9 +81,9 @@ impl Drop for RemoveOnDrop {
 
 /// Writes `mib` MiB into a new file in `dir` in `block_bytes` writes, fdatasync after each.
 pub fn probe(dir: &Path, mib: u64, block_bytes: usize) -> Result<ProbeResult, BenchError> {
-    if mib == 0 || mib > MAX_PROBE_MIB {
+    if mib == 0 || mib > PROBE_MIB_MAX {
         return Err(BenchError::DiskProbe(format!(
-            "size must be 1..={MAX_PROBE_MIB} MiB, got {mib}"
+            "size must be 1..={PROBE_MIB_MAX} MiB, got {mib}"
         )));
     }
     if block_bytes == 0 || !(MIB as usize).is_multiple_of(block_bytes) {
@@ -112,7 +112,7 @@ pub fn probe(dir: &Path, mib: u64, block_bytes: usize) -> Result<ProbeResult, Be
     let preallocated = preallocate(&file, total_bytes);
     // A non-zero, non-repeating-per-block pattern, so no layer below can shortcut zero pages.
     let block: Vec<u8> = (0..block_bytes).map(|i| (i % 251) as u8 + 1).collect();
-    let mut hist = Histogram::<u64>::new_with_bounds(1, MAX_RECORDED_NS, HISTOGRAM_SIGFIG)
+    let mut hist = Histogram::<u64>::new_with_bounds(1, RECORDED_NS_MAX, HISTOGRAM_SIGFIG)
         .map_err(|e| BenchError::DiskProbe(format!("histogram: {e}")))?;
     let started = Instant::now();
     for _ in 0..writes {
@@ -121,7 +121,7 @@ pub fn probe(dir: &Path, mib: u64, block_bytes: usize) -> Result<ProbeResult, Be
         let sync_started = Instant::now();
         sync(&file, &path)?;
         let ns = u64::try_from(sync_started.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        hist.saturating_record(ns.clamp(1, MAX_RECORDED_NS));
+        hist.saturating_record(ns.clamp(1, RECORDED_NS_MAX));
     }
     let elapsed_s = started.elapsed().as_secs_f64();
     assert_eq!(hist.len(), writes, "one fdatasync timed per write");
@@ -222,7 +222,7 @@ mod tests {
         let msg = |r: Result<ProbeResult, BenchError>| r.unwrap_err().to_string();
         assert!(msg(probe(dir.path(), 0, LARGE_BLOCK_BYTES)).contains("size must be"));
         assert!(
-            msg(probe(dir.path(), MAX_PROBE_MIB + 1, LARGE_BLOCK_BYTES)).contains("size must be")
+            msg(probe(dir.path(), PROBE_MIB_MAX + 1, LARGE_BLOCK_BYTES)).contains("size must be")
         );
         assert!(msg(probe(dir.path(), 1, 3000)).contains("block size"));
         let missing = dir.path().join("missing");

@@ -95,7 +95,7 @@ const RECORD_OVERHEAD_BYTES: u64 = 16;
 const PUBLISH_HEADER_BYTES: u64 = 256;
 
 /// Largest client budget asked for: 4 GiB, the client setting's upper bound.
-const MAX_BUDGET_BYTES: u64 = 4 * 1024 * 1024 * 1024;
+const BUDGET_BYTES_MAX: u64 = 4 * 1024 * 1024 * 1024;
 
 /// Where the broker comes from.
 #[derive(Debug, Clone)]
@@ -376,7 +376,7 @@ fn budget_bytes(cell: &Cell, key_len: usize) -> u64 {
     // DEFAULT (4 MiB) < MAX (4 GiB), so clamp's bounds are ordered.
     (u64::from(s.in_flight) * per_publish).clamp(
         felix_client::DEFAULT_PUBLISH_INFLIGHT_BYTES,
-        MAX_BUDGET_BYTES,
+        BUDGET_BYTES_MAX,
     )
 }
 

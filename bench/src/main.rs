@@ -616,6 +616,6 @@ fn print_plan(plan: &Plan) {
 
 /// Arm index as a letter (A, B, ...), as the reference writes interleavings.
 fn letter(i: usize) -> char {
-    // MAX_ARMS (16) < 26, so the index stays within A..Z.
+    // ARMS_MAX (16) < 26, so the index stays within A..Z.
     char::from(b'A' + (i % 26) as u8)
 }

@@ -61,13 +61,13 @@ pub const MONITOR_LINE: &str = "Starting http monitor on ";
 
 /// Largest message the server accepts: 8 MiB, NATS's recommended ceiling, above the plan's
 /// 4 MiB payload bound plus headers.
-const MAX_PAYLOAD_BYTES: u64 = 8 * 1024 * 1024;
+const PAYLOAD_BYTES_MAX: u64 = 8 * 1024 * 1024;
 
 /// Byte limit of each memory-storage stream: 1 GiB, oldest discarded first. A NATS memory
 /// stream keeps everything up to its limits; 8 streams x 1 GiB stays well inside this 24 GiB
 /// machine while a 4 KiB cell at 1 GB/s fills it only after a second per stream, so the cell
 /// measures steady ingest with discards like Felix's bounded replay ring.
-const MEMORY_STREAM_MAX_BYTES: i64 = 1024 * 1024 * 1024;
+const MEMORY_STREAM_BYTES_MAX: i64 = 1024 * 1024 * 1024;
 
 /// Time to connect every publisher and create the streams.
 const SETUP_DEADLINE: Duration = Duration::from_secs(60);
@@ -88,7 +88,7 @@ pub fn server_config(arm: &NatsArm, store_dir: &Path, tls: Option<(&Path, &Path)
     let mut c = String::new();
     // `-1` asks the server for a random free port; it logs the one it got.
     c.push_str("listen: \"127.0.0.1:-1\"\nhttp: \"127.0.0.1:-1\"\n");
-    let _ = writeln!(c, "max_payload: {MAX_PAYLOAD_BYTES}");
+    let _ = writeln!(c, "max_payload: {PAYLOAD_BYTES_MAX}");
     let _ = write!(
         c,
         "jetstream {{\n  store_dir: {:?}\n",
@@ -423,7 +423,7 @@ impl NatsJob {
                         },
                         max_bytes: match self.nats.storage {
                             NatsStorage::File => -1,
-                            NatsStorage::Memory => MEMORY_STREAM_MAX_BYTES,
+                            NatsStorage::Memory => MEMORY_STREAM_BYTES_MAX,
                         },
                         allow_atomic_publish: self.nats.atomic_batch,
                         ..Default::default()

@@ -64,38 +64,38 @@ use crate::stats::Counts;
 /// Largest payload a cell may use: 4 MiB. A record must fit in the client's default
 /// `publish_inflight_bytes` (4 MiB, docs/semantics.md, 3 Publishing), or one publish could
 /// never be in flight.
-pub const MAX_PAYLOAD_BYTES: u32 = 4 * 1024 * 1024;
+pub const PAYLOAD_BYTES_MAX: u32 = 4 * 1024 * 1024;
 
 /// Trials per cell and arm: 1..=5. The reference runs 2-3; more than 5 multiplies a campaign's
 /// hours for a median that no longer moves.
-pub const MAX_TRIALS: u32 = 5;
+pub const TRIALS_MAX: u32 = 5;
 
 /// Shortest cell: 5 s. The steady window keeps 80% of the run and needs 3 whole one-second
 /// rates; with samples at arbitrary phase that takes at least 4 s of window, so 5 s of run.
-pub const MIN_DURATION_S: u32 = 5;
+pub const DURATION_S_MIN: u32 = 5;
 
 /// Longest cell: one hour. The reference's cells run 90 s; an hour is a guard against typos
 /// (e.g. 9000 for 90) that would silently cost a day.
-pub const MAX_DURATION_S: u32 = 3600;
+pub const DURATION_S_MAX: u32 = 3600;
 
 /// Longest warm-up before a cell: 10 minutes, the same kind of typo guard.
-pub const MAX_WARMUP_S: u32 = 600;
+pub const WARMUP_S_MAX: u32 = 600;
 
 /// Largest batch: 65,536 records per request, 1024 times the reference's fast path of 64.
-pub const MAX_BATCH: u32 = 65_536;
+pub const BATCH_MAX: u32 = 65_536;
 
 /// Most publishers in one cell: 4096, 64 times the reference's 64 publishers.
-pub const MAX_PUBLISHERS: u32 = 4096;
+pub const PUBLISHERS_MAX: u32 = 4096;
 
 /// Most requests in flight per publisher: 65,536, 1024 times the reference's 64.
-pub const MAX_IN_FLIGHT: u32 = 65_536;
+pub const IN_FLIGHT_MAX: u32 = 65_536;
 
 /// Most cells after matrix expansion: at 90 s each this is over a week per arm and trial; a
 /// larger product is a mistake in a matrix, caught before expanding it.
-pub const MAX_CELLS: usize = 10_000;
+pub const CELLS_MAX: usize = 10_000;
 
 /// Most arms: each arm multiplies the campaign; 16 covers Felix variants plus NATS peers.
-pub const MAX_ARMS: usize = 16;
+pub const ARMS_MAX: usize = 16;
 
 /// Shards of the benchmark stream when the plan does not say: 8. On this 2-vCPU machine that
 /// is 4 per core, enough for the spread keys to hit every core's shards evenly; the reference's
@@ -103,10 +103,10 @@ pub const MAX_ARMS: usize = 16;
 pub const DEFAULT_SHARDS: u32 = 8;
 
 /// Most shards a plan may ask for: 4096, the wire protocol's default `max_shards` bound.
-pub const MAX_SHARDS: u32 = 4096;
+pub const SHARDS_MAX: u32 = 4096;
 
 /// Smallest payload of a latency cell: the first 8 bytes carry the send timestamp.
-pub const LATENCY_MIN_PAYLOAD_BYTES: u32 = 8;
+pub const LATENCY_PAYLOAD_BYTES_MIN: u32 = 8;
 
 /// The settings' `broker` value meaning "the runner starts a broker per cell".
 pub const BROKER_SPAWN: &str = "spawn";
@@ -190,13 +190,13 @@ pub struct Settings {
     /// `spawn` ([`BROKER_SPAWN`], the default: the runner starts a broker per cell) or the
     /// `host:port` of a broker already running.
     pub broker: String,
-    /// Default measured duration of a cell, MIN_DURATION_S..=MAX_DURATION_S.
+    /// Default measured duration of a cell, DURATION_S_MIN..=DURATION_S_MAX.
     pub duration_s: u32,
-    /// Trials per cell and arm, 1..=MAX_TRIALS.
+    /// Trials per cell and arm, 1..=TRIALS_MAX.
     pub trials: u32,
-    /// Seconds of load before each cell's measured duration, 0..=MAX_WARMUP_S.
+    /// Seconds of load before each cell's measured duration, 0..=WARMUP_S_MAX.
     pub warmup_s: u32,
-    /// Shards of the benchmark stream, 1..=MAX_SHARDS (default [`DEFAULT_SHARDS`]).
+    /// Shards of the benchmark stream, 1..=SHARDS_MAX (default [`DEFAULT_SHARDS`]).
     #[serde(default = "default_shards")]
     pub shards: u32,
 }
@@ -253,7 +253,7 @@ pub enum NatsMode {
 }
 
 /// Largest atomic batch: nats-server's default `max_batch_size` (1,000 messages per batch).
-pub const NATS_MAX_ATOMIC_BATCH: u32 = 1_000;
+pub const NATS_ATOMIC_BATCH_MAX: u32 = 1_000;
 
 /// The settings of a NATS arm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -638,17 +638,17 @@ impl RawPlan {
                 "settings",
                 "duration_s",
                 s.duration_s,
-                MIN_DURATION_S,
-                MAX_DURATION_S,
+                DURATION_S_MIN,
+                DURATION_S_MAX,
             )?,
-            trials: in_range("settings", "trials", s.trials, 1, MAX_TRIALS)?,
-            warmup_s: in_range("settings", "warmup_s", s.warmup_s, 0, MAX_WARMUP_S)?,
+            trials: in_range("settings", "trials", s.trials, 1, TRIALS_MAX)?,
+            warmup_s: in_range("settings", "warmup_s", s.warmup_s, 0, WARMUP_S_MAX)?,
             shards: in_range(
                 "settings",
                 "shards",
                 s.shards.unwrap_or(i64::from(DEFAULT_SHARDS)),
                 1,
-                MAX_SHARDS,
+                SHARDS_MAX,
             )?,
         };
 
@@ -657,9 +657,9 @@ impl RawPlan {
                 "plan has no arms: add at least one [[arms]] with a name".to_string(),
             ));
         }
-        if self.arms.len() > MAX_ARMS {
+        if self.arms.len() > ARMS_MAX {
             return Err(BenchError::Plan(format!(
-                "plan has {} arms; at most {MAX_ARMS}",
+                "plan has {} arms; at most {ARMS_MAX}",
                 self.arms.len()
             )));
         }
@@ -861,7 +861,7 @@ fn check_arm_fits(cell: &Cell, arm: &Arm) -> Result<(), BenchError> {
         (Mode::FireAndForget, NatsMode::Core) => None,
     };
     let why = why.or_else(|| {
-        (n.atomic_batch && s.batch > NATS_MAX_ATOMIC_BATCH)
+        (n.atomic_batch && s.batch > NATS_ATOMIC_BATCH_MAX)
             .then_some("batch exceeds NATS's atomic batch limit of 1000")
     });
     match why {
@@ -919,9 +919,9 @@ fn expand(
         }
         product = product.saturating_mul(len);
     }
-    if out.len().saturating_add(product) > MAX_CELLS {
+    if out.len().saturating_add(product) > CELLS_MAX {
         return Err(BenchError::Plan(format!(
-            "cells entry {entry_number}: expands to {product} cells, more than {MAX_CELLS} in all"
+            "cells entry {entry_number}: expands to {product} cells, more than {CELLS_MAX} in all"
         )));
     }
     for kind in &kinds {
@@ -1008,28 +1008,28 @@ fn validate_cell(number: usize, raw: &RawCell) -> Result<Cell, BenchError> {
             raw.publishers
         )));
     }
-    if measure == Measure::Latency && raw.payload < i64::from(LATENCY_MIN_PAYLOAD_BYTES) {
+    if measure == Measure::Latency && raw.payload < i64::from(LATENCY_PAYLOAD_BYTES_MIN) {
         return Err(BenchError::Plan(format!(
             "{what}: a latency cell carries an 8-byte send timestamp, so payload must be at \
-             least {LATENCY_MIN_PAYLOAD_BYTES}, got {}",
+             least {LATENCY_PAYLOAD_BYTES_MIN}, got {}",
             raw.payload
         )));
     }
     let shape = Shape {
         measure,
         kind,
-        payload_bytes: in_range(&what, "payload", raw.payload, 1, MAX_PAYLOAD_BYTES)?,
-        batch: in_range(&what, "batch", raw.batch, 1, MAX_BATCH)?,
+        payload_bytes: in_range(&what, "payload", raw.payload, 1, PAYLOAD_BYTES_MAX)?,
+        batch: in_range(&what, "batch", raw.batch, 1, BATCH_MAX)?,
         mode,
-        publishers: in_range(&what, "publishers", raw.publishers, 1, MAX_PUBLISHERS)?,
-        in_flight: in_range(&what, "in_flight", raw.in_flight, 1, MAX_IN_FLIGHT)?,
+        publishers: in_range(&what, "publishers", raw.publishers, 1, PUBLISHERS_MAX)?,
+        in_flight: in_range(&what, "in_flight", raw.in_flight, 1, IN_FLIGHT_MAX)?,
         keys,
         duration_s: in_range(
             &what,
             "duration_s",
             raw.duration_s,
-            MIN_DURATION_S,
-            MAX_DURATION_S,
+            DURATION_S_MIN,
+            DURATION_S_MAX,
         )?,
     };
     Ok(Cell { number, shape })
@@ -1386,7 +1386,7 @@ keys = ["spread", "plain"]
 
     #[test]
     fn oversized_matrix_is_refused_before_expanding() {
-        // Proves a matrix whose product exceeds MAX_CELLS is refused without building it.
+        // Proves a matrix whose product exceeds CELLS_MAX is refused without building it.
         let many: Vec<String> = (1..=101).map(|i| i.to_string()).collect();
         let list = format!("[{}]", many.join(","));
         let text = with("payload = [256", &format!("payload = {list}"));

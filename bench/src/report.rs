@@ -35,11 +35,11 @@ pub const DEFAULT_FONT_PATH: &str = "/usr/share/fonts/truetype/dejavu/DejaVuSans
 pub const RANGE_SHOWN_ABOVE: f64 = 0.005;
 
 /// Largest font file accepted: DejaVu Sans is ~750 KB; 32 MiB bounds a wrong path to a big file.
-const MAX_FONT_BYTES: u64 = 32 * 1024 * 1024;
+const FONT_BYTES_MAX: u64 = 32 * 1024 * 1024;
 
 /// Chart size in pixels. 1200 x 700 reads on a laptop screen and in a docs page.
 const CHART_HEIGHT_PX: u32 = 700;
-const CHART_MIN_WIDTH_PX: u32 = 1200;
+const CHART_WIDTH_PX_MIN: u32 = 1200;
 /// Horizontal room per bar in the throughput chart, so many shapes widen the chart instead of
 /// squeezing bars below a readable width.
 const BAR_SLOT_PX: u32 = 28;
@@ -596,7 +596,7 @@ pub fn load_font(path: &Path) -> Result<(), BenchError> {
     Ok(())
 }
 
-/// Reads a font file, bounded by [`MAX_FONT_BYTES`].
+/// Reads a font file, bounded by [`FONT_BYTES_MAX`].
 fn read_font_file(path: &Path) -> Result<Vec<u8>, BenchError> {
     let font_err = |detail: String| BenchError::Font {
         path: path.to_path_buf(),
@@ -605,9 +605,9 @@ fn read_font_file(path: &Path) -> Result<Vec<u8>, BenchError> {
     let len = std::fs::metadata(path)
         .map_err(|e| font_err(e.to_string()))?
         .len();
-    if len > MAX_FONT_BYTES {
+    if len > FONT_BYTES_MAX {
         return Err(font_err(format!(
-            "{len} bytes is larger than {MAX_FONT_BYTES}; not a font"
+            "{len} bytes is larger than {FONT_BYTES_MAX}; not a font"
         )));
     }
     std::fs::read(path).map_err(|e| font_err(e.to_string()))
@@ -665,7 +665,7 @@ fn throughput_data(aggregates: &[Aggregate]) -> ThroughputData {
 fn throughput_charts(aggregates: &[Aggregate], out: &Path) -> Result<Vec<PathBuf>, BenchError> {
     let data = throughput_data(aggregates);
     let slots = data.shapes.len() * (data.arms.len() + 1);
-    let width = CHART_MIN_WIDTH_PX.max(200 + BAR_SLOT_PX * slots as u32);
+    let width = CHART_WIDTH_PX_MIN.max(200 + BAR_SLOT_PX * slots as u32);
     let size = (width, CHART_HEIGHT_PX);
     let png = out.join("throughput.png");
     let svg = out.join("throughput.svg");
@@ -836,7 +836,7 @@ fn latency_series(aggregates: &[Aggregate]) -> Vec<LatencySeries> {
 
 fn latency_charts(aggregates: &[Aggregate], out: &Path) -> Result<Vec<PathBuf>, BenchError> {
     let series = latency_series(aggregates);
-    let size = (CHART_MIN_WIDTH_PX, CHART_HEIGHT_PX);
+    let size = (CHART_WIDTH_PX_MIN, CHART_HEIGHT_PX);
     let png = out.join("latency.png");
     let svg = out.join("latency.svg");
     {

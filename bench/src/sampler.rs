@@ -63,7 +63,7 @@ pub const SCRAPE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Largest `/metrics` answer read: 16 MiB. Per-core series for hundreds of cores stay far
 /// below; a larger answer is a defect and is refused rather than buffered.
-pub const MAX_SCRAPE_BYTES: u64 = 16 * 1024 * 1024;
+pub const SCRAPE_BYTES_MAX: u64 = 16 * 1024 * 1024;
 
 /// Sampling period: one second, the broker-counter cadence the method is defined on.
 pub const SAMPLE_PERIOD: Duration = Duration::from_secs(1);
@@ -216,11 +216,11 @@ pub fn http_get(addr: SocketAddr, path: &str) -> Result<String, BenchError> {
     .map_err(|e| fail(e.to_string()))?;
     let mut raw = Vec::new();
     stream
-        .take(MAX_SCRAPE_BYTES + 1)
+        .take(SCRAPE_BYTES_MAX + 1)
         .read_to_end(&mut raw)
         .map_err(|e| fail(e.to_string()))?;
-    if raw.len() as u64 > MAX_SCRAPE_BYTES {
-        return Err(fail(format!("answer larger than {MAX_SCRAPE_BYTES} bytes")));
+    if raw.len() as u64 > SCRAPE_BYTES_MAX {
+        return Err(fail(format!("answer larger than {SCRAPE_BYTES_MAX} bytes")));
     }
     let text = String::from_utf8_lossy(&raw);
     let Some((head, body)) = text.split_once("\r\n\r\n") else {

@@ -16,7 +16,7 @@ pub const STEADY_TRIM_FRACTION: f64 = 0.10;
 
 /// Fewest one-second rates a steady-window median may be taken from. Below three, a median is
 /// one value or the mean of two, with nothing to outvote a single disturbed second.
-pub const MIN_STEADY_POINTS: usize = 3;
+pub const STEADY_POINTS_MIN: usize = 3;
 
 /// Slack when testing whether a rate's interval lies inside the window: sample times are read
 /// from a clock in seconds as f64, and a boundary that coincides exactly must count as inside.
@@ -221,7 +221,7 @@ pub fn steady_window(cell: &str, spans: &[Span]) -> Result<SteadyWindow, BenchEr
     Ok(window)
 }
 
-/// The rates whose whole interval lies inside the window; at least [`MIN_STEADY_POINTS`].
+/// The rates whose whole interval lies inside the window; at least [`STEADY_POINTS_MIN`].
 pub fn select_steady<'a>(
     cell: &str,
     window: &SteadyWindow,
@@ -233,11 +233,11 @@ pub fn select_steady<'a>(
             r.t0_s >= window.start_s - WINDOW_EPSILON_S && r.t1_s <= window.end_s + WINDOW_EPSILON_S
         })
         .collect();
-    if inside.len() < MIN_STEADY_POINTS {
+    if inside.len() < STEADY_POINTS_MIN {
         return Err(BenchError::TooFewSteadyPoints {
             cell: cell.to_string(),
             points: inside.len(),
-            min: MIN_STEADY_POINTS,
+            min: STEADY_POINTS_MIN,
             start_s: window.start_s,
             end_s: window.end_s,
         });
@@ -300,7 +300,7 @@ pub fn cell_throughput(
     let steady = select_steady(cell, &window, &all)?;
     let med = |f: fn(&Rate) -> f64| -> f64 {
         let values: Vec<f64> = steady.iter().map(|r| f(r)).collect();
-        // select_steady returned at least MIN_STEADY_POINTS (> 0) rates, so the median exists.
+        // select_steady returned at least STEADY_POINTS_MIN (> 0) rates, so the median exists.
         median(&values).unwrap_or(f64::NAN)
     };
     Ok(Throughput {

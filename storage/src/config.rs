@@ -9,9 +9,9 @@ use crate::StorageError;
 /// calling thread) happens about once a second at the disk's ~1.5 GB/s.
 pub const DEFAULT_SEGMENT_BYTES: u64 = 1 << 30;
 /// Smallest segment: one header page and a few records; only tests go this low.
-pub const MIN_SEGMENT_BYTES: u64 = 16 << 10;
+pub const SEGMENT_BYTES_MIN: u64 = 16 << 10;
 /// Largest segment: 64 GiB keeps a deleted segment a bounded amount of retention.
-pub const MAX_SEGMENT_BYTES: u64 = 64 << 30;
+pub const SEGMENT_BYTES_MAX: u64 = 64 << 30;
 /// Default largest round: 4 MiB. docs/design/machine.md (Disk): one write + fdatasync of 1 MiB
 /// (256 x 4 KiB) already reaches 1.6-2.5 GB/s; bigger rounds add latency to their first
 /// records for little throughput.
@@ -103,9 +103,9 @@ impl LogConfig {
     /// Checks every range; the error names the field.
     pub fn validate(&self) -> Result<(), StorageError> {
         let bad = |msg: String| Err(StorageError::Config(msg));
-        if !(MIN_SEGMENT_BYTES..=MAX_SEGMENT_BYTES).contains(&self.segment_bytes) {
+        if !(SEGMENT_BYTES_MIN..=SEGMENT_BYTES_MAX).contains(&self.segment_bytes) {
             return bad(format!(
-                "segment_bytes {} outside {MIN_SEGMENT_BYTES}..={MAX_SEGMENT_BYTES}",
+                "segment_bytes {} outside {SEGMENT_BYTES_MIN}..={SEGMENT_BYTES_MAX}",
                 self.segment_bytes
             ));
         }

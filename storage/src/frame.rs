@@ -21,15 +21,15 @@ const _: () = assert!(HEADER_BYTES == 28);
 /// Bits of the offset word that hold the offset; the 16 above hold the key length.
 pub const OFFSET_BITS: u32 = 48;
 /// Largest storable offset: 2^48 - 1 (at 10 million records a second, 890 years of one shard).
-pub const MAX_OFFSET: u64 = (1 << OFFSET_BITS) - 1;
+pub const OFFSET_MAX: u64 = (1 << OFFSET_BITS) - 1;
 /// Longest key: 16 bits of the offset word (the wire protocol's key length is a u16 too).
-pub const MAX_KEY_BYTES: usize = u16::MAX as usize;
+pub const KEY_BYTES_MAX: usize = u16::MAX as usize;
 /// Largest body (key prefix + key + payload). 64 MiB: 16 times the wire protocol's default
 /// 4 MiB payload limit, so anything the broker accepts fits, while recovery and reads never
 /// need to hold more than one such record in memory.
-pub const MAX_BODY_BYTES: usize = 64 << 20;
-const _: () = assert!(MAX_BODY_BYTES <= u32::MAX as usize);
-const _: () = assert!(MAX_BODY_BYTES > MAX_KEY_BYTES);
+pub const BODY_BYTES_MAX: usize = 64 << 20;
+const _: () = assert!(BODY_BYTES_MAX <= u32::MAX as usize);
+const _: () = assert!(BODY_BYTES_MAX > KEY_BYTES_MAX);
 
 const CRC_AT: usize = 24;
 
@@ -59,7 +59,7 @@ pub struct Header {
 pub enum Invalid {
     /// All 28 header bytes are zero: the end of the written part of a preallocated segment.
     Zero,
-    /// The body length is above [`MAX_BODY_BYTES`].
+    /// The body length is above [`BODY_BYTES_MAX`].
     BodyLength(u32),
     /// The stored CRC does not match the header and body.
     Crc { stored: u32, computed: u32 },
@@ -111,12 +111,12 @@ pub fn frame_len(key_bytes: usize, payload_bytes: usize) -> usize {
 /// Checks the size limits of a record before it is encoded.
 pub fn check_sizes(key_bytes: usize, payload_bytes: usize) -> Result<(), crate::StorageError> {
     let body_bytes = key_bytes.saturating_add(payload_bytes);
-    if key_bytes > MAX_KEY_BYTES || body_bytes > MAX_BODY_BYTES {
+    if key_bytes > KEY_BYTES_MAX || body_bytes > BODY_BYTES_MAX {
         return Err(crate::StorageError::RecordTooLarge {
             key_bytes,
-            max_key_bytes: MAX_KEY_BYTES,
+            max_key_bytes: KEY_BYTES_MAX,
             body_bytes,
-            max_body_bytes: MAX_BODY_BYTES,
+            max_body_bytes: BODY_BYTES_MAX,
         });
     }
     Ok(())
@@ -133,14 +133,14 @@ pub fn encode(
     payload: &[u8],
 ) {
     assert!(
-        key.len() <= MAX_KEY_BYTES,
+        key.len() <= KEY_BYTES_MAX,
         "key length checked by the caller"
     );
     let body = body_len(key.len(), payload.len());
-    assert!(body <= MAX_BODY_BYTES, "body length checked by the caller");
-    // Offsets are dense from 0 per shard; 2^48 of them is out of reach (see MAX_OFFSET).
+    assert!(body <= BODY_BYTES_MAX, "body length checked by the caller");
+    // Offsets are dense from 0 per shard; 2^48 of them is out of reach (see OFFSET_MAX).
     assert!(
-        offset <= MAX_OFFSET,
+        offset <= OFFSET_MAX,
         "offset {offset} exceeds the 48-bit offset field"
     );
     let offset_key = offset | (key.len() as u64) << OFFSET_BITS;
@@ -183,7 +183,7 @@ pub fn decode_header(bytes: &[u8]) -> Option<Header> {
     Some(Header {
         body_len: u32_at(bytes, 0),
         shard: u32_at(bytes, 4),
-        offset: offset_key & MAX_OFFSET,
+        offset: offset_key & OFFSET_MAX,
         // The shift leaves exactly 16 bits.
         key_len: (offset_key >> OFFSET_BITS) as u16,
         timestamp_us: u64_at(bytes, 16),
@@ -202,7 +202,7 @@ pub fn decode(bytes: &[u8]) -> Decoded<'_> {
         return Decoded::Invalid(Invalid::Zero);
     }
     let body = header.body_len as usize;
-    if body > MAX_BODY_BYTES {
+    if body > BODY_BYTES_MAX {
         return Decoded::Invalid(Invalid::BodyLength(header.body_len));
     }
     let frame_bytes = HEADER_BYTES + body;
@@ -291,12 +291,12 @@ mod tests {
     fn offset_and_key_length_share_a_word() {
         // The largest offset and the longest key both survive the shared 64-bit field.
         let mut buf = Vec::new();
-        let key = vec![7u8; MAX_KEY_BYTES];
-        encode(&mut buf, 3, MAX_OFFSET, 9, &key, b"p");
+        let key = vec![7u8; KEY_BYTES_MAX];
+        encode(&mut buf, 3, OFFSET_MAX, 9, &key, b"p");
         match decode(&buf) {
             Decoded::Record { record, .. } => {
-                assert_eq!(record.offset, MAX_OFFSET);
-                assert_eq!(record.key.len(), MAX_KEY_BYTES);
+                assert_eq!(record.offset, OFFSET_MAX);
+                assert_eq!(record.key.len(), KEY_BYTES_MAX);
                 assert_eq!(record.payload, b"p");
             }
             other => panic!("unexpected {other:?}"),

@@ -28,7 +28,7 @@ pub use backend::{
 };
 pub use config::{
     BackendChoice, DEFAULT_FSYNC_INTERVAL, DEFAULT_MAX_PENDING_BYTES, DEFAULT_MAX_ROUND_BYTES,
-    DEFAULT_SEGMENT_BYTES, FsyncMode, LogConfig, MAX_SEGMENT_BYTES, MIN_SEGMENT_BYTES,
+    DEFAULT_SEGMENT_BYTES, FsyncMode, LogConfig, SEGMENT_BYTES_MAX, SEGMENT_BYTES_MIN,
 };
 pub use counters::{Counters, LATENCY_BUCKETS, LatencyHistogram};
 pub use error::StorageError;

@@ -23,7 +23,7 @@ use crate::{FsyncMode, LogConfig, StorageError};
 pub const READ_CHUNK_BYTES: u64 = 256 << 10;
 /// Completions reaped per `drive` call. One round is in flight at a time, so more than a
 /// couple in one call would be a backend bug; 4 leaves slack without looping unboundedly.
-const DRIVE_REAP_BOUND: usize = 4;
+const DRIVE_REAPS_MAX: usize = 4;
 /// Spare round buffers kept for reuse: one being filled, one in flight, one spare.
 const SPARE_BUFFERS_MAX: usize = 3;
 
@@ -474,7 +474,7 @@ impl<B: Backend> Log<B> {
     /// creation); disk-full rejections arrive as [`LogEvent::Rejected`] instead.
     pub fn drive(&mut self, now: Instant) -> Result<(), StorageError> {
         self.check_failed()?;
-        for _ in 0..DRIVE_REAP_BOUND {
+        for _ in 0..DRIVE_REAPS_MAX {
             match self.backend.poll_completion() {
                 Ok(Some(c)) => self.complete(c, now)?,
                 Ok(None) => break,

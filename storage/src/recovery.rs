@@ -128,7 +128,7 @@ fn scan(
                         return Ok((here, why));
                     }
                     if at == 0 {
-                        // One frame bigger than the buffer: grow to it (bounded by MAX_BODY_BYTES,
+                        // One frame bigger than the buffer: grow to it (bounded by BODY_BYTES_MAX,
                         // which decode enforces before reporting a frame length).
                         buf.reserve(frame_bytes);
                     }

@@ -33,7 +33,7 @@ pub const CHECKPOINT_ENTRY_BYTES: usize = 12;
 pub const SEGMENT_ALIGN_BYTES: u64 = 4096;
 /// Largest header recovery will read: 16 MiB holds a checkpoint of ~1.4 million shards, far
 /// above any per-core shard count, and bounds the allocation a corrupt header can cause.
-pub const MAX_SEGMENT_HEADER_BYTES: usize = 16 << 20;
+pub const SEGMENT_HEADER_BYTES_MAX: usize = 16 << 20;
 
 const CRC_AT: usize = 36;
 
@@ -76,7 +76,7 @@ pub fn parse_file_name(name: &str) -> Option<u64> {
 pub fn encode_header(seq: u64, created_unix_us: u64, checkpoint: &[(u32, u64)]) -> Vec<u8> {
     let header_bytes = header_bytes_for(checkpoint.len());
     assert!(
-        header_bytes as usize <= MAX_SEGMENT_HEADER_BYTES,
+        header_bytes as usize <= SEGMENT_HEADER_BYTES_MAX,
         "checkpoint of {} shards",
         checkpoint.len()
     );
@@ -129,7 +129,7 @@ pub fn read_header(file: &File, file_len: u64) -> Result<SegmentHeader, String> 
     let count = le_u32(&fixed[32..]) as usize;
     let needed =
         SEGMENT_FIXED_HEADER_BYTES.saturating_add(count.saturating_mul(CHECKPOINT_ENTRY_BYTES));
-    if header_bytes > MAX_SEGMENT_HEADER_BYTES
+    if header_bytes > SEGMENT_HEADER_BYTES_MAX
         || needed > header_bytes
         || !(header_bytes as u64).is_multiple_of(SEGMENT_ALIGN_BYTES)
         || header_bytes as u64 > file_len

@@ -289,7 +289,7 @@ fn appends_are_checked<B: Backend>(mk: &dyn Fn() -> Option<B>) {
         log.append(3, 100, 1, b"k", b"v"),
         Err(StorageError::OffsetNotNext { .. })
     ));
-    let big_key = vec![0u8; frame::MAX_KEY_BYTES + 1];
+    let big_key = vec![0u8; frame::KEY_BYTES_MAX + 1];
     assert!(matches!(
         log.append(3, 101, 1, &big_key, b""),
         Err(StorageError::RecordTooLarge { .. })

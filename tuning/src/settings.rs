@@ -55,7 +55,7 @@ const INGRESS_BYTE_BUDGET_MAX: u64 = 64 * GIB;
 const PUBLISH_QUEUE_WAIT_MS_MAX: u64 = 600_000;
 /// One hour between fsyncs already risks an hour of data on power loss; more is a typo.
 const DURABLE_FSYNC_INTERVAL_MS_MAX: u64 = 3_600_000;
-/// The storage crate's segment bounds (felix_storage::MIN_SEGMENT_BYTES / MAX_SEGMENT_BYTES):
+/// The storage crate's segment bounds (felix_storage::SEGMENT_BYTES_MIN / SEGMENT_BYTES_MAX):
 /// 16 KiB holds a few records (tests), 64 GiB keeps one deleted segment a bounded amount.
 const DURABLE_SEGMENT_BYTES_MIN: u64 = 16 * KIB;
 const DURABLE_SEGMENT_BYTES_MAX: u64 = 64 * GIB;

@@ -119,7 +119,7 @@ impl Shell {
     pub fn drain(&self, core: &mut Core, now: Now) {
         // The log is pumped at most once per input: a pump that left reads for later says so
         // (`PumpReport::more`) and the timer task comes back for them, so one input never
-        // reads more than LOG_READS_PER_PUMP chunks on the core's thread.
+        // reads more than LOG_READS_PER_PUMP_MAX chunks on the core's thread.
         let mut pumped = false;
         for _ in 0..DRAIN_ROUNDS_MAX {
             let mut more = false;

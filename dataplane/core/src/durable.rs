@@ -13,7 +13,7 @@
 //! 3. routes the log's events: the commit level (`Synced` on on_commit, `Written` on periodic)
 //!    to `Engine::handle_durable`, `Rejected` (disk full) to `Engine::handle_rejected`;
 //! 4. answers `Engine::poll_log_read` with `Log::read` (catch-up of subscribers resuming
-//!    from offsets on disk), at most [`LOG_READS_PER_PUMP`];
+//!    from offsets on disk), at most [`LOG_READS_PER_PUMP_MAX`];
 //! 5. ([`Core::pump_log`]) lets the core answer what completed: acks written straight to the
 //!    streams they answer, parts answered to the cores that forwarded them.
 //!
@@ -35,15 +35,15 @@ use crate::catalog::CatalogEntry;
 use crate::config::Now;
 use crate::core::Core;
 
-/// Log reads answered per `pump`: each reads at most 1 MiB (`LOG_READ_MAX_BYTES`) with pread
+/// Log reads answered per `pump`: each reads at most 1 MiB (`LOG_READ_BYTES_MAX`) with pread
 /// on the core's thread, so 16 bound one pump's catch-up work to ~16 MiB of reads and keep the
 /// core's other connections served; the rest wait for the next pump (`PumpReport::more`).
-pub const LOG_READS_PER_PUMP: usize = 16;
+pub const LOG_READS_PER_PUMP_MAX: usize = 16;
 
 /// Log events routed per `pump`. One round in flight produces at most three events
 /// (`Written`, `Synced`, or `Rejected`) and `drive` reaps at most a few rounds, so 64 is slack
 /// that still bounds the loop.
-const LOG_EVENTS_PER_PUMP: usize = 64;
+const LOG_EVENTS_PER_PUMP_MAX: usize = 64;
 
 /// Durable settings shared by every core (from FELIX_DURABLE_* and FELIX_STORAGE_IO_URING).
 #[derive(Debug, Clone)]
@@ -178,7 +178,7 @@ impl<B: Backend> DurableLog<B> {
 
     /// Steps 1-4 of a pump on `engine` (the engine's finished publishes stay queued in
     /// `Engine::poll_completed_publish`). Never blocks on the disk (log reads pread on this
-    /// thread, bounded by [`LOG_READS_PER_PUMP`]). An error is fatal: the caller must not send
+    /// thread, bounded by [`LOG_READS_PER_PUMP_MAX`]). An error is fatal: the caller must not send
     /// any ack it has not sent yet.
     pub fn pump(&mut self, engine: &mut Engine, now: Instant) -> Result<PumpReport, StorageError> {
         let mut report = PumpReport::default();
@@ -217,7 +217,7 @@ impl<B: Backend> DurableLog<B> {
         self.log.drive(now)?;
         // 3. Route the events.
         let commit_is_sync = self.log.commit_is_sync();
-        for _ in 0..LOG_EVENTS_PER_PUMP {
+        for _ in 0..LOG_EVENTS_PER_PUMP_MAX {
             let Some(event) = self.log.poll_event() else {
                 break;
             };
@@ -243,7 +243,7 @@ impl<B: Backend> DurableLog<B> {
         }
         // 4. Log reads for catching-up subscriptions; every read is answered.
         let mut answered = 0;
-        while answered < LOG_READS_PER_PUMP {
+        while answered < LOG_READS_PER_PUMP_MAX {
             let Some(read) = engine.poll_log_read() else {
                 break;
             };
@@ -279,7 +279,7 @@ impl<B: Backend> DurableLog<B> {
             }
         }
         // At the bound there may be more (a read's answer often asks for the next).
-        report.more = answered == LOG_READS_PER_PUMP;
+        report.more = answered == LOG_READS_PER_PUMP_MAX;
         Ok(report)
     }
 

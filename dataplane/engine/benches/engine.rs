@@ -21,8 +21,8 @@ const PAYLOAD_BYTES: usize = 256;
 /// Distinct keys cycled through, so every shard and its ring stay busy.
 const KEYS: usize = 4096;
 /// Largest poll of the draining subscriber (what the shell would put in one Delivery frame).
-const POLL_MAX_RECORDS: usize = 256;
-const POLL_MAX_BYTES: usize = 1 << 20;
+const POLL_RECORDS_MAX: usize = 256;
+const POLL_BYTES_MAX: usize = 1 << 20;
 
 fn keys() -> Vec<Bytes> {
     (0..KEYS)
@@ -111,7 +111,7 @@ fn publish(c: &mut Criterion) {
                         black_box(event);
                     }
                     loop {
-                        let delivered = engine.poll_delivery(id, POLL_MAX_RECORDS, POLL_MAX_BYTES);
+                        let delivered = engine.poll_delivery(id, POLL_RECORDS_MAX, POLL_BYTES_MAX);
                         if delivered.is_empty() {
                             break;
                         }

@@ -28,17 +28,17 @@ pub const DURABLE_SHARDS_MAX: u32 = 1 << LOG_SHARD_BITS;
 
 /// Records asked for by one log read: 256 records of 4 KiB (the reference's middle payload)
 /// are 1 MiB, the byte bound below, so neither bound is much looser than the other.
-pub const LOG_READ_MAX_RECORDS: usize = 256;
+pub const LOG_READ_RECORDS_MAX: usize = 256;
 
 /// Key + payload bytes asked for by one log read: 1 MiB, four of the log's 256 KiB read
 /// chunks, so one read amortises its index seek without holding much memory per subscriber.
-pub const LOG_READ_MAX_BYTES: usize = 1024 * 1024;
+pub const LOG_READ_BYTES_MAX: usize = 1024 * 1024;
 
 /// Catch-up records queued for a subscription at or above which its next log read waits
 /// (parked) until `poll_delivery` drains the queue below it: two reads' worth, so a reader
 /// that keeps polling always has the next batch on its way. Bounds the memory a catching-up
 /// subscription holds to about this plus one read per catching-up shard.
-pub const CATCH_UP_REFILL_RECORDS: usize = 2 * LOG_READ_MAX_RECORDS;
+pub const CATCH_UP_REFILL_RECORDS: usize = 2 * LOG_READ_RECORDS_MAX;
 
 /// The `shard` id of one durable (stream, shard) in the per-core log:
 /// `(stream_id << LOG_SHARD_BITS) | shard`. Stable across restarts because `stream_id` comes

@@ -16,9 +16,9 @@ use crate::stream::{Stream, StreamSlot, StreamTable, check_name};
 use crate::subscription::{Cursor, Phase, Slot, SubState, Subscriptions, select_shards};
 use crate::{
     AppendRequest, CATCH_UP_REFILL_RECORDS, DURABLE_SHARDS_MAX, DURABLE_STREAM_ID_MAX,
-    DurableCounters, ERROR_MESSAGE_MAX_BYTES, EngineConfig, EngineCounters, EngineError,
-    EngineEvent, LOG_READ_MAX_BYTES, LOG_READ_MAX_RECORDS, LogRead, LogRecord, LogShardId,
-    PublishCompletion, PublishToken, SUBSCRIBER_QUEUE_MAX_LIVE_RECORDS, StreamDescription,
+    DurableCounters, ERROR_MESSAGE_BYTES_MAX, EngineConfig, EngineCounters, EngineError,
+    EngineEvent, LOG_READ_BYTES_MAX, LOG_READ_RECORDS_MAX, LogRead, LogRecord, LogShardId,
+    PublishCompletion, PublishToken, SUBSCRIBER_QUEUE_LIVE_RECORDS_MAX, StreamDescription,
     StreamHandle, StreamMeta, Subscription, SubscriptionId, ring,
 };
 
@@ -1315,14 +1315,14 @@ fn lag_message(
     const ELLIPSIS: &str = " ...";
     let mut message = format!(
         "subscriber fell behind live delivery (over {queue_max_bytes} payload bytes or \
-         {SUBSCRIBER_QUEUE_MAX_LIVE_RECORDS} records queued); resume from shard:next_offset"
+         {SUBSCRIBER_QUEUE_LIVE_RECORDS_MAX} records queued); resume from shard:next_offset"
     );
     let mut entry = String::new();
     for (shard, offset) in state.shards.iter().zip(&resume) {
         entry.clear();
         // Writing to a String cannot fail.
         write!(entry, " {shard}:{offset}").expect("String writes are infallible");
-        if message.len() + entry.len() + ELLIPSIS.len() > ERROR_MESSAGE_MAX_BYTES {
+        if message.len() + entry.len() + ELLIPSIS.len() > ERROR_MESSAGE_BYTES_MAX {
             message.push_str(ELLIPSIS);
             break;
         }
@@ -1378,8 +1378,8 @@ fn advance_cursor(
         subscription: state.id,
         log_shard: durable.log_shard,
         from_offset: cursor.next,
-        max_records: below_ring.min(LOG_READ_MAX_RECORDS),
-        max_bytes: LOG_READ_MAX_BYTES,
+        max_records: below_ring.min(LOG_READ_RECORDS_MAX),
+        max_bytes: LOG_READ_BYTES_MAX,
     });
     state.cursors[position].phase = Phase::Reading;
     counters.log_reads += 1;

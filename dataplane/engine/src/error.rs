@@ -2,10 +2,10 @@
 
 use felix_wire::{ErrorCode, ErrorFrame};
 
-/// Longest message an [`EngineError`] carries: the limit of an `Error` frame's text
-/// (`felix_wire::ErrorFrame::message`, "at most 1024 bytes"). Longer messages are cut at a
-/// character boundary.
-pub const ERROR_MESSAGE_MAX_BYTES: usize = 1024;
+/// Longest message an [`EngineError`] carries: the limit of an `Error` frame's text, the wire
+/// crate's own bound (one constant, not a copy). Longer messages are cut at a character
+/// boundary.
+pub use felix_wire::ERROR_MESSAGE_BYTES_MAX;
 
 /// Why a request failed; becomes an `Error` frame on the wire.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -29,18 +29,18 @@ impl EngineError {
         }
     }
 
-    /// An error whose message is cut to [`ERROR_MESSAGE_MAX_BYTES`] (at a character
+    /// An error whose message is cut to [`ERROR_MESSAGE_BYTES_MAX`] (at a character
     /// boundary). Public so a shell raising errors of its own bounds them the same way.
     #[must_use]
     pub fn new(code: ErrorCode, detail: u64, mut message: String) -> EngineError {
-        if message.len() > ERROR_MESSAGE_MAX_BYTES {
-            let mut end = ERROR_MESSAGE_MAX_BYTES;
+        if message.len() > ERROR_MESSAGE_BYTES_MAX {
+            let mut end = ERROR_MESSAGE_BYTES_MAX;
             while !message.is_char_boundary(end) {
                 end -= 1;
             }
             message.truncate(end);
         }
-        assert!(message.len() <= ERROR_MESSAGE_MAX_BYTES);
+        assert!(message.len() <= ERROR_MESSAGE_BYTES_MAX);
         EngineError {
             code,
             detail,

@@ -51,12 +51,12 @@ use felix_wire::{HashKind, StreamKind};
 
 pub use durable::{
     AppendRequest, CATCH_UP_REFILL_RECORDS, DURABLE_SHARDS_MAX, DURABLE_STREAM_ID_MAX,
-    DurableCounters, LOG_READ_MAX_BYTES, LOG_READ_MAX_RECORDS, LOG_SHARD_BITS, LogRead, LogRecord,
+    DurableCounters, LOG_READ_BYTES_MAX, LOG_READ_RECORDS_MAX, LOG_SHARD_BITS, LogRead, LogRecord,
     LogShardId, PublishCompletion, PublishToken,
 };
 pub use engine::Engine;
-pub use error::{ERROR_MESSAGE_MAX_BYTES, EngineError};
-pub use subscription::{SUBSCRIBER_QUEUE_MAX_LIVE_RECORDS, select_shards};
+pub use error::{ERROR_MESSAGE_BYTES_MAX, EngineError};
+pub use subscription::{SUBSCRIBER_QUEUE_LIVE_RECORDS_MAX, select_shards};
 
 /// Tunables of one engine (the broker fills them from its configuration).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,7 +68,7 @@ pub struct EngineConfig {
     /// Live records queued for one subscription beyond which it is ended with
     /// `SubscriberLagged` (payload bytes; default 64 MiB). Catch-up from the ring does not count.
     /// A live record that finds no other live record queued is always taken, so a subscriber
-    /// that keeps up is never ended; [`SUBSCRIBER_QUEUE_MAX_LIVE_RECORDS`] bounds the count.
+    /// that keeps up is never ended; [`SUBSCRIBER_QUEUE_LIVE_RECORDS_MAX`] bounds the count.
     pub subscriber_queue_max_bytes: u64,
     /// Largest shard count of a stream.
     pub max_shards: u32,

@@ -14,7 +14,7 @@ use crate::{EngineError, SubscriptionId};
 /// not bound empty or tiny payloads; at 88 bytes per queued record this caps a lagging
 /// subscriber's queue slots at 22 MiB, and at the reference's smallest payload (256 B) the
 /// default byte bound (64 MiB) is reached at the same count.
-pub const SUBSCRIBER_QUEUE_MAX_LIVE_RECORDS: usize = 256 * 1024;
+pub const SUBSCRIBER_QUEUE_LIVE_RECORDS_MAX: usize = 256 * 1024;
 
 /// The shards a subscription of `selection` starting `from` covers on a stream of
 /// `shard_count` shards, ascending. `InvalidArgument` for an empty list, a shard out of range
@@ -152,7 +152,7 @@ impl SubState {
         let live_records = self.live.len();
         live_records > 0
             && (self.live_bytes.saturating_add(payload_bytes) > queue_max_bytes
-                || live_records >= SUBSCRIBER_QUEUE_MAX_LIVE_RECORDS)
+                || live_records >= SUBSCRIBER_QUEUE_LIVE_RECORDS_MAX)
     }
 
     /// Queues a live record; returns whether the queue was empty before (a `DeliveryReady`

@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, HashMap};
 use bytes::Bytes;
 use felix_engine::{
     AppendRequest, CATCH_UP_REFILL_RECORDS, Engine, EngineConfig, EngineEvent,
-    LOG_READ_MAX_RECORDS, LogRead, LogRecord, LogShardId, PublishCompletion, PublishToken,
+    LOG_READ_RECORDS_MAX, LogRead, LogRecord, LogShardId, PublishCompletion, PublishToken,
     SubscriptionId,
 };
 use felix_wire::{
@@ -656,7 +656,7 @@ fn catch_up_reads_wait_for_the_queue_to_drain() {
         queued, CATCH_UP_REFILL_RECORDS,
         "reads stop at the refill mark"
     );
-    assert_eq!(queued % LOG_READ_MAX_RECORDS, 0);
+    assert_eq!(queued % LOG_READ_RECORDS_MAX, 0);
     assert!(engine.poll_log_read().is_none(), "the next read is parked");
     let mut got = offsets(&engine.poll_delivery(sub, 1, 1 << 20));
     let read = engine

@@ -3,7 +3,7 @@
 
 use bytes::Bytes;
 use felix_engine::{
-    ERROR_MESSAGE_MAX_BYTES, Engine, EngineConfig, EngineCounters, EngineError, EngineEvent,
+    ERROR_MESSAGE_BYTES_MAX, Engine, EngineConfig, EngineCounters, EngineError, EngineEvent,
     StreamDescription, SubscriptionId, select_shards,
 };
 use felix_wire::{
@@ -825,7 +825,7 @@ fn resume_positions_use_next_offset_for_shards_with_nothing_queued() {
 
 #[test]
 fn lag_message_fits_an_error_frame() {
-    // Proves the resume list of a many-shard subscription is cut to fit ERROR_MESSAGE_MAX_BYTES.
+    // Proves the resume list of a many-shard subscription is cut to fit ERROR_MESSAGE_BYTES_MAX.
     let mut engine = Engine::new(config(0, 0, 0));
     engine
         .create_stream("s", 4096, StreamKind::InMemory)
@@ -843,7 +843,7 @@ fn lag_message_fits_an_error_frame() {
         panic!("expected SubscriptionEnded, got {ended:?}");
     };
     assert_eq!(*ended_id, id);
-    assert!(error.message.len() <= ERROR_MESSAGE_MAX_BYTES);
+    assert!(error.message.len() <= ERROR_MESSAGE_BYTES_MAX);
     assert!(error.message.contains(" 0:0 1:0 "), "{}", error.message);
     assert!(error.message.ends_with(" ..."), "{}", error.message);
     engine.assert_invariants();

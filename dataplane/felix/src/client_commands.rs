@@ -20,7 +20,7 @@ use crate::StreamCommand;
 
 /// Acked publishes `felix pub` keeps in flight: enough to hide the round trip when piping
 /// many lines, few enough that acks print promptly.
-const PUB_MAX_IN_FLIGHT: usize = 64;
+const PUB_IN_FLIGHT_MAX: usize = 64;
 /// How long `felix pub` waits for more stdin lines before sending a partial batch, so
 /// interactive input is not held back while piped input still fills batches.
 const STDIN_BATCH_LINGER: Duration = Duration::from_millis(10);
@@ -213,7 +213,7 @@ impl Publisher<'_> {
             self.client.publish_no_ack(&self.stream, &batch).await?;
             return Ok(());
         }
-        if self.in_flight.len() >= PUB_MAX_IN_FLIGHT {
+        if self.in_flight.len() >= PUB_IN_FLIGHT_MAX {
             self.settle_one().await?;
         }
         let pending = self.client.publish_pipelined(&self.stream, &batch).await?;

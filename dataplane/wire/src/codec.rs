@@ -9,9 +9,9 @@
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 use crate::{
-    Ack, AckMode, CreateStream, DeliveredRecord, Delivery, ErrorCode, ErrorFrame, FRAME_HEADER_LEN,
-    Frame, FrameType, HashKind, Hello, HelloOk, Limits, MAX_CLIENT_NAME_BYTES, MAX_CORES,
-    MAX_ERROR_MESSAGE_BYTES, MAX_LISTED_STREAMS, Publish, Record, ShardAck, ShardInfo,
+    Ack, AckMode, CLIENT_NAME_BYTES_MAX, CORES_MAX, CreateStream, DeliveredRecord, Delivery,
+    ERROR_MESSAGE_BYTES_MAX, ErrorCode, ErrorFrame, FRAME_HEADER_LEN, Frame, FrameType, HashKind,
+    Hello, HelloOk, LISTED_STREAMS_MAX, Limits, Publish, Record, ShardAck, ShardInfo,
     ShardSelection, StartPosition, StreamInfo, StreamKind, StreamRoute, StreamSummary, Subscribe,
     Subscribed, WireError,
 };
@@ -29,11 +29,11 @@ const LIMITS_LEN: usize = 20;
 // allocated, so a hostile count costs nothing.
 const CORE_PORT_LEN: usize = 2;
 /// name (empty) + kind + shard_count + hash + core-list count.
-const ROUTE_MIN_LEN: usize = SHORT_LEN_LEN + 1 + 4 + 1 + LONG_LEN_LEN;
+const ROUTE_LEN_MIN: usize = SHORT_LEN_LEN + 1 + 4 + 1 + LONG_LEN_LEN;
 /// shard + core + oldest_offset + next_offset.
 const SHARD_INFO_LEN: usize = 4 + 2 + 8 + 8;
 /// name (empty) + kind + shard_count.
-const SUMMARY_MIN_LEN: usize = SHORT_LEN_LEN + 1 + 4;
+const SUMMARY_LEN_MIN: usize = SHORT_LEN_LEN + 1 + 4;
 /// Key length + payload length; the key and payload bytes follow.
 pub const PUBLISH_RECORD_OVERHEAD: usize = SHORT_LEN_LEN + LONG_LEN_LEN;
 /// shard + first_offset + count.
@@ -57,8 +57,8 @@ const FROM_OFFSETS: u8 = 2;
 
 /// Appends the encoding of `frame` (header + body) to `buf`.
 ///
-/// A `Hello::client_name` over [`MAX_CLIENT_NAME_BYTES`] and an `ErrorFrame::message` over
-/// [`MAX_ERROR_MESSAGE_BYTES`] are truncated at a character boundary. Nothing else is checked
+/// A `Hello::client_name` over [`CLIENT_NAME_BYTES_MAX`] and an `ErrorFrame::message` over
+/// [`ERROR_MESSAGE_BYTES_MAX`] are truncated at a character boundary. Nothing else is checked
 /// against [`Limits`]: call [`validate`] first when the frame holds untrusted sizes.
 ///
 /// # Panics
@@ -164,7 +164,7 @@ fn put_body(frame: &Frame, buf: &mut BytesMut) {
             buf.put_u64_le(hello.features);
             put_str(
                 buf,
-                truncate_utf8(&hello.client_name, MAX_CLIENT_NAME_BYTES),
+                truncate_utf8(&hello.client_name, CLIENT_NAME_BYTES_MAX),
             );
         }
         Frame::HelloOk(ok) => {
@@ -283,7 +283,7 @@ fn put_body(frame: &Frame, buf: &mut BytesMut) {
             buf.put_u64_le(error.request_id);
             buf.put_u16_le(error.code as u16);
             buf.put_u64_le(error.detail);
-            put_str(buf, truncate_utf8(&error.message, MAX_ERROR_MESSAGE_BYTES));
+            put_str(buf, truncate_utf8(&error.message, ERROR_MESSAGE_BYTES_MAX));
         }
     }
 }
@@ -292,13 +292,13 @@ fn put_body(frame: &Frame, buf: &mut BytesMut) {
 fn body_len(frame: &Frame) -> usize {
     match frame {
         Frame::Hello(hello) => {
-            2 + 2 + 8 + str_len(truncate_utf8(&hello.client_name, MAX_CLIENT_NAME_BYTES))
+            2 + 2 + 8 + str_len(truncate_utf8(&hello.client_name, CLIENT_NAME_BYTES_MAX))
         }
         Frame::HelloOk(ok) => {
             let routes: usize = ok
                 .shard_map
                 .iter()
-                .map(|r| ROUTE_MIN_LEN + r.name.len() + CORE_PORT_LEN * r.shard_cores.len())
+                .map(|r| ROUTE_LEN_MIN + r.name.len() + CORE_PORT_LEN * r.shard_cores.len())
                 .sum();
             2 + 8
                 + LIMITS_LEN
@@ -321,7 +321,7 @@ fn body_len(frame: &Frame) -> usize {
                 + SHARD_INFO_LEN * info.shards.len()
         }
         Frame::StreamList { streams, .. } => {
-            let items: usize = streams.iter().map(|s| SUMMARY_MIN_LEN + s.name.len()).sum();
+            let items: usize = streams.iter().map(|s| SUMMARY_LEN_MIN + s.name.len()).sum();
             REQUEST_ID_LEN + LONG_LEN_LEN + items
         }
         Frame::Publish(publish) => {
@@ -356,7 +356,7 @@ fn body_len(frame: &Frame) -> usize {
             LONG_LEN_LEN + records
         }
         Frame::Error(error) => {
-            REQUEST_ID_LEN + 2 + 8 + str_len(truncate_utf8(&error.message, MAX_ERROR_MESSAGE_BYTES))
+            REQUEST_ID_LEN + 2 + 8 + str_len(truncate_utf8(&error.message, ERROR_MESSAGE_BYTES_MAX))
         }
     }
 }
@@ -454,8 +454,8 @@ pub fn validate(frame: &Frame, limits: &Limits) -> Result<(), WireError> {
             Ok(())
         }
         Frame::HelloOk(ok) => {
-            check_count("core port count", ok.core_ports.len(), MAX_CORES)?;
-            check_count("stream count", ok.shard_map.len(), MAX_LISTED_STREAMS)?;
+            check_count("core port count", ok.core_ports.len(), CORES_MAX)?;
+            check_count("stream count", ok.shard_map.len(), LISTED_STREAMS_MAX)?;
             for route in &ok.shard_map {
                 check_len("stream name length", route.name.len(), name_max)?;
                 check_count("shard count", route.shard_cores.len(), limits.max_shards)?;
@@ -471,7 +471,7 @@ pub fn validate(frame: &Frame, limits: &Limits) -> Result<(), WireError> {
             check_count("shard count", info.shards.len(), limits.max_shards)
         }
         Frame::StreamList { streams, .. } => {
-            check_count("stream count", streams.len(), MAX_LISTED_STREAMS)?;
+            check_count("stream count", streams.len(), LISTED_STREAMS_MAX)?;
             for stream in streams {
                 check_len("stream name length", stream.name.len(), name_max)?;
             }
@@ -645,7 +645,7 @@ impl Decoder {
                 min_version: r.u16("min_version")?,
                 max_version: r.u16("max_version")?,
                 features: r.u64("features")?,
-                client_name: r.string("client name length", MAX_CLIENT_NAME_BYTES)?,
+                client_name: r.string("client name length", CLIENT_NAME_BYTES_MAX)?,
             }),
             FrameType::HelloOk => Frame::HelloOk(r.hello_ok()?),
             FrameType::CreateStream => Frame::CreateStream(CreateStream {
@@ -824,12 +824,12 @@ impl Reader<'_> {
             max_name_bytes: self.u16("max_name_bytes")?,
             max_shards: self.u32("max_shards")?,
         };
-        let count = self.count("core port count", MAX_CORES, CORE_PORT_LEN)?;
+        let count = self.count("core port count", CORES_MAX, CORE_PORT_LEN)?;
         let mut core_ports = Vec::with_capacity(count);
         for _ in 0..count {
             core_ports.push(self.u16("core port")?);
         }
-        let count = self.count("stream count", MAX_LISTED_STREAMS, ROUTE_MIN_LEN)?;
+        let count = self.count("stream count", LISTED_STREAMS_MAX, ROUTE_LEN_MIN)?;
         let mut shard_map = Vec::with_capacity(count);
         for _ in 0..count {
             let name = self.name()?;
@@ -885,7 +885,7 @@ impl Reader<'_> {
 
     fn stream_list(&mut self) -> Result<Frame, WireError> {
         let request_id = self.u64("request_id")?;
-        let count = self.count("stream count", MAX_LISTED_STREAMS, SUMMARY_MIN_LEN)?;
+        let count = self.count("stream count", LISTED_STREAMS_MAX, SUMMARY_LEN_MIN)?;
         let mut streams = Vec::with_capacity(count);
         for _ in 0..count {
             streams.push(StreamSummary {
@@ -1006,7 +1006,7 @@ impl Reader<'_> {
             request_id,
             code,
             detail: self.u64("detail")?,
-            message: self.string("error message length", MAX_ERROR_MESSAGE_BYTES)?,
+            message: self.string("error message length", ERROR_MESSAGE_BYTES_MAX)?,
         })
     }
 }
@@ -1118,7 +1118,7 @@ mod tests {
     // Long client names and error messages are truncated on a character boundary.
     #[test]
     fn encoder_truncates_client_name_and_message_on_char_boundaries() {
-        let message = "é".repeat(MAX_ERROR_MESSAGE_BYTES); // 2 bytes per character
+        let message = "é".repeat(ERROR_MESSAGE_BYTES_MAX); // 2 bytes per character
         let frame = Frame::Error(ErrorFrame {
             request_id: 1,
             code: ErrorCode::Internal,
@@ -1132,7 +1132,7 @@ mod tests {
             panic!("expected an error frame");
         };
         // "x" + 511 "é" = 1023 bytes: the 512th "é" would cross the 1024-byte limit.
-        assert_eq!(error.message.len(), MAX_ERROR_MESSAGE_BYTES - 1);
+        assert_eq!(error.message.len(), ERROR_MESSAGE_BYTES_MAX - 1);
         let hello = Frame::Hello(Hello {
             min_version: 1,
             max_version: 1,

@@ -31,17 +31,17 @@ pub const FRAME_HEADER_LEN: usize = 6;
 
 /// Longest `Hello::client_name` in UTF-8 bytes: room for "name/version (platform)"; the
 /// encoder truncates longer names at a character boundary, the decoder refuses them.
-pub const MAX_CLIENT_NAME_BYTES: usize = 255;
+pub const CLIENT_NAME_BYTES_MAX: usize = 255;
 /// Longest `ErrorFrame::message` in UTF-8 bytes: room for a sentence and a list of resume
 /// positions; the encoder truncates longer messages at a character boundary, the decoder
 /// refuses them.
-pub const MAX_ERROR_MESSAGE_BYTES: usize = 1024;
+pub const ERROR_MESSAGE_BYTES_MAX: usize = 1024;
 /// Most entries in `HelloOk::core_ports`: an order of magnitude above the largest VM we target
 /// (80 vCPUs), small enough that the list stays a few KiB.
-pub const MAX_CORES: u32 = 1024;
+pub const CORES_MAX: u32 = 1024;
 /// Most streams in a `StreamList` or a `HelloOk` shard map. A v1 broker with more streams than
 /// this cannot list them all in one frame (paging is not part of v1).
-pub const MAX_LISTED_STREAMS: u32 = 65_536;
+pub const LISTED_STREAMS_MAX: u32 = 65_536;
 
 /// FNV-1a 64-bit hash of `key` (offset basis 0xcbf29ce484222325, prime 0x100000001b3).
 #[must_use]

@@ -18,7 +18,7 @@ const RING_ENTRIES: u32 = 8;
 /// without finishing means something is wrong.
 const SHORT_WRITE_CONTINUATIONS_MAX: u32 = 64;
 /// CQEs handled per `poll_completion` call (a round produces at most 2 per submission).
-const REAP_BOUND: usize = 16;
+const REAPS_MAX: usize = 16;
 
 const TAG_WRITE: u64 = 1;
 const TAG_SYNC: u64 = 2;
@@ -192,12 +192,12 @@ impl Backend for UringBackend {
 
     fn poll_completion(&mut self) -> Result<Option<RoundCompletion>, StorageError> {
         self.wake.drain();
-        let mut cqes = [(0u64, 0i32); REAP_BOUND];
+        let mut cqes = [(0u64, 0i32); REAPS_MAX];
         let mut n = 0;
         for cqe in self.ring.completion() {
             cqes[n] = (cqe.user_data(), cqe.result());
             n += 1;
-            if n == REAP_BOUND {
+            if n == REAPS_MAX {
                 // More remain: make sure the caller is woken again for them.
                 self.wake.notify();
                 break;
