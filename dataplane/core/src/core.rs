@@ -995,11 +995,9 @@ impl Core {
             self.outbox.iter().map(VecDeque::len).sum::<usize>(),
             "the outbox length is kept"
         );
+        // A stream may outlive its connection briefly: the shell's connection task can end
+        // (and close the connection) before the stream tasks have closed their streams.
         for (stream, state) in &self.streams {
-            assert!(
-                self.connections.contains_key(&state.connection),
-                "a stream's connection is open"
-            );
             if let Role::Subscription(slot) = &state.role {
                 slot.assert_invariants();
                 if let Some(id) = slot.local {
