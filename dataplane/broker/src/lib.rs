@@ -49,11 +49,12 @@ use felix_tuning::Config;
 
 pub use error::BrokerError;
 pub use metrics::{CoreMetrics, Metrics, MetricsServer};
-pub use runtime::{CoreReport, CoreRuntime, FATAL_STORAGE_EXIT_CODE};
+pub use runtime::{CoreReport, CoreRuntime};
 pub use settings::{
     MTU_UPPER_BOUND_CLAMP, MTU_UPPER_BOUND_MIN, core_plan, durable_settings, effective_mtu,
     plan_options,
 };
+pub use shell::FATAL_STORAGE_EXIT_CODE;
 pub use tls::{
     CertificatePair, DEV_CERT_NAMES, generate_self_signed, load_server_pair, write_pair,
 };

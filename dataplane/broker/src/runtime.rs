@@ -12,7 +12,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use felix_core::{Catalog, CatalogEntry, Core, CoreConfig, DurableLog, DurableSettings};
-use felix_storage::StorageError;
 use felix_wire::{Decoder, ErrorCode};
 use s2n_quic::Server;
 use tokio::io::unix::AsyncFd;
@@ -38,9 +37,6 @@ const CLOSE_PACKET_LINGER: Duration = Duration::from_millis(100);
 const RETENTION_CHECK_INTERVAL: Duration = Duration::from_secs(5);
 /// How long a clean shutdown waits for the log to write and fdatasync what it holds.
 const DURABLE_SHUTDOWN_FLUSH: Duration = Duration::from_secs(10);
-/// Exit code of the process after a fatal storage error (EX_IOERR from sysexits.h), so a
-/// supervisor can tell it from a configuration error.
-pub const FATAL_STORAGE_EXIT_CODE: i32 = 74;
 
 /// QUIC endpoint settings shared by every endpoint of a core.
 #[derive(Debug, Clone, Copy)]
@@ -430,13 +426,4 @@ async fn timers(shell: Rc<Shell>, wake: AsyncFd<std::os::fd::OwnedFd>) {
             shell.pump_log(core, now);
         });
     }
-}
-
-/// Logs a fatal storage error and exits the process at once (no destructors, no further
-/// acks): an fdatasync error leaves the page cache in an unknown state, so the only safe
-/// continuation is a restart and recovery (docs/design/durable.md).
-pub(crate) fn fatal_exit(core: usize, error: &StorageError) -> ! {
-    tracing::error!(core, error = %error, "fatal durable log error: stopping the broker");
-    eprintln!("felix: core {core}: fatal durable log error: {error}; stopping (restart recovers)");
-    std::process::exit(FATAL_STORAGE_EXIT_CODE)
 }

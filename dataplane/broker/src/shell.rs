@@ -17,7 +17,10 @@ use tokio::sync::Notify;
 
 use crate::mesh::Mesh;
 use crate::metrics::{CoreExport, CoreMetrics, DurableExported, Metrics};
-use crate::runtime::fatal_exit;
+
+/// Exit code of the process after a fatal storage error (EX_IOERR from sysexits.h), so a
+/// supervisor can tell it from a configuration error.
+pub const FATAL_STORAGE_EXIT_CODE: i32 = 74;
 
 /// Rounds of [`Shell::drain`]: each round carries out every queued output, and an output can
 /// cause one more round (a catalogue write answered, a pump's completions), so two or three
@@ -232,4 +235,13 @@ impl Shell {
 /// A wire error code as a QUIC application close code.
 pub(crate) fn close_code(code: ErrorCode) -> s2n_quic::application::Error {
     u32::from(code as u16).into()
+}
+
+/// Logs a fatal storage error and exits the process at once (no destructors, no further
+/// acks): an fdatasync error leaves the page cache in an unknown state, so the only safe
+/// continuation is a restart and recovery (docs/design/durable.md).
+pub(crate) fn fatal_exit(core: usize, error: &StorageError) -> ! {
+    tracing::error!(core, error = %error, "fatal durable log error: stopping the broker");
+    eprintln!("felix: core {core}: fatal durable log error: {error}; stopping (restart recovers)");
+    std::process::exit(FATAL_STORAGE_EXIT_CODE)
 }
