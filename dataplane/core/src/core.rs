@@ -549,6 +549,7 @@ impl Core {
                 assert_eq!(removed, Some(stream), "a parked publish is a waiter");
                 let waiting = self.admission.handle_cancel(ticket);
                 assert!(waiting, "admitted waiters are unparked in the same input");
+                self.counters.withdrawn += 1;
             }
             Some(Parked::Remote) | None => {}
         }

@@ -29,6 +29,8 @@ pub struct CoreCounters {
     pub refused: u64,
     /// Publishes that waited for ingress room.
     pub waits: u64,
+    /// Waiting publishes withdrawn because their stream closed (never admitted or answered).
+    pub withdrawn: u64,
     /// Messages carrying publish work sent to another core.
     pub cross_core_hops: u64,
     /// Errors by code, indexed like [`ErrorCode::ALL`] (answered to a client or not).

@@ -62,6 +62,8 @@ pub struct Sub {
     pub name: String,
     pub selection: Vec<u32>,
     pub requested: StartPosition,
+    /// The selection was an explicit list (not "all").
+    pub explicit: bool,
     pub snapshot: Option<Snapshot>,
     /// The incarnation it certainly reads (set at `Subscribed`).
     pub incarnation: Option<u64>,
@@ -449,6 +451,7 @@ impl World {
         let sub = Sub {
             request_id,
             name: name.clone(),
+            explicit: matches!(selection, ShardSelection::List(_)),
             selection: list,
             requested: from.clone(),
             snapshot,
@@ -896,13 +899,18 @@ impl World {
     }
 
     fn subscribed(&mut self, at: At, start: &[(u32, u64)]) {
-        let cores = self.shape.cores;
-        let Role::Subscription(sub) = &mut self.stream(at).role else {
-            panic!("Subscribed on a request stream");
+        let (name, snapshot) = match &self.stream(at).role {
+            Role::Subscription(sub) => (sub.name.clone(), sub.snapshot),
+            Role::Requests => panic!("Subscribed on a request stream"),
         };
-        let _ = cores;
+        let incarnation = self.oracle.still(&name, snapshot);
+        let Role::Subscription(sub) = &mut self.stream(at).role else {
+            unreachable!("checked above");
+        };
         let shards: Vec<u32> = start.iter().map(|(shard, _)| *shard).collect();
-        if !sub.selection.is_empty() {
+        // An explicit list is subscribed as asked; "all" means the shard count of the stream
+        // the subscription reached, known only when nothing changed since it was sent.
+        if sub.explicit || (incarnation.is_some() && !sub.selection.is_empty()) {
             assert_eq!(
                 shards, sub.selection,
                 "Subscribed lists the selected shards"
@@ -918,11 +926,6 @@ impl World {
             );
         }
         sub.next = start.iter().copied().collect();
-        let (name, snapshot) = (sub.name.clone(), sub.snapshot);
-        let incarnation = self.oracle.still(&name, snapshot);
-        let Role::Subscription(sub) = &mut self.stream(at).role else {
-            unreachable!("checked above");
-        };
         sub.incarnation = incarnation;
     }
 
@@ -976,12 +979,19 @@ impl World {
             let s = self.stream(at);
             (s.id, s.parked)
         };
-        let parked = if self.cores[usize::from(core)].core.accepts_frames(id) {
-            None
-        } else {
-            parked
+        let withdrawn_before = self.cores[usize::from(core)].core.counters().withdrawn;
+        let now = self.now();
+        self.cores[usize::from(core)]
+            .core
+            .handle_stream_closed(now, id);
+        // A publish that still waited for room is withdrawn: never admitted, never answered.
+        let withdrawn = self.cores[usize::from(core)].core.counters().withdrawn - withdrawn_before;
+        let cancelled = match withdrawn {
+            0 => None,
+            1 => Some(parked.expect("a withdrawn waiter is the publish that parked the stream")),
+            more => panic!("closing one stream withdrew {more} waiters"),
         };
-        match parked {
+        match cancelled {
             Some(AckMode::Acked) => self.fed[usize::from(core)].cancelled_acked += 1,
             Some(AckMode::FireAndForget) => {
                 self.fed[usize::from(core)].cancelled_fire_and_forget += 1;
@@ -992,14 +1002,10 @@ impl World {
             "  c{} closes core{core} stream{}{}",
             at.client,
             id.0,
-            parked
-                .map(|ack| format!(" (parked {ack:?} publish cancelled)"))
+            cancelled
+                .map(|ack| format!(" (waiting {ack:?} publish withdrawn)"))
                 .unwrap_or_default()
         ));
-        let now = self.now();
-        self.cores[usize::from(core)]
-            .core
-            .handle_stream_closed(now, id);
         self.drain(core);
         self.clients[at.client].conns[at.conn]
             .streams
@@ -1067,6 +1073,46 @@ impl World {
             .core
             .handle_connection_closed(id);
         self.clients[client].conns.remove(conn);
+    }
+
+    /// The client writes bytes that are no frame (or ends a stream inside a frame): the
+    /// stream answers `Error` with request id 0 and finishes; the connection goes on.
+    pub fn garbage(&mut self, at: At) {
+        let core = self.core_of(at);
+        let s = self.stream(at);
+        if s.feeding_done
+            || s.fin_sent
+            || !matches!(s.role, Role::Requests)
+            || s.pending
+                .values()
+                .any(|p| matches!(p, Pending::Create { .. } | Pending::Delete { .. }))
+        {
+            return;
+        }
+        let id = s.id;
+        if !self.cores[usize::from(core)].core.accepts_frames(id) {
+            return;
+        }
+        let s = self.stream(at);
+        s.feeding_done = true;
+        s.to_send.clear();
+        let now = self.now();
+        self.trace.line(format!(
+            "  c{} garbage on core{core} stream{}",
+            at.client, id.0
+        ));
+        if self.rng.chance(500) {
+            self.cores[usize::from(core)].core.handle_fin(now, id, true);
+        } else {
+            let error = felix_wire::WireError::Malformed {
+                frame: "frame",
+                reason: "simulated garbage".to_owned(),
+            };
+            self.cores[usize::from(core)]
+                .core
+                .handle_decode_error(now, id, &error);
+        }
+        self.drain(core);
     }
 
     /// The client finishes its side of a request stream.

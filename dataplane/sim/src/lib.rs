@@ -126,7 +126,10 @@ fn power_cut(world: &mut World) -> Option<PowerCut> {
 
 fn take_step(world: &mut World) {
     let clients = world.clients.len();
-    match world.rng.weighted(&[30, 30, 22, 25, 12, 6, 2, 3, 1, 2, 1]) {
+    match world
+        .rng
+        .weighted(&[30, 30, 22, 25, 12, 6, 2, 3, 1, 2, 1, 1])
+    {
         0 => {
             let client = world.rng.index(clients);
             world.client_request(client);
@@ -210,6 +213,13 @@ fn take_step(world: &mut World) {
             if !streams.is_empty() {
                 let at = streams[world.rng.index(streams.len())];
                 world.fin(at);
+            }
+        }
+        10 => {
+            let streams = world.all_streams();
+            if !streams.is_empty() {
+                let at = streams[world.rng.index(streams.len())];
+                world.garbage(at);
             }
         }
         _ => {
