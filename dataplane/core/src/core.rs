@@ -316,6 +316,14 @@ impl Core {
         self.outbox_len
     }
 
+    /// The messages waiting in the outbox with their destination core, for checks.
+    pub fn outbox_messages(&self) -> impl Iterator<Item = (u16, &CoreMessage)> + '_ {
+        self.outbox.iter().enumerate().flat_map(|(to, queue)| {
+            let to = u16::try_from(to).expect("a core index");
+            queue.iter().map(move |message| (to, message))
+        })
+    }
+
     /// The engine has appends or log reads for the durable log (the shell pumps it).
     #[must_use]
     pub fn has_log_work(&self) -> bool {
