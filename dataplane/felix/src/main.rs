@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context as _;
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory as _, Parser, Subcommand};
 use felix_broker::Broker;
 use felix_tuning::Config;
 
@@ -23,81 +23,126 @@ use felix_tuning::Config;
     about = "Felix: a QUIC publish/subscribe broker and its command-line client"
 )]
 struct Cli {
-    #[command(flatten)]
-    global: GlobalArgs,
     #[command(subcommand)]
     command: Command,
 }
 
-/// Options every command takes; each maps onto a FELIX_* setting (flags win over the
-/// environment and the config file).
+/// Options of every command; each maps onto a FELIX_* setting (flags win over the environment
+/// and the config file).
 #[derive(Debug, Args)]
-struct GlobalArgs {
+struct CommonArgs {
     /// Config file (TOML); default: FELIX_CONFIG, else none.
     #[arg(long, global = true, value_name = "FILE")]
     config: Option<PathBuf>,
-    /// Broker address for client commands (FELIX_ADDR).
+    /// Log filter, e.g. `info` or `felix_broker=debug` (FELIX_LOG).
+    #[arg(long, global = true, value_name = "FILTER")]
+    log: Option<String>,
+}
+
+/// Options of the broker (and of `felix config`, which shows what a broker would use).
+#[derive(Debug, Args)]
+struct BrokerArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Data directory (FELIX_DATA_DIR).
+    #[arg(long, value_name = "DIR")]
+    data_dir: Option<String>,
+    /// QUIC listen address (FELIX_BIND).
+    #[arg(long, value_name = "IP:PORT")]
+    bind: Option<String>,
+    /// Metrics listen address, or `off` (FELIX_METRICS_BIND).
+    #[arg(long, value_name = "IP:PORT|off")]
+    metrics_bind: Option<String>,
+}
+
+/// Options of the client commands (`stream`, `pub`, `sub`).
+#[derive(Debug, Args)]
+struct ClientArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Broker address (FELIX_ADDR).
     #[arg(long, global = true, value_name = "IP:PORT")]
     addr: Option<String>,
-    /// CA certificate (PEM) client commands trust (FELIX_CA).
+    /// CA certificate (PEM) to trust (FELIX_CA); default: the development certificate in the
+    /// data directory.
     #[arg(long, global = true, value_name = "FILE")]
     ca: Option<String>,
     /// Skip broker certificate verification: development only (FELIX_INSECURE=1).
     #[arg(long, global = true)]
     insecure: bool,
-    /// Data directory (FELIX_DATA_DIR).
+    /// Data directory whose development certificate to trust (FELIX_DATA_DIR).
     #[arg(long, global = true, value_name = "DIR")]
     data_dir: Option<String>,
-    /// QUIC listen address of `felix broker` (FELIX_BIND).
-    #[arg(long, global = true, value_name = "IP:PORT")]
-    bind: Option<String>,
-    /// Metrics listen address of `felix broker`, or `off` (FELIX_METRICS_BIND).
-    #[arg(long, global = true, value_name = "IP:PORT|off")]
-    metrics_bind: Option<String>,
-    /// Log filter, e.g. `info` or `felix_broker=debug` (FELIX_LOG).
-    #[arg(long, global = true, value_name = "FILTER")]
-    log: Option<String>,
-    /// Client commands: send everything through FELIX_ADDR instead of straight to each
-    /// shard's owner core (the broker then hops between cores).
+    /// Send everything through FELIX_ADDR instead of straight to each shard's owner core
+    /// (the broker then hops between cores).
     #[arg(long, global = true)]
     no_core_aware: bool,
 }
 
-impl GlobalArgs {
-    /// The flags as (setting name, raw value) pairs for felix-tuning.
-    fn flags(&self) -> Vec<(&'static str, String)> {
-        let mut flags = Vec::new();
-        let mut push = |name: &'static str, value: &Option<String>| {
-            if let Some(value) = value {
-                flags.push((name, value.clone()));
-            }
-        };
-        push("FELIX_ADDR", &self.addr);
-        push("FELIX_CA", &self.ca);
-        push("FELIX_DATA_DIR", &self.data_dir);
-        push("FELIX_BIND", &self.bind);
-        push("FELIX_METRICS_BIND", &self.metrics_bind);
-        push("FELIX_LOG", &self.log);
-        if self.insecure {
-            flags.push(("FELIX_INSECURE", "1".to_owned()));
+/// The flags as (setting name, raw value) pairs for felix-tuning.
+#[derive(Default)]
+struct Flags(Vec<(&'static str, String)>);
+
+impl Flags {
+    fn push(&mut self, name: &'static str, value: Option<&String>) {
+        if let Some(value) = value {
+            self.0.push((name, value.clone()));
         }
-        flags
+    }
+
+    fn common(&mut self, args: &CommonArgs) -> Option<PathBuf> {
+        self.push("FELIX_LOG", args.log.as_ref());
+        args.config.clone()
+    }
+
+    fn broker(&mut self, args: &BrokerArgs) -> Option<PathBuf> {
+        self.push("FELIX_DATA_DIR", args.data_dir.as_ref());
+        self.push("FELIX_BIND", args.bind.as_ref());
+        self.push("FELIX_METRICS_BIND", args.metrics_bind.as_ref());
+        self.common(&args.common)
+    }
+
+    fn client(&mut self, args: &ClientArgs) -> Option<PathBuf> {
+        self.push("FELIX_ADDR", args.addr.as_ref());
+        self.push("FELIX_CA", args.ca.as_ref());
+        self.push("FELIX_DATA_DIR", args.data_dir.as_ref());
+        if args.insecure {
+            self.0.push(("FELIX_INSECURE", "1".to_owned()));
+        }
+        let _ = client_commands::NO_CORE_AWARE.set(args.no_core_aware);
+        self.common(&args.common)
     }
 }
 
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run a broker (defaults: loopback, the data directory, a development certificate).
-    Broker,
+    Broker(BrokerArgs),
     /// Create, list, describe or delete streams.
-    #[command(subcommand)]
-    Stream(StreamCommand),
+    Stream {
+        #[command(flatten)]
+        client: ClientArgs,
+        #[command(subcommand)]
+        command: StreamCommand,
+    },
     /// Publish records: the arguments, else one record per stdin line.
-    Pub(client_commands::PubArgs),
+    Pub {
+        #[command(flatten)]
+        client: ClientArgs,
+        #[command(flatten)]
+        args: client_commands::PubArgs,
+    },
     /// Print a stream's records, one per line.
-    Sub(client_commands::SubArgs),
+    Sub {
+        #[command(flatten)]
+        client: ClientArgs,
+        #[command(flatten)]
+        args: client_commands::SubArgs,
+    },
     /// Print every effective setting and where it came from.
     Config {
+        #[command(flatten)]
+        broker: BrokerArgs,
         /// Print the full settings reference (Markdown) instead.
         #[arg(long)]
         reference: bool,
@@ -115,6 +160,13 @@ enum Command {
         #[arg(long)]
         force: bool,
     },
+    /// Print a shell completion script (the package installs them).
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page (roff; the package installs it).
+    Man,
 }
 
 #[derive(Debug, Subcommand)]
@@ -139,6 +191,15 @@ enum StreamCommand {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if !matches!(cli.command, Command::Broker(_)) {
+        // A command whose output goes to a closed pipe (`felix config | head`) ends quietly,
+        // as other Unix tools do. Rust ignores SIGPIPE, which turns that into a panic in
+        // `print!`. The broker keeps ignoring it: a closed stdout must not stop it.
+        // SAFETY: restoring a signal's default disposition before any thread exists.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
@@ -149,13 +210,33 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
-    let flags = cli.global.flags();
-    let _ = client_commands::NO_CORE_AWARE.set(cli.global.no_core_aware);
-    let config = Config::from_process(cli.global.config.as_deref(), &flags)?;
+    let mut flags = Flags::default();
+    let file = match &cli.command {
+        Command::Broker(args) | Command::Config { broker: args, .. } => flags.broker(args),
+        Command::Stream { client, .. } | Command::Pub { client, .. } | Command::Sub { client, .. } => {
+            flags.client(client)
+        }
+        Command::Cert { .. } | Command::Completions { .. } | Command::Man => None,
+    };
+    match cli.command {
+        Command::Completions { shell } => {
+            let mut command = Cli::command();
+            clap_complete::generate(shell, &mut command, "felix", &mut std::io::stdout());
+            return Ok(());
+        }
+        Command::Man => {
+            clap_mangen::Man::new(Cli::command())
+                .render(&mut std::io::stdout())
+                .context("cannot write the man page")?;
+            return Ok(());
+        }
+        _ => {}
+    }
+    let config = Config::from_process(file.as_deref(), &flags.0)?;
     init_logging(&config)?;
     match cli.command {
-        Command::Broker => run_broker(&config),
-        Command::Config { reference } => {
+        Command::Broker(_) => run_broker(&config),
+        Command::Config { reference, .. } => {
             if reference {
                 print!("{}", felix_tuning::reference_markdown());
             } else {
@@ -168,11 +249,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Cert { out, names, force } => run_cert(&out, names, force),
-        Command::Stream(command) => {
+        Command::Stream { command, .. } => {
             client_commands::block_on(client_commands::stream(&config, command))
         }
-        Command::Pub(args) => client_commands::block_on(client_commands::publish(&config, args)),
-        Command::Sub(args) => client_commands::block_on(client_commands::subscribe(&config, args)),
+        Command::Pub { args, .. } => {
+            client_commands::block_on(client_commands::publish(&config, args))
+        }
+        Command::Sub { args, .. } => {
+            client_commands::block_on(client_commands::subscribe(&config, args))
+        }
+        Command::Completions { .. } | Command::Man => unreachable!("handled above"),
     }
 }
 
