@@ -9,6 +9,8 @@
 //! any data-plane core starts; it keeps no per-core state and does no IO besides reading the
 //! config file. The broker copies the values it needs to each core.
 
+pub mod host;
+pub mod preflight;
 mod settings;
 mod values;
 
@@ -155,6 +157,11 @@ pub struct Config {
     /// FELIX_DURABLE_RETENTION_SECONDS: age bound of log segments, 0 = none. Default 0.
     /// Restart.
     pub durable_retention_seconds: u64,
+    /// FELIX_HOST_PROFILE: `azure`, `baremetal` or `test`. Default `baremetal`. Restart.
+    pub host_profile: String,
+    /// FELIX_DATA_NIC: the clients' network interface, or `auto` (the default route's).
+    /// Default `auto`. Restart.
+    pub data_nic: String,
     // ---- client / CLI ----
     /// FELIX_ADDR: broker address the CLI connects to. Default 127.0.0.1:7400.
     pub addr: SocketAddr,

@@ -65,6 +65,8 @@ const DURABLE_RETENTION_BYTES_MAX: u64 = 1024 * TIB;
 const DURABLE_RETENTION_SECONDS_MAX: u64 = 10 * 366 * 24 * 3600;
 /// The fsync modes of docs/semantics.md, 3 Publishing.
 const FSYNC_MODES: &[&str] = &["periodic", "on_commit"];
+/// The host profiles of `felix tune` and `felix preflight` (felix_tuning::host::Profile).
+const HOST_PROFILES: &[&str] = &["azure", "baremetal", "test"];
 
 // The u32 fields must be able to hold their whole accepted range.
 const _: () = assert!(MAX_FRAME_BYTES_MAX <= u32::MAX as u64);
@@ -438,6 +440,24 @@ settings! {
         restart: Restart::Broker,
         doc: "Delete log segments whose newest record is older than this many seconds \
               (never the active segment). 0 keeps everything.",
+    }
+    host_profile {
+        env: "FELIX_HOST_PROFILE",
+        kind: Kind::Choice { options: HOST_PROFILES },
+        default: Fixed("baremetal"),
+        restart: Restart::Broker,
+        doc: "Host profile of `felix tune`, `felix preflight` and the start-up host check: \
+              `azure` (storage-optimized L-series VMs: MTU 3900, RAID0 of the local NVMe \
+              drives), `baremetal`, `test` (the image self-test). docs/operations.md lists \
+              what each requires.",
+    }
+    data_nic {
+        env: "FELIX_DATA_NIC",
+        kind: Kind::Text { what: "a network interface name, or auto" },
+        default: Fixed("auto"),
+        restart: Restart::Broker,
+        doc: "The network interface clients reach the broker on, whose MTU `felix tune` sets \
+              and `felix preflight` checks; `auto`: the interface of the default route.",
     }
     // ---- client / CLI ----
     addr {

@@ -1,0 +1,1 @@
+//! Host tuners: see docs/operations.md.
