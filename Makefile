@@ -2,9 +2,9 @@
 # `make run` builds and starts a broker with safe local defaults; `make test` is what CI runs.
 
 CARGO ?= cargo
-APT_PACKAGES := pkg-config libhwloc-dev libudev-dev fonts-dejavu-core valgrind
+APT_PACKAGES := pkg-config libhwloc-dev libudev-dev fonts-dejavu-core valgrind shellcheck
 
-.PHONY: run build test lint fmt deps bench-micro bench clean sim
+.PHONY: run build test lint fmt deps bench-micro bench clean sim deb package-test
 
 run: deps
 	$(CARGO) build --release -p felix
@@ -16,6 +16,7 @@ build: deps
 # Everything CI checks: formatting, lints (warnings are errors), then every test.
 test: deps lint
 	$(CARGO) test --workspace --all-targets --no-fail-fast
+	$(MAKE) package-test
 
 # The seeded simulation of the per-core state machines (dataplane/sim, docs/design/simulation.md):
 # SEEDS seeds from FIRST, STEPS steps each (200 x 1500 by default: well under a minute here);
@@ -30,6 +31,24 @@ sim: deps
 	else \
 		$(CARGO) run -q -p felix-sim -- --seeds $(SEEDS) --first $(FIRST) --steps $(STEPS); \
 	fi
+
+# The Debian package (packaging/, cargo-deb): target/debian/felix_<version>_<arch>.deb with the
+# release binary, /etc/felix/felix.toml, felix.service, completions and the man page. Installs cargo-deb once if it is missing.
+deb: deps
+	@command -v cargo-deb >/dev/null || $(CARGO) install cargo-deb --locked --version 3.8.0
+	$(CARGO) build --release -p felix
+	mkdir -p target/package
+	t=$${CARGO_TARGET_DIR:-target}/release; \
+	$$t/felix man | gzip -9n > target/package/felix.1.gz && \
+	$$t/felix completions bash > target/package/felix.bash && \
+	$$t/felix completions zsh > target/package/_felix && \
+	$$t/felix completions fish > target/package/felix.fish
+	$(CARGO) deb -p felix --no-build --dbgsym
+
+# Checks the package: contents, a throwaway-root install, the unit (systemd-analyze verify)
+# and the scripts (shellcheck). Part of `make test`.
+package-test: deb
+	packaging/test.sh
 
 lint:
 	$(CARGO) fmt --all -- --check
