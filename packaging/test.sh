@@ -5,7 +5,7 @@ set -eu
 cd "$(dirname "$0")/.."
 
 deb=""
-for file in target/debian/felix_*.deb; do [ -e "$file" ] && deb=$file; done
+for file in "${CARGO_TARGET_DIR:-target}"/debian/felix_*.deb; do [ -e "$file" ] && deb=$file; done
 [ -n "$deb" ] || { echo "package-test: FAIL: no target/debian/felix_*.deb (make deb)" >&2; exit 1; }
 fail() { echo "package-test: FAIL: $*" >&2; exit 1; }
 
