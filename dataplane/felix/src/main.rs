@@ -213,9 +213,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     let mut flags = Flags::default();
     let file = match &cli.command {
         Command::Broker(args) | Command::Config { broker: args, .. } => flags.broker(args),
-        Command::Stream { client, .. } | Command::Pub { client, .. } | Command::Sub { client, .. } => {
-            flags.client(client)
-        }
+        Command::Stream { client, .. }
+        | Command::Pub { client, .. }
+        | Command::Sub { client, .. } => flags.client(client),
         Command::Cert { .. } | Command::Completions { .. } | Command::Man => None,
     };
     match cli.command {

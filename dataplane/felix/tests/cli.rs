@@ -48,24 +48,42 @@ fn a_closed_pipe_ends_a_command_quietly() {
 #[test]
 fn each_subcommand_help_shows_only_its_options() {
     let publish = stdout(&["pub", "--help"]);
-    assert!(publish.contains("--addr") && publish.contains("--batch"), "{publish}");
+    assert!(
+        publish.contains("--addr") && publish.contains("--batch"),
+        "{publish}"
+    );
     for foreign in ["--bind", "--metrics-bind"] {
-        assert!(!publish.contains(foreign), "`felix pub --help` lists {foreign}");
+        assert!(
+            !publish.contains(foreign),
+            "`felix pub --help` lists {foreign}"
+        );
     }
     let broker = stdout(&["broker", "--help"]);
-    assert!(broker.contains("--bind") && broker.contains("--data-dir"), "{broker}");
+    assert!(
+        broker.contains("--bind") && broker.contains("--data-dir"),
+        "{broker}"
+    );
     for foreign in ["--insecure", "--addr", "--ca", "--no-core-aware"] {
-        assert!(!broker.contains(foreign), "`felix broker --help` lists {foreign}");
+        assert!(
+            !broker.contains(foreign),
+            "`felix broker --help` lists {foreign}"
+        );
     }
     // Client flags may follow the stream subcommand.
     let create = stdout(&["stream", "create", "--help"]);
-    assert!(create.contains("--addr") && create.contains("--shards"), "{create}");
+    assert!(
+        create.contains("--addr") && create.contains("--shards"),
+        "{create}"
+    );
 }
 
 #[test]
 fn completions_and_the_man_page_come_from_the_definitions() {
     let bash = stdout(&["completions", "bash"]);
-    assert!(bash.contains("_felix()") && bash.contains("--no-core-aware"), "{bash}");
+    assert!(
+        bash.contains("_felix()") && bash.contains("--no-core-aware"),
+        "{bash}"
+    );
     let zsh = stdout(&["completions", "zsh"]);
     assert!(zsh.starts_with("#compdef felix"), "{zsh}");
     let man = stdout(&["man"]);
