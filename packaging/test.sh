@@ -16,6 +16,7 @@ done
 echo "$info" | grep -q "conffiles" || fail "no conffiles control file"
 contents=$(dpkg-deb --contents "$deb")
 for path in ./usr/bin/felix ./etc/felix/felix.toml ./usr/lib/systemd/system/felix.service \
+    ./usr/lib/systemd/system/felix-tune.service \
     ./usr/share/man/man1/felix.1.gz \
     ./usr/share/bash-completion/completions/felix; do
     echo "$contents" | grep -q " $path\$" || fail "the package lacks $path"
@@ -30,6 +31,10 @@ dpkg --root="$root" --force-depends --force-not-root --unpack "$deb" >/dev/null
 unit="$root/usr/lib/systemd/system/felix.service"
 [ -f "$unit" ] || fail "felix.service is not installed"
 grep -q '^ExecStart=/usr/bin/felix broker$' "$unit" || fail "felix.service does not run /usr/bin/felix"
+tune_unit="$root/usr/lib/systemd/system/felix-tune.service"
+grep -q '^ExecStart=-/usr/bin/felix tune --apply$' "$tune_unit" \
+    || fail "felix-tune.service does not run /usr/bin/felix tune --apply"
+grep -q '^After=.*felix-tune.service' "$unit" || fail "felix.service does not start after felix-tune.service"
 [ -x "$root/usr/bin/felix" ] || fail "/usr/bin/felix is not installed executable"
 "$root/usr/bin/felix" --version | grep -q '^felix ' || fail "the installed binary does not run"
 # An unpacked conffile waits as .dpkg-new until the package is configured.
@@ -45,13 +50,20 @@ if command -v systemd-analyze >/dev/null; then
     # are not looked up (--man=no: the root has no man).
     cp -rn /usr/lib/systemd/system/. "$root/usr/lib/systemd/system/"
     systemd-analyze verify --man=no --root="$root" /usr/lib/systemd/system/felix.service \
-        || fail "systemd-analyze verify"
+        /usr/lib/systemd/system/felix-tune.service || fail "systemd-analyze verify"
 else
     echo "package-test: skipped systemd-analyze verify: systemd-analyze is not installed"
 fi
 
 if command -v shellcheck >/dev/null; then
     shellcheck packaging/debian/postinst packaging/test.sh || fail "shellcheck of packaging/"
+    # The script `felix tune --script` prints, as the installed binary renders it per profile.
+    for profile in azure baremetal test; do
+        script="$root/tune-$profile.sh"
+        FELIX_CONFIG="$conf" "$root/usr/bin/felix" tune --script --profile "$profile" >"$script" \
+            || fail "felix tune --script --profile $profile"
+        shellcheck --shell=sh "$script" || fail "shellcheck of felix tune --script --profile $profile"
+    done
 else
     echo "package-test: skipped shellcheck: shellcheck is not installed"
 fi

@@ -1,5 +1,5 @@
 //! The `felix` binary: the broker (`felix broker`) and the command-line client (`stream`,
-//! `pub`, `sub`), plus `config` and `cert`. Configuration comes from felix-tuning (defaults <
+//! `pub`, `sub`), plus `config`, `cert`, `tune` and `preflight`. Configuration comes from felix-tuning (defaults <
 //! file < FELIX_* environment < these flags); a bad value stops any command with a message
 //! naming the variable.
 //!
@@ -7,6 +7,8 @@
 //! signal thread; client commands run a current-thread tokio runtime on the main thread.
 
 mod client_commands;
+mod host_commands;
+mod listener_sweep;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -53,6 +55,16 @@ struct BrokerArgs {
     /// Metrics listen address, or `off` (FELIX_METRICS_BIND).
     #[arg(long, value_name = "IP:PORT|off")]
     metrics_bind: Option<String>,
+}
+
+/// Options of `felix preflight`: the settings it reads, and the data directory it checks.
+#[derive(Debug, Args)]
+struct HostArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Data directory (FELIX_DATA_DIR).
+    #[arg(long, value_name = "DIR")]
+    data_dir: Option<String>,
 }
 
 /// Options of the client commands (`stream`, `pub`, `sub`).
@@ -160,6 +172,24 @@ enum Command {
         #[arg(long)]
         force: bool,
     },
+    /// Check the host against its profile (the default), apply the profile, or print it as a
+    /// shell script; `felix tune listeners` sweeps FELIX_QUIC_LISTENERS.
+    #[command(args_conflicts_with_subcommands = true)]
+    Tune {
+        #[command(flatten)]
+        common: CommonArgs,
+        #[command(flatten)]
+        args: host_commands::TuneArgs,
+        #[command(subcommand)]
+        command: Option<TuneCommand>,
+    },
+    /// The checks a node must pass before taking load; exits non-zero when one fails.
+    Preflight {
+        #[command(flatten)]
+        host: HostArgs,
+        #[command(flatten)]
+        args: host_commands::PreflightArgs,
+    },
     /// Print a shell completion script (the package installs them).
     Completions {
         /// The shell.
@@ -167,6 +197,18 @@ enum Command {
     },
     /// Print the man page (roff; the package installs it).
     Man,
+}
+
+#[derive(Debug, Subcommand)]
+enum TuneCommand {
+    /// Sweep FELIX_QUIC_LISTENERS over 1..=data-plane cores against a broker started on
+    /// loopback with a short load; print a row per count and recommend one.
+    Listeners {
+        #[command(flatten)]
+        common: CommonArgs,
+        #[command(flatten)]
+        args: listener_sweep::ListenersArgs,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -213,6 +255,19 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     let mut flags = Flags::default();
     let file = match &cli.command {
         Command::Broker(args) | Command::Config { broker: args, .. } => flags.broker(args),
+        Command::Tune {
+            command: Some(TuneCommand::Listeners { common, .. }),
+            ..
+        } => flags.common(common),
+        Command::Tune { common, args, .. } => {
+            flags.push("FELIX_HOST_PROFILE", args.profile.as_ref());
+            flags.common(common)
+        }
+        Command::Preflight { host, args } => {
+            flags.push("FELIX_HOST_PROFILE", args.profile.as_ref());
+            flags.push("FELIX_DATA_DIR", host.data_dir.as_ref());
+            flags.common(&host.common)
+        }
         Command::Stream { client, .. }
         | Command::Pub { client, .. }
         | Command::Sub { client, .. } => flags.client(client),
@@ -243,12 +298,30 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 print!("{}", config.render_table());
                 match felix_broker::core_plan(&config) {
                     Ok(plan) => print!("\n{}", plan.render()),
-                    Err(error) => println!("\ncore plan: {error}"),
+                    Err(error) => println!("\ncore plan: {:#}", anyhow::Error::from(error)),
                 }
             }
             Ok(())
         }
         Command::Cert { out, names, force } => run_cert(&out, names, force),
+        Command::Tune {
+            command: Some(TuneCommand::Listeners { args, .. }),
+            ..
+        } => listener_sweep::run(&config, &args),
+        Command::Tune { args, .. } => {
+            anyhow::ensure!(
+                host_commands::tune(&config, &args)?,
+                "a required host setting is off"
+            );
+            Ok(())
+        }
+        Command::Preflight { args, .. } => {
+            anyhow::ensure!(
+                host_commands::preflight(&config, &args)?,
+                "a preflight check failed"
+            );
+            Ok(())
+        }
         Command::Stream { command, .. } => {
             client_commands::block_on(client_commands::stream(&config, command))
         }
@@ -274,6 +347,7 @@ fn init_logging(config: &Config) -> anyhow::Result<()> {
 }
 
 fn run_broker(config: &Config) -> anyhow::Result<()> {
+    host_commands::log_host_settings(config);
     let broker = Broker::start(config).context("cannot start the broker")?;
     let trigger = broker.shutdown_trigger();
     // Install the handlers before announcing the ports, so a supervisor that signals right

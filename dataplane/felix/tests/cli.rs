@@ -69,6 +69,18 @@ fn each_subcommand_help_shows_only_its_options() {
             "`felix broker --help` lists {foreign}"
         );
     }
+    // The host commands take no network options.
+    for command in [["tune", "--help"], ["preflight", "--help"]] {
+        let help = stdout(&command);
+        assert!(help.contains("--profile"), "{help}");
+        for foreign in ["--bind", "--metrics-bind", "--addr", "--insecure"] {
+            assert!(
+                !help.contains(foreign),
+                "`felix {}` lists {foreign}",
+                command.join(" ")
+            );
+        }
+    }
     // Client flags may follow the stream subcommand.
     let create = stdout(&["stream", "create", "--help"]);
     assert!(
