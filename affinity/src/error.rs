@@ -14,7 +14,7 @@ pub enum AffinityError {
     Hwloc(String),
 
     /// A sysfs or procfs file could not be read.
-    #[error("reading {path}: {source}")]
+    #[error("reading {path}")]
     Read {
         path: PathBuf,
         #[source]
@@ -75,7 +75,7 @@ pub enum AffinityError {
     CpuIndexOutOfRange { cpu: usize, max: usize },
 
     /// A system call failed.
-    #[error("{call}: {source}")]
+    #[error("{call}")]
     Syscall {
         call: &'static str,
         #[source]

@@ -131,8 +131,8 @@ pub fn run_workload(shape: Shape, publishes: u64) -> Result<u64, BenchError> {
     ];
     let config = felix_tuning::Config::load(None, env, &[])
         .map_err(|e| fail(format!("broker config: {e}")))?;
-    let broker =
-        felix_broker::Broker::start(&config).map_err(|e| fail(format!("broker start: {e}")))?;
+    let broker = felix_broker::Broker::start(&config)
+        .map_err(|e| fail(format!("broker start: {}", felix_storage::ErrorChain(&e))))?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -119,17 +119,17 @@ pub enum BenchError {
     #[error("{0}")]
     Plan(String),
     /// The plan is not valid TOML or has unknown or missing fields.
-    #[error("plan is not valid: {0}")]
+    #[error("plan is not valid")]
     PlanToml(#[from] toml::de::Error),
     /// A file could not be read or written.
-    #[error("{path}: {source}")]
+    #[error("{path}")]
     Io {
         path: PathBuf,
         #[source]
         source: std::io::Error,
     },
     /// A recorded cell line is not a valid record.
-    #[error("{path}:{line}: not a cell record: {source}")]
+    #[error("{path}:{line}: not a cell record")]
     Record {
         path: PathBuf,
         line: usize,
@@ -137,10 +137,10 @@ pub enum BenchError {
         source: serde_json::Error,
     },
     /// A record could not be serialized.
-    #[error("cannot serialize a cell record: {0}")]
+    #[error("cannot serialize a cell record")]
     Serialize(#[source] serde_json::Error),
     /// The CSV writer failed.
-    #[error("{path}: {source}")]
+    #[error("{path}")]
     Csv {
         path: PathBuf,
         #[source]

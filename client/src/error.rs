@@ -13,7 +13,7 @@ pub enum ClientError {
     /// The TLS configuration is unusable (unreadable CA file, bad PEM, ...).
     #[error("TLS: {0}")]
     Tls(String),
-    #[error("I/O: {0}")]
+    #[error(transparent)]
     Io(#[from] std::io::Error),
     /// The broker answered with an `Error` frame; code, detail and message as sent.
     #[error("{message} ({}, code {})", code.name(), *code as u16)]

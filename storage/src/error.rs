@@ -62,12 +62,36 @@ pub enum StorageError {
     #[error("invalid storage configuration: {0}")]
     Config(String),
     /// A filesystem operation failed outside a commit round (open, create, read, delete).
-    #[error("{context}: {source}")]
+    #[error("{context}")]
     Io {
         context: String,
         #[source]
         source: Arc<io::Error>,
     },
+}
+
+/// Displays an error and then each of its sources, `: `-separated (what `{:#}` does for an
+/// `anyhow::Error`). Errors here say only their own part and leave the cause to
+/// `source()`, so a log line or message that shows one uses this to show the whole chain once.
+#[derive(Clone, Copy)]
+pub struct ErrorChain<'a>(pub &'a (dyn std::error::Error + 'static));
+
+impl std::fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(error) = source {
+            write!(f, ": {error}")?;
+            source = error.source();
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for ErrorChain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
 }
 
 impl StorageError {

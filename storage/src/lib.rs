@@ -31,7 +31,7 @@ pub use config::{
     DEFAULT_SEGMENT_BYTES, FsyncMode, LogConfig, SEGMENT_BYTES_MAX, SEGMENT_BYTES_MIN,
 };
 pub use counters::{Counters, LATENCY_BUCKETS, LatencyHistogram};
-pub use error::StorageError;
+pub use error::{ErrorChain, StorageError};
 pub use index::{DEFAULT_INDEX_INTERVAL_BYTES, IndexEntry};
 pub use log::{Log, LogEvent, READ_CHUNK_BYTES, Record, RetentionReport, ShardOffsets, ShardRange};
 pub use recovery::{RecoveryReport, SCAN_CHUNK_BYTES, ShardRecovery, Truncation};

@@ -201,6 +201,10 @@ pub struct Log<B: Backend> {
     pub(crate) config: LogConfig,
     pub(crate) backend: B,
     pub(crate) segments: VecDeque<Segment>,
+    /// The sequence number the next created segment takes when there is none (a fresh log
+    /// makes its first segment only when something is appended or [`Log::ensure_segment`]
+    /// asks: an idle broker takes no disk).
+    pub(crate) first_seq: u64,
     pub(crate) shards: HashMap<u32, ShardState>,
     pub(crate) index: HashMap<u32, ShardIndex>,
     pending: VecDeque<PendingRound>,
@@ -242,6 +246,7 @@ impl<B: Backend> Log<B> {
             config,
             backend,
             segments: VecDeque::new(),
+            first_seq: 0,
             shards: HashMap::new(),
             index: HashMap::new(),
             pending: VecDeque::new(),
@@ -373,7 +378,7 @@ impl<B: Backend> Log<B> {
     }
 
     fn fail(&mut self, e: StorageError) -> StorageError {
-        tracing::error!(error = %e, dir = %self.config.dir.display(), "durable log failed");
+        tracing::error!(error = %crate::ErrorChain(&e), dir = %self.config.dir.display(), "durable log failed");
         self.failed = Some(e.clone());
         e
     }
@@ -521,8 +526,20 @@ impl<B: Backend> Log<B> {
 
     fn start_round(&mut self, now: Instant) -> Result<(), StorageError> {
         let periodic_sync_due = self.sync_requested || self.sync_due_at.is_some_and(|t| now >= t);
+        if self.segments.is_empty() {
+            // A fresh log: its first segment is made for its first records.
+            let Some(front) = self.pending.front() else {
+                // Nothing was ever written, so there is nothing to sync.
+                self.sync_requested = false;
+                return Ok(());
+            };
+            let record_bytes = front.buf.len() as u64;
+            if !self.roll_or_reject(record_bytes)? {
+                return Ok(());
+            }
+        }
         let Some(active) = self.segments.back() else {
-            unreachable!("open() leaves at least one segment and retention keeps the active one");
+            unreachable!("a segment exists from here on; retention keeps the active one");
         };
         if let Some(front) = self.pending.front() {
             let record_bytes = front.buf.len() as u64;
@@ -535,16 +552,8 @@ impl<B: Backend> Log<B> {
                     let buf = vec![0u8; leftovers as usize];
                     return self.submit(RoundKind::PreRoll, buf, 0, true);
                 }
-                match self.roll(record_bytes) {
-                    Ok(()) => {}
-                    Err(StorageError::Io { source, .. })
-                        if source.raw_os_error() == Some(libc::ENOSPC) =>
-                    {
-                        // No room for a new segment: the same policy as ENOSPC on a write.
-                        self.reject(None, StorageError::DiskFull);
-                        return Ok(());
-                    }
-                    Err(e) => return Err(e),
+                if !self.roll_or_reject(record_bytes)? {
+                    return Ok(());
                 }
             }
             let Some(round) = self.pending.pop_front() else {
@@ -612,11 +621,43 @@ impl<B: Backend> Log<B> {
         self.backend.submit(request)
     }
 
+    /// [`Self::roll`]; on ENOSPC rejects the pending round instead (the same policy as ENOSPC
+    /// on a write) and returns false.
+    fn roll_or_reject(&mut self, record_bytes: u64) -> Result<bool, StorageError> {
+        match self.roll(record_bytes) {
+            Ok(()) => Ok(true),
+            Err(StorageError::Io { source, .. }) if source.raw_os_error() == Some(libc::ENOSPC) => {
+                self.reject(None, StorageError::DiskFull);
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Creates the log's first segment if it has none yet (a durable shard arrived on this
+    /// log, so it will be written). A log with segments is left as it is. An error leaves
+    /// the log usable: the first append tries again (and is rejected with
+    /// [`StorageError::DiskFull`] if there is still no room).
+    pub fn ensure_segment(&mut self) -> Result<(), StorageError> {
+        self.check_failed()?;
+        if self.segments.is_empty() {
+            self.roll(0)?;
+        }
+        Ok(())
+    }
+
+    /// Whether the log has made a segment (a fresh log has none until its first records).
+    pub fn has_segments(&self) -> bool {
+        !self.segments.is_empty()
+    }
+
+    /// Starts a new segment after the active one (or the first one of a fresh log), its
+    /// header holding each anchored shard's next offset.
     fn roll(&mut self, record_bytes: u64) -> Result<(), StorageError> {
-        let Some(active) = self.segments.back() else {
-            unreachable!("at least one segment");
-        };
-        let seq = active.seq + 1;
+        let seq = self
+            .segments
+            .back()
+            .map_or(self.first_seq, |active| active.seq + 1);
         let mut checkpoint: Vec<(u32, u64)> = self
             .shards
             .iter()
@@ -845,7 +886,7 @@ impl<B: Backend> Log<B> {
             }
         }
         self.shards.retain(|_, s| s.anchored);
-        tracing::warn!(records = ranges.iter().map(ShardRange::len).sum::<u64>(), error = %error, "log appends rejected");
+        tracing::warn!(records = ranges.iter().map(ShardRange::len).sum::<u64>(), error = %crate::ErrorChain(&error), "log appends rejected");
         if !ranges.is_empty() {
             self.events.push_back(LogEvent::Rejected { ranges, error });
         }

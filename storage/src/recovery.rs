@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use crate::backend::Backend;
 use crate::frame::{self, Decoded, Invalid, RecordRef};
-use crate::log::{Log, ShardState, now_unix_us};
+use crate::log::{Log, ShardState};
 use crate::segment::{self, SegmentHeader};
 use crate::{LogConfig, StorageError};
 
@@ -397,13 +397,12 @@ impl<B: Backend> Log<B> {
         }
 
         if log.segments.is_empty() {
-            // Fresh directory, or everything was cut: start a new segment after any deleted one.
-            let seq = seqs.last().map_or(0, |s| s + 1);
-            let size = log.config.segment_bytes;
-            let created = now_unix_us();
-            let (file, header_bytes, path) = segment::create(&dir, seq, size, created, &[])?;
-            log.push_segment(seq, file, path, size, header_bytes, created);
-            log.counters.segments_created += 1;
+            // Fresh directory, or everything was cut: the first segment (after any deleted
+            // one) is made when records first arrive, so an idle log takes no disk.
+            log.first_seq = seqs.last().map_or(0, |s| s + 1);
+            if !report.deleted_segments.is_empty() {
+                segment::sync_dir(&dir)?;
+            }
         } else {
             for seg in &log.segments {
                 seg.file

@@ -482,6 +482,60 @@ fn tokio_current_thread_loop_drives_the_log<B: Backend>(mk: &dyn Fn() -> Option<
     assert!(log.counters().rounds >= 2);
 }
 
+fn a_fresh_log_takes_no_disk_until_it_is_written<B: Backend>(mk: &dyn Fn() -> Option<B>) {
+    // Opening a fresh directory creates no segment; the first append (or ensure_segment)
+    // creates segment 0; an empty log reopens empty, a written one with its segment.
+    let Some(backend) = mk() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = small_config(dir.path(), on_commit());
+    let segment_files = || {
+        std::fs::read_dir(dir.path())
+            .expect("list")
+            .filter(|e| {
+                e.as_ref()
+                    .expect("entry")
+                    .file_name()
+                    .to_string_lossy()
+                    .ends_with(".log")
+            })
+            .count()
+    };
+    let (mut log, report) = Log::open(cfg.clone(), backend).expect("open");
+    assert_eq!(report.segments, 0);
+    assert!(!log.has_segments());
+    assert_eq!(segment_files(), 0, "an idle log takes no disk");
+    assert!(log.segment_seqs().is_empty());
+    // A sync request with nothing written does nothing.
+    log.sync_now();
+    log.flush(DEADLINE).expect("flush of nothing");
+    assert_eq!(segment_files(), 0);
+    drop(log);
+    let Some(backend) = mk() else { return };
+    let (mut log, _) = Log::open(cfg.clone(), backend).expect("reopen");
+    assert_eq!(segment_files(), 0);
+    let mut model = Model::default();
+    let mut rng = Rng(11);
+    model.append(&mut log, &mut rng, 2, 16, 100);
+    log.flush(DEADLINE).expect("flush");
+    assert_eq!(log.segment_seqs(), [0]);
+    assert_eq!(segment_files(), 1);
+    drop(log);
+    let Some(backend) = mk() else { return };
+    let (mut log, report) = Log::open(cfg.clone(), backend).expect("reopen");
+    assert_eq!(report.records, 1);
+    log.ensure_segment()
+        .expect("a log with segments is left alone");
+    assert_eq!(log.segment_seqs(), [0]);
+    drop(log);
+    // ensure_segment on a fresh log makes segment 0 at once.
+    let other = tempfile::tempdir().expect("tempdir");
+    let Some(backend) = mk() else { return };
+    let (mut log, _) = Log::open(small_config(other.path(), on_commit()), backend).expect("open");
+    log.ensure_segment().expect("ensure");
+    assert_eq!(log.segment_seqs(), [0]);
+    assert!(log.has_segments());
+}
+
 macro_rules! suite {
     ($backend:ident, $make:path) => {
         mod $backend {
@@ -526,6 +580,11 @@ macro_rules! suite {
             #[test]
             fn retention_deletes_whole_old_segments() {
                 super::retention_deletes_whole_old_segments(&$make);
+            }
+            /// See the generic test of the same name.
+            #[test]
+            fn a_fresh_log_takes_no_disk_until_it_is_written() {
+                super::a_fresh_log_takes_no_disk_until_it_is_written(&$make);
             }
             /// See the generic test of the same name.
             #[test]

@@ -423,7 +423,10 @@ settings! {
         default: Fixed("1GiB"),
         restart: Restart::Broker,
         doc: "Preallocated size of each durable log segment file (one log per data-plane \
-              core under `<data_dir>/log/core-<i>/`); retention deletes whole segments.",
+              core under `<data_dir>/log/core-<i>/`, whose first segment is made when the \
+              core gets its first durable shard); smaller (a power of two, at least 16 MiB) \
+              when the data volume lacks room for four per core; retention deletes whole \
+              segments.",
     }
     durable_retention_bytes {
         env: "FELIX_DURABLE_RETENTION_BYTES",

@@ -97,8 +97,9 @@ impl Broker {
         let mtu = effective_mtu(config)?;
         let pair = tls::load_server_pair(config)?;
         let core_count = plan.core_count();
-        let durable = durable_settings(config)?;
+        let mut durable = durable_settings(config)?;
         let mut catalog = felix_core::Catalog::load(&config.data_dir)?;
+        settings::fit_segments(&mut durable, &config.data_dir, usize::from(core_count));
         catalog.bind_cores(core_count)?;
         let catalog_entries: Vec<felix_core::CatalogEntry> = catalog.entries().cloned().collect();
         let next_stream_id = catalog.next_stream_id();
@@ -252,7 +253,7 @@ impl Broker {
         let mut result = Ok(());
         for core in self.cores {
             if let Err(error) = core.join() {
-                tracing::error!(%error, "core thread failed");
+                tracing::error!(error = %felix_storage::ErrorChain(&error), "core thread failed");
                 result = Err(error);
                 // One core failing stops the broker: the others cannot serve its shards.
                 self.shutdown.trigger();

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use felix_core::{Catalog, CatalogEntry, Core, CoreConfig, DurableLog, DurableSettings};
+use felix_storage::ErrorChain;
 use felix_wire::{Decoder, ErrorCode};
 use s2n_quic::Server;
 use tokio::io::unix::AsyncFd;
@@ -107,7 +108,7 @@ impl CoreRuntime {
                 let result = run_thread(settings, &pair, &metrics, mesh, shutdown, &ready_tx);
                 if let Err(error) = result {
                     // Start-up failed, before the report: the channel carries the error.
-                    tracing::debug!(core = index, %error, "core start-up failed");
+                    tracing::debug!(core = index, error = %ErrorChain(&error), "core start-up failed");
                     let _ = ready_tx.send(Err(error));
                 }
                 Ok(())
@@ -216,7 +217,7 @@ fn run_thread(
             .map_err(|(name, error)| {
                 BrokerError::Catalog(felix_core::CatalogError::Invalid {
                     path: PathBuf::from(felix_core::CATALOG_FILE),
-                    reason: format!("cannot restore stream {name:?}: {error}"),
+                    reason: format!("cannot restore stream {name:?}: {}", ErrorChain(&error)),
                 })
             })?;
         let shell = Rc::new(Shell::new(

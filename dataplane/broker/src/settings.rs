@@ -72,6 +72,69 @@ pub fn durable_settings(config: &Config) -> Result<DurableSettings, BrokerError>
     })
 }
 
+/// The smallest segment [`fit_segments`] picks when the disk is short: 16 MiB still holds
+/// four rounds of the log's 4 MiB maximum.
+const FITTED_SEGMENT_BYTES_MIN: u64 = 16 << 20;
+
+/// Free space each core's log may take in preallocated segments at the fitted size: four
+/// segments per core, so a core can roll (and retention delete) before the disk is full.
+const FITTED_SEGMENTS_PER_CORE: u64 = 4;
+
+/// The segment size to preallocate given `free_bytes` on the data volume and `cores` logs:
+/// the configured size when four segments per core fit, else the largest power of two that
+/// does (at least 16 MiB, never above the configured size).
+#[must_use]
+pub fn fitted_segment_bytes(configured: u64, free_bytes: u64, cores: usize) -> u64 {
+    let budget = free_bytes / (FITTED_SEGMENTS_PER_CORE * cores.max(1) as u64);
+    if budget >= configured {
+        return configured;
+    }
+    let power_of_two = if budget == 0 {
+        0
+    } else {
+        1u64 << budget.ilog2()
+    };
+    power_of_two.max(FITTED_SEGMENT_BYTES_MIN).min(configured)
+}
+
+/// Fits `durable.segment_bytes` to the data volume's free space (see
+/// [`fitted_segment_bytes`]) and says what it chose in the start-up log. Logs are created
+/// lazily (a core's first segment when its first durable shard lands), so nothing is
+/// preallocated here.
+pub fn fit_segments(durable: &mut DurableSettings, data_dir: &std::path::Path, cores: usize) {
+    let configured = durable.segment_bytes;
+    match felix_tuning::preflight::free_space_bytes(data_dir) {
+        Ok(free) => {
+            let fitted = fitted_segment_bytes(configured, free, cores);
+            durable.segment_bytes = fitted;
+            if fitted < configured {
+                tracing::warn!(
+                    segment_bytes = fitted,
+                    configured = configured,
+                    free_bytes = free,
+                    cores,
+                    dir = %data_dir.display(),
+                    "durable log segments smaller than FELIX_DURABLE_SEGMENT_BYTES: the data volume has room for fewer than 4 per core"
+                );
+            } else {
+                tracing::info!(
+                    segment_bytes = fitted,
+                    free_bytes = free,
+                    cores,
+                    dir = %data_dir.display(),
+                    "durable log segments (created when a core gets its first durable shard)"
+                );
+            }
+        }
+        Err(error) => tracing::warn!(
+            %error,
+            dir = %data_dir.display(),
+            segment_bytes = configured,
+            "cannot read the data volume's free space; keeping FELIX_DURABLE_SEGMENT_BYTES"
+        ),
+    }
+}
+
 /// FELIX_MTU_UPPER_BOUND as the broker applies it: below 1200 is an error, above 16384 is
 /// clamped with a warning.
 pub fn effective_mtu(config: &Config) -> Result<u16, BrokerError> {
@@ -128,5 +191,26 @@ pub fn ingress_settings(config: &Config) -> IngressSettings {
         fire_and_forget_waits: config.pub_ingress_wait,
         ack_on_commit: config.ack_on_commit,
         commit_wait: std::time::Duration::from_millis(config.publish_queue_wait_ms),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fitted_segment_bytes;
+
+    const MIB: u64 = 1 << 20;
+    const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn segments_fit_the_free_space() {
+        // Room for four 1 GiB segments per core: the configured size.
+        assert_eq!(fitted_segment_bytes(GIB, 8 * GIB, 2), GIB);
+        // A laptop with 3 GiB free and 2 cores: 3 GiB / 8 = 384 MiB -> 256 MiB.
+        assert_eq!(fitted_segment_bytes(GIB, 3 * GIB, 2), 256 * MIB);
+        // Almost full: never below 16 MiB.
+        assert_eq!(fitted_segment_bytes(GIB, 10 * MIB, 4), 16 * MIB);
+        assert_eq!(fitted_segment_bytes(GIB, 0, 1), 16 * MIB);
+        // Never above what was configured, even when that is below the floor.
+        assert_eq!(fitted_segment_bytes(64 << 10, 0, 1), 64 << 10);
     }
 }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use felix_core::{Catalog, ConnectionId, Core, DurableLog, Event, Now, StreamId};
-use felix_storage::StorageError;
+use felix_storage::{ErrorChain, StorageError};
 use felix_wire::{Decoder, ErrorCode};
 use tokio::sync::Notify;
 
@@ -137,7 +137,7 @@ impl Shell {
                 let result = catalog
                     .borrow_mut()
                     .apply(&write.change)
-                    .map_err(|error| error.to_string());
+                    .map_err(|error| ErrorChain(&error).to_string());
                 core.handle_catalog_written(now, write.id, result);
                 more = true;
             }
@@ -207,7 +207,7 @@ impl Shell {
             if error.is_fatal() {
                 fatal_exit(usize::from(self.index), &error);
             }
-            tracing::warn!(core = self.index, %error, "retention failed; retrying later");
+            tracing::warn!(core = self.index, error = %ErrorChain(&error), "retention failed; retrying later");
         }
     }
 
@@ -220,7 +220,9 @@ impl Shell {
         match result {
             Ok(()) => tracing::info!(core = self.index, "durable log flushed"),
             Err(error) if error.is_fatal() => fatal_exit(usize::from(self.index), &error),
-            Err(error) => tracing::error!(core = self.index, %error, "durable log flush failed"),
+            Err(error) => {
+                tracing::error!(core = self.index, error = %ErrorChain(&error), "durable log flush failed")
+            }
         }
     }
 
@@ -241,6 +243,7 @@ pub(crate) fn close_code(code: ErrorCode) -> s2n_quic::application::Error {
 /// acks): an fdatasync error leaves the page cache in an unknown state, so the only safe
 /// continuation is a restart and recovery (docs/design/durable.md).
 pub(crate) fn fatal_exit(core: usize, error: &StorageError) -> ! {
+    let error = ErrorChain(error);
     tracing::error!(core, error = %error, "fatal durable log error: stopping the broker");
     eprintln!("felix: core {core}: fatal durable log error: {error}; stopping (restart recovers)");
     std::process::exit(FATAL_STORAGE_EXIT_CODE)

@@ -287,8 +287,11 @@ impl Core {
                 stream_id,
             } => {
                 let stream_id = stream_id.expect("a durable create carries core 0's catalogue id");
-                self.engine
-                    .create_durable_stream(name, *shard_count, stream_id)
+                let created = self
+                    .engine
+                    .create_durable_stream(name, *shard_count, stream_id)?;
+                self.durable_shards_landed(*shard_count);
+                Ok(created)
             }
             AdminRequest::Create {
                 name,

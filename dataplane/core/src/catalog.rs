@@ -33,12 +33,12 @@ const CATALOG_BYTES_MAX: u64 = 64 << 20;
 /// Why the catalogue cannot be read or written.
 #[derive(Debug, thiserror::Error)]
 pub enum CatalogError {
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}")]
     Read {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("cannot write {path}: {source}")]
+    #[error("cannot write {path}")]
     Write {
         path: PathBuf,
         source: std::io::Error,

@@ -206,6 +206,9 @@ pub struct Core {
     in_call: Option<StreamId>,
     /// Scratch of `run_publish` (each record's shard), kept to avoid an allocation per publish.
     pub(crate) scratch_shards: Vec<u32>,
+    /// A durable shard landed on this core since the last log pump: the pump makes sure the
+    /// log has its first segment (a core without durable shards takes no disk).
+    pub(crate) log_wanted: bool,
 }
 
 impl std::fmt::Debug for Core {
@@ -262,6 +265,7 @@ impl Core {
             catalog_writes: VecDeque::new(),
             in_call: None,
             scratch_shards: Vec::new(),
+            log_wanted: false,
         }
     }
 
@@ -327,7 +331,14 @@ impl Core {
     /// The engine has appends or log reads for the durable log (the shell pumps it).
     #[must_use]
     pub fn has_log_work(&self) -> bool {
-        self.engine.has_log_work()
+        self.log_wanted || self.engine.has_log_work()
+    }
+
+    /// Notes that durable stream shards `0..shard_count` exist; if this core owns one, the
+    /// next log pump creates the log's first segment.
+    pub(crate) fn durable_shards_landed(&mut self, shard_count: u32) {
+        let owned = (0..shard_count).any(|shard| self.owner(shard) == self.index);
+        self.log_wanted |= owned;
     }
 
     pub(crate) fn token(&mut self) -> u64 {

@@ -205,7 +205,7 @@ impl<B: Backend> DurableLog<B> {
                         core = self.core,
                         shard = log_shard.shard(),
                         offset,
-                        error = %error,
+                        error = %felix_storage::ErrorChain(&error),
                         "durable append refused"
                     );
                     report.refused += 1;
@@ -234,7 +234,7 @@ impl<B: Backend> DurableLog<B> {
                 }
                 LogEvent::Written(_) | LogEvent::Synced(_) => {}
                 LogEvent::Rejected { ranges, error } => {
-                    tracing::warn!(core = self.core, error = %error, "durable appends rejected");
+                    tracing::warn!(core = self.core, error = %felix_storage::ErrorChain(&error), "durable appends rejected");
                     for range in ranges {
                         engine.handle_rejected(LogShardId(range.shard), range.first);
                     }
@@ -273,7 +273,7 @@ impl<B: Backend> DurableLog<B> {
                 Err(error) => {
                     // An empty answer: the engine continues from the ring if it covers the
                     // position, else ends the subscription with StorageFailed.
-                    tracing::warn!(core = self.core, error = %error, "log read failed");
+                    tracing::warn!(core = self.core, error = %felix_storage::ErrorChain(&error), "log read failed");
                     engine.handle_log_records(read.subscription, read.log_shard, Vec::new());
                 }
             }
@@ -281,6 +281,28 @@ impl<B: Backend> DurableLog<B> {
         // At the bound there may be more (a read's answer often asks for the next).
         report.more = answered == LOG_READS_PER_PUMP_MAX;
         Ok(report)
+    }
+
+    /// Makes the log's first segment if it has none (a durable shard landed on this core).
+    /// A failure is logged and left to the first append, which tries again and is rejected
+    /// with `StorageFull` if there is still no room.
+    pub fn ensure_segment(&mut self) {
+        if self.log.has_segments() {
+            return;
+        }
+        match self.log.ensure_segment() {
+            Ok(()) => tracing::info!(
+                core = self.core,
+                dir = %self.log.config().dir.display(),
+                segment_bytes = self.log.config().segment_bytes,
+                "durable log: first segment created"
+            ),
+            Err(error) => tracing::warn!(
+                core = self.core,
+                error = %felix_storage::ErrorChain(&error),
+                "durable log: cannot create the first segment yet"
+            ),
+        }
     }
 
     /// Deletes segments past the retention bounds and moves each shard's oldest offset in the
@@ -386,6 +408,7 @@ impl Core {
         for entry in entries {
             log.restore(&mut self.engine, entry)
                 .map_err(|error| (entry.name.clone(), error))?;
+            self.durable_shards_landed(entry.shards);
         }
         Ok(())
     }
@@ -396,6 +419,9 @@ impl Core {
         log: &mut DurableLog<B>,
         now: Now,
     ) -> Result<PumpReport, StorageError> {
+        if std::mem::take(&mut self.log_wanted) {
+            log.ensure_segment();
+        }
         let report = log.pump(&mut self.engine, now.at)?;
         self.settle(now);
         Ok(report)

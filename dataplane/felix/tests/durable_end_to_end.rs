@@ -322,3 +322,102 @@ fn deleted_durable_stream_stays_deleted() {
         .expect("catalogue written");
     assert!(catalog.contains("\"next_stream_id\": 2"), "{catalog}");
 }
+
+/// The `.log` segment files under `<data_dir>/log/core-<core>/` (none when the folder is
+/// missing).
+fn segments_of(data_dir: &std::path::Path, core: usize) -> usize {
+    std::fs::read_dir(data_dir.join("log").join(format!("core-{core}")))
+        .map(|entries| {
+            entries
+                .filter_map(Result::ok)
+                .filter(|e| e.file_name().to_string_lossy().ends_with(".log"))
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+// An idle broker takes no disk for its logs: a core's first segment is made when a durable
+// shard lands on it, and only on the cores that own one.
+#[test]
+fn logs_take_disk_only_on_the_cores_of_durable_shards() {
+    let broker = BrokerProcess::start(&[]);
+    let cores = broker.core_addrs.len();
+    let data_dir = broker.data_dir.path().to_owned();
+    for core in 0..cores {
+        assert_eq!(
+            segments_of(&data_dir, core),
+            0,
+            "core {core} before any stream"
+        );
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let owners: Vec<usize> = runtime.block_on(async {
+        let client = broker.client().await;
+        // In-memory streams take no disk either.
+        within(client.create_stream("scratch", 4, StreamKind::InMemory))
+            .await
+            .expect("in-memory create");
+        let info = within(client.create_stream("ledger", 1, StreamKind::Durable))
+            .await
+            .expect("durable create");
+        client.close().await;
+        info.shards.iter().map(|s| usize::from(s.core)).collect()
+    });
+    assert_eq!(owners.len(), 1);
+    let owner = owners[0];
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while segments_of(&data_dir, owner) == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "core {owner} owns the durable shard but made no segment: {}",
+            broker.stderr_text()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert_eq!(segments_of(&data_dir, owner), 1);
+    for core in (0..cores).filter(|&c| c != owner) {
+        assert_eq!(
+            segments_of(&data_dir, core),
+            0,
+            "core {core} owns no durable shard"
+        );
+    }
+    let stderr = broker.stderr_text();
+    assert!(stderr.contains("durable log segments"), "{stderr}");
+    assert!(stderr.contains("first segment created"), "{stderr}");
+}
+
+// A data directory the broker cannot use stops it with one message that names the path and
+// says its cause once (it used to repeat "Not a directory (os error 20)" three times).
+#[test]
+fn an_unusable_data_directory_says_its_cause_once() {
+    let data = tempfile::tempdir().expect("tempdir");
+    std::fs::write(data.path().join("log"), b"not a directory").expect("write");
+    let output = support::felix()
+        .args(["broker", "--bind", "127.0.0.1:0", "--metrics-bind", "off"])
+        .env("FELIX_DATA_DIR", data.path())
+        .output()
+        .expect("felix runs");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let line = stderr
+        .lines()
+        .find(|l| l.starts_with("felix: cannot start the broker"))
+        .unwrap_or_else(|| panic!("no start-up error line: {stderr}"));
+    let cause = std::io::Error::from_raw_os_error(20).to_string();
+    // Whichever core reports first: "... create DIR/log/core-<i>: Not a directory (os error 20)".
+    let prefix = format!(
+        "felix: cannot start the broker: durable log: create {}/log/core-",
+        data.path().display()
+    );
+    let rest = line
+        .strip_prefix(&prefix)
+        .unwrap_or_else(|| panic!("{line}"));
+    let (core, tail) = rest.split_once(": ").unwrap_or_else(|| panic!("{line}"));
+    assert!(core.parse::<u16>().is_ok(), "{line}");
+    assert_eq!(tail, cause, "{line}");
+    assert_eq!(line.matches(&cause).count(), 1, "{line}");
+}

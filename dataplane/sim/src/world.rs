@@ -261,7 +261,7 @@ impl World {
                 } else {
                     self.catalog
                         .apply(&write.change)
-                        .map_err(|error| error.to_string())
+                        .map_err(|error| felix_storage::ErrorChain(&error).to_string())
                 };
                 self.trace.line(format!(
                     "  core{index} catalogue {:?}: {}",
@@ -307,8 +307,10 @@ impl World {
         let sim = &mut self.cores[usize::from(index)];
         if let Err(error) = sim.core.pump_log(&mut sim.log, now) {
             assert!(error.is_fatal(), "pump errors are fatal: {error}");
-            self.trace
-                .line(format!("  core{index} fatal storage error: {error}"));
+            self.trace.line(format!(
+                "  core{index} fatal storage error: {}",
+                felix_storage::ErrorChain(&error)
+            ));
             self.halted = true;
         }
     }
@@ -463,8 +465,9 @@ impl World {
                         |error| {
                             panic!(
                                 "acknowledged record {offset} of shard {shard} of {:?} is not in \
-                                 the log after the crash: {error}",
-                                entry.name
+                                 the log after the crash: {}",
+                                entry.name,
+                                felix_storage::ErrorChain(&error)
                             )
                         },
                     );

@@ -12,10 +12,10 @@ use std::time::{Duration, Instant};
 
 use felix_client::{Client, ClientConfig};
 
-/// Generous deadline for anything a test waits for (loaded 2-core machine, parallel tests).
 /// Log segment size of test brokers (see `spawn`).
 const TEST_SEGMENT_BYTES: &str = "4MiB";
 
+/// Generous deadline for anything a test waits for (loaded 2-core machine, parallel tests).
 pub const DEADLINE: Duration = Duration::from_secs(30);
 
 /// The `felix` binary with no FELIX_* variable inherited from the test's environment.
