@@ -281,7 +281,7 @@ impl CellRecord {
     ) -> CellRecord {
         let (outputs, error) = match CellOutputs::compute(cell, &run) {
             Ok(o) => (Some(o), None),
-            Err(e) => (None, Some(e.to_string())),
+            Err(e) => (None, Some(felix_storage::ErrorChain(&e).to_string())),
         };
         CellRecord {
             schema: RECORD_SCHEMA,
@@ -316,7 +316,7 @@ impl CellRecord {
             generators: Vec::new(),
             samples: Vec::new(),
             outputs: None,
-            error: Some(error.to_string()),
+            error: Some(felix_storage::ErrorChain(error).to_string()),
         }
     }
 

@@ -219,7 +219,9 @@ mod tests {
     fn probe_refuses_bad_arguments() {
         // Proves zero or oversized sizes, a bad block size and a missing directory are refused by name.
         let dir = tempfile::tempdir().unwrap();
-        let msg = |r: Result<ProbeResult, BenchError>| r.unwrap_err().to_string();
+        let msg = |r: Result<ProbeResult, BenchError>| {
+            felix_storage::ErrorChain(&r.unwrap_err()).to_string()
+        };
         assert!(msg(probe(dir.path(), 0, LARGE_BLOCK_BYTES)).contains("size must be"));
         assert!(
             msg(probe(dir.path(), PROBE_MIB_MAX + 1, LARGE_BLOCK_BYTES)).contains("size must be")

@@ -1089,7 +1089,7 @@ keys = ["spread", "plain"]
     }
 
     fn err(text: &str) -> String {
-        Plan::parse(text).unwrap_err().to_string()
+        felix_storage::ErrorChain(&Plan::parse(text).unwrap_err()).to_string()
     }
 
     #[test]
