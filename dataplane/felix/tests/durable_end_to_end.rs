@@ -421,3 +421,141 @@ fn an_unusable_data_directory_says_its_cause_once() {
     assert_eq!(tail, cause, "{line}");
     assert_eq!(line.matches(&cause).count(), 1, "{line}");
 }
+
+/// How one publisher of the shutdown test ended.
+struct PublisherOutcome {
+    /// `(shard, offset) -> (key, payload)` of every record whose publish was acked.
+    acked: BTreeMap<(u32, u64), (Bytes, Bytes)>,
+    /// The error that ended it (every publisher ends with one: the broker went away).
+    error: String,
+}
+
+/// Publishes acked batches of 4 on its own connection until a publish fails; every publish is
+/// answered within the deadline or the test fails (a publish left unanswered by shutdown).
+async fn publish_until_refused(
+    client: felix_client::Client,
+    publisher: usize,
+    acked_total: std::sync::Arc<std::sync::atomic::AtomicU64>,
+) -> PublisherOutcome {
+    let mut acked = BTreeMap::new();
+    for batch in 0.. {
+        let records: Vec<Record> = (0..4)
+            .map(|index| {
+                record(
+                    Bytes::from(format!("p{publisher}-{batch}-{index}")),
+                    payload(batch, index),
+                )
+            })
+            .collect();
+        match within(client.publish("orders", &records)).await {
+            Ok(acks) => {
+                for ack in acks {
+                    let of_shard = records
+                        .iter()
+                        .filter(|r| felix_wire::shard_for_key(&r.key, 2) == ack.shard);
+                    for (offset, r) in (ack.first_offset..).zip(of_shard) {
+                        acked.insert((ack.shard, offset), (r.key.clone(), r.payload.clone()));
+                    }
+                }
+                acked_total.fetch_add(4, std::sync::atomic::Ordering::Relaxed);
+            }
+            Err(error) => {
+                return PublisherOutcome {
+                    acked,
+                    error: error.to_string(),
+                };
+            }
+        }
+    }
+    unreachable!("the loop ends by returning")
+}
+
+// SIGTERM under acked durable load: the broker exits 0, every publisher's publish in flight is
+// answered (an ack, or an error naming the shutdown), and after a restart every acked record
+// is there at the offset its ack gave.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_under_acked_durable_load_loses_no_acked_record() {
+    stop_under_acked_durable_load("TERM").await;
+}
+
+// SIGINT (Ctrl-C of `make run`) is the same shutdown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigint_under_acked_durable_load_loses_no_acked_record() {
+    stop_under_acked_durable_load("INT").await;
+}
+
+async fn stop_under_acked_durable_load(signal: &str) {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    let mut broker = BrokerProcess::start(&durable_env("1"));
+    let admin = broker.client().await;
+    within(admin.create_stream("orders", 2, StreamKind::Durable))
+        .await
+        .expect("durable stream created");
+    let acked_total = Arc::new(AtomicU64::new(0));
+    let mut publishers = Vec::new();
+    for publisher in 0..4 {
+        let client = broker.client().await;
+        publishers.push(tokio::spawn(publish_until_refused(
+            client,
+            publisher,
+            Arc::clone(&acked_total),
+        )));
+    }
+    // Shut down in the middle of the load: once some records are acked.
+    within(async {
+        while acked_total.load(Ordering::Relaxed) < 200 {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    let status = tokio::task::block_in_place(|| broker.stop_with(signal));
+    assert!(
+        status.success(),
+        "SIG{signal}: exit status {status:?}; stderr:\n{}",
+        broker.stderr_text()
+    );
+    let mut acked = BTreeMap::new();
+    for publisher in publishers {
+        let outcome = within(publisher).await.expect("publisher task");
+        let error = outcome.error.to_lowercase();
+        assert!(
+            error.contains("shutting down") || error.contains("closed"),
+            "a publish in flight at shutdown ends with the shutdown: {}",
+            outcome.error
+        );
+        acked.extend(outcome.acked);
+    }
+    assert!(acked.len() >= 200);
+
+    broker.restart();
+    let client = broker.client().await;
+    let mut subscription =
+        within(client.subscribe("orders", ShardSelection::All, StartPosition::Earliest))
+            .await
+            .expect("subscribed from earliest");
+    let mut found = 0usize;
+    within(async {
+        while found < acked.len() {
+            let record = subscription
+                .next()
+                .await
+                .expect("the subscription stays open")
+                .expect("a record");
+            if let Some((key, payload)) = acked.get(&(record.shard, record.offset)) {
+                assert_eq!(
+                    (&record.key, &record.payload),
+                    (key, payload),
+                    "shard {} offset {}",
+                    record.shard,
+                    record.offset
+                );
+                found += 1;
+            }
+        }
+    })
+    .await;
+    subscription.close().await;
+    client.close().await;
+}

@@ -153,8 +153,8 @@ impl BrokerProcess {
             .env("FELIX_DATA_DIR", data_dir)
             .env("FELIX_BIND", "127.0.0.1:0")
             .env("FELIX_METRICS_BIND", "127.0.0.1:0")
-            // Every core preallocates one segment at start; the 1 GiB default times the tests
-            // running in parallel would fill a CI disk. Tests that care set their own size.
+            // A core with a durable shard preallocates segments; the 1 GiB default times the
+            // tests running in parallel would fill a CI disk. Tests that care set their own.
             .env("FELIX_DURABLE_SEGMENT_BYTES", TEST_SEGMENT_BYTES)
             .envs(env.iter().map(|(name, value)| (name, value)))
             .stdout(Stdio::piped())
@@ -265,11 +265,17 @@ impl BrokerProcess {
 
     /// Sends SIGTERM and waits (within the deadline) for the broker to exit.
     pub fn terminate(&mut self) -> std::process::ExitStatus {
+        self.stop_with("TERM")
+    }
+
+    /// Sends signal `name` (`TERM`, `INT`) and waits (within the deadline) for the broker to
+    /// exit.
+    pub fn stop_with(&mut self, name: &str) -> std::process::ExitStatus {
         let status = Command::new("kill")
-            .args(["-TERM", &self.child.0.id().to_string()])
+            .args([&format!("-{name}"), &self.child.0.id().to_string()])
             .status()
             .expect("kill runs");
-        assert!(status.success(), "kill -TERM failed");
+        assert!(status.success(), "kill -{name} failed");
         // Its stdout closes when it exits; only then is waiting for it bounded.
         let deadline = Instant::now() + DEADLINE;
         while next_line(&self.stdout, deadline).is_some() {}
