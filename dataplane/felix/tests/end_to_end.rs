@@ -303,6 +303,7 @@ async fn raw_connect(broker: &BrokerProcess) -> RawConnection {
             max_version: 1,
             features: 0,
             client_name: "raw-test".to_owned(),
+            token: None,
         }),
     )
     .await;
@@ -638,6 +639,7 @@ async fn unsupported_version_is_refused_and_closes_the_connection() {
             max_version: 9,
             features: 0,
             client_name: "future-client".to_owned(),
+            token: None,
         }),
     )
     .await;

@@ -176,7 +176,7 @@ impl World {
         let core = u16::try_from(self.rng.below(u64::from(self.shape.cores))).expect("a core");
         let id = self.cores[usize::from(core)]
             .core
-            .handle_connection_opened()
+            .handle_connection_opened(None)
             .expect("far below the connection limit");
         let stream = self.cores[usize::from(core)].core.handle_stream_opened(id);
         let version = if self.rng.chance(20) {
@@ -193,6 +193,7 @@ impl World {
             max_version: version,
             features: 0,
             client_name: format!("sim-{client}"),
+            token: None,
         }));
         self.clients[client].conns.push(Conn {
             core,

@@ -10,10 +10,10 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 use crate::{
     Ack, AckMode, CLIENT_NAME_BYTES_MAX, CORES_MAX, CreateStream, DeliveredRecord, Delivery,
-    ERROR_MESSAGE_BYTES_MAX, ErrorCode, ErrorFrame, FRAME_HEADER_LEN, Frame, FrameType, HashKind,
-    Hello, HelloOk, LISTED_STREAMS_MAX, Limits, Publish, Record, ShardAck, ShardInfo,
-    ShardSelection, StartPosition, StreamInfo, StreamKind, StreamRoute, StreamSummary, Subscribe,
-    Subscribed, WireError,
+    ERROR_MESSAGE_BYTES_MAX, ErrorCode, ErrorFrame, FEATURE_TOKEN, FRAME_HEADER_LEN, Frame,
+    FrameType, HashKind, Hello, HelloOk, LISTED_STREAMS_MAX, Limits, Publish, Record, ShardAck,
+    ShardInfo, ShardSelection, StartPosition, StreamInfo, StreamKind, StreamRoute, StreamSummary,
+    Subscribe, Subscribed, TOKEN_BYTES_MAX, WireError,
 };
 
 // Field sizes of the layout (bytes).
@@ -161,11 +161,14 @@ fn put_body(frame: &Frame, buf: &mut BytesMut) {
         Frame::Hello(hello) => {
             buf.put_u16_le(hello.min_version);
             buf.put_u16_le(hello.max_version);
-            buf.put_u64_le(hello.features);
+            buf.put_u64_le(hello_features(hello));
             put_str(
                 buf,
                 truncate_utf8(&hello.client_name, CLIENT_NAME_BYTES_MAX),
             );
+            if let Some(token) = &hello.token {
+                put_key(buf, token);
+            }
         }
         Frame::HelloOk(ok) => {
             buf.put_u16_le(ok.version);
@@ -292,7 +295,13 @@ fn put_body(frame: &Frame, buf: &mut BytesMut) {
 fn body_len(frame: &Frame) -> usize {
     match frame {
         Frame::Hello(hello) => {
-            2 + 2 + 8 + str_len(truncate_utf8(&hello.client_name, CLIENT_NAME_BYTES_MAX))
+            2 + 2
+                + 8
+                + str_len(truncate_utf8(&hello.client_name, CLIENT_NAME_BYTES_MAX))
+                + hello
+                    .token
+                    .as_ref()
+                    .map_or(0, |token| SHORT_LEN_LEN + token.len())
         }
         Frame::HelloOk(ok) => {
             let routes: usize = ok
@@ -378,6 +387,17 @@ fn truncate_utf8(s: &str, max: usize) -> &str {
     &s[..end]
 }
 
+/// The features a `Hello` is encoded with: [`FEATURE_TOKEN`] exactly when it carries a token,
+/// so the bit and the field always agree (and decoding then encoding gives the same bytes).
+fn hello_features(hello: &Hello) -> u64 {
+    let token = if hello.token.is_some() {
+        FEATURE_TOKEN
+    } else {
+        0
+    };
+    (hello.features & !FEATURE_TOKEN) | token
+}
+
 fn put_str(buf: &mut BytesMut, s: &str) {
     put_key(buf, s.as_bytes());
 }
@@ -450,9 +470,11 @@ pub fn validate(frame: &Frame, limits: &Limits) -> Result<(), WireError> {
     }
     let name_max = usize::from(limits.max_name_bytes);
     match frame {
-        Frame::Hello(_) | Frame::ListStreams { .. } | Frame::Done { .. } | Frame::Error(_) => {
-            Ok(())
-        }
+        Frame::Hello(hello) => match &hello.token {
+            Some(token) => check_len("token length", token.len(), TOKEN_BYTES_MAX),
+            None => Ok(()),
+        },
+        Frame::ListStreams { .. } | Frame::Done { .. } | Frame::Error(_) => Ok(()),
         Frame::HelloOk(ok) => {
             check_count("core port count", ok.core_ports.len(), CORES_MAX)?;
             check_count("stream count", ok.shard_map.len(), LISTED_STREAMS_MAX)?;
@@ -641,12 +663,24 @@ impl Decoder {
             limits: &self.limits,
         };
         let frame = match frame_type {
-            FrameType::Hello => Frame::Hello(Hello {
-                min_version: r.u16("min_version")?,
-                max_version: r.u16("max_version")?,
-                features: r.u64("features")?,
-                client_name: r.string("client name length", CLIENT_NAME_BYTES_MAX)?,
-            }),
+            FrameType::Hello => {
+                let min_version = r.u16("min_version")?;
+                let max_version = r.u16("max_version")?;
+                let features = r.u64("features")?;
+                let client_name = r.string("client name length", CLIENT_NAME_BYTES_MAX)?;
+                let token = if features & FEATURE_TOKEN == 0 {
+                    None
+                } else {
+                    Some(r.bytes16("token length", "token", TOKEN_BYTES_MAX)?)
+                };
+                Frame::Hello(Hello {
+                    min_version,
+                    max_version,
+                    features,
+                    client_name,
+                    token,
+                })
+            }
             FrameType::HelloOk => Frame::HelloOk(r.hello_ok()?),
             FrameType::CreateStream => Frame::CreateStream(CreateStream {
                 request_id: r.u64("request_id")?,
@@ -757,9 +791,19 @@ impl Reader<'_> {
 
     /// A u16-length-prefixed key, as a zero-copy slice.
     fn key(&mut self) -> Result<Bytes, WireError> {
-        let len = usize::from(self.u16("key length")?);
-        check_len("key length", len, usize::from(self.limits.max_key_bytes))?;
-        let range = self.take(len, "key")?;
+        self.bytes16("key length", "key", usize::from(self.limits.max_key_bytes))
+    }
+
+    /// u16-length-prefixed bytes of at most `max`, as a zero-copy slice.
+    fn bytes16(
+        &mut self,
+        what_len: &'static str,
+        what: &'static str,
+        max: usize,
+    ) -> Result<Bytes, WireError> {
+        let len = usize::from(self.u16(what_len)?);
+        check_len(what_len, len, max)?;
+        let range = self.take(len, what)?;
         Ok(self.body.slice(range))
     }
 
@@ -1138,6 +1182,7 @@ mod tests {
             max_version: 1,
             features: 0,
             client_name: "€".repeat(100), // 3 bytes per character
+            token: None,
         });
         let mut buf = BytesMut::new();
         encode(&hello, &mut buf);
@@ -1145,6 +1190,65 @@ mod tests {
             panic!("expected a hello");
         };
         assert_eq!(hello.client_name, "€".repeat(85));
+    }
+
+    // The token bit decides whether a token follows the client name: a token of exactly
+    // TOKEN_BYTES_MAX decodes, one byte more is LimitExceeded (decoder and `validate`), a set
+    // bit without the token bytes is Malformed, and unknown feature bits are carried as sent.
+    #[test]
+    fn hello_token_follows_the_feature_bit() {
+        let hello = |token: Option<usize>, features: u64| {
+            Frame::Hello(Hello {
+                min_version: 1,
+                max_version: 1,
+                features,
+                client_name: "c".into(),
+                token: token.map(|len| Bytes::from(vec![b't'; len])),
+            })
+        };
+        let unknown_bit = 1 << 40;
+        let mut buf = BytesMut::new();
+        encode(&hello(Some(TOKEN_BYTES_MAX), unknown_bit), &mut buf);
+        let Ok(Some(Frame::Hello(decoded))) = decoder().decode(&mut buf) else {
+            panic!("a token at its limit decodes");
+        };
+        assert_eq!(decoded.features, unknown_bit | FEATURE_TOKEN);
+        assert_eq!(
+            decoded.token.map(|token| token.len()),
+            Some(TOKEN_BYTES_MAX)
+        );
+        let over = hello(Some(TOKEN_BYTES_MAX + 1), 0);
+        assert!(matches!(
+            validate(&over, &Limits::DEFAULT),
+            Err(WireError::LimitExceeded { .. })
+        ));
+        let mut buf = BytesMut::new();
+        encode(&over, &mut buf);
+        assert!(matches!(
+            decoder().decode(&mut buf),
+            Err(WireError::LimitExceeded { .. })
+        ));
+        // The bit set by hand on a Hello encoded without a token: nothing follows the name.
+        let mut buf = BytesMut::new();
+        encode(&hello(None, 0), &mut buf);
+        buf[FRAME_HEADER_LEN + 4] |= FEATURE_TOKEN as u8;
+        assert!(matches!(
+            decoder().decode(&mut buf),
+            Err(WireError::Malformed { .. })
+        ));
+        // A hello built with the bit but no token is encoded without both.
+        let mut buf = BytesMut::new();
+        encode(&hello(None, FEATURE_TOKEN), &mut buf);
+        let Ok(Some(Frame::Hello(decoded))) = decoder().decode(&mut buf) else {
+            panic!("a hello without a token decodes");
+        };
+        assert_eq!((decoded.features, decoded.token), (0, None));
+        // Debug never shows the token's bytes.
+        let shown = format!("{:?}", hello(Some(5), 0));
+        assert!(
+            shown.contains("<5 bytes>") && !shown.contains("ttttt"),
+            "{shown}"
+        );
     }
 
     // Limit boundaries: exactly at a limit decodes, one over is LimitExceeded, both in the

@@ -35,13 +35,18 @@ pub enum ErrorCode {
     StorageFailed = 32,
     /// The broker is shutting down.
     ShuttingDown = 40,
+    /// The connection has no valid credential: a required one is missing, or the token
+    /// presented is wrong, unknown or revoked. The connection is closed with this code.
+    Unauthenticated = 60,
+    /// The principal may not do this operation on this stream; the message names both.
+    PermissionDenied = 61,
     /// A broker defect; the message says what.
     Internal = 50,
 }
 
 impl ErrorCode {
     /// All codes, for tests and documentation.
-    pub const ALL: [ErrorCode; 16] = [
+    pub const ALL: [ErrorCode; 18] = [
         ErrorCode::Malformed,
         ErrorCode::UnsupportedVersion,
         ErrorCode::FrameTooLarge,
@@ -57,6 +62,8 @@ impl ErrorCode {
         ErrorCode::StorageFull,
         ErrorCode::StorageFailed,
         ErrorCode::ShuttingDown,
+        ErrorCode::Unauthenticated,
+        ErrorCode::PermissionDenied,
         ErrorCode::Internal,
     ];
 
@@ -86,6 +93,8 @@ impl ErrorCode {
             ErrorCode::StorageFull => "storage_full",
             ErrorCode::StorageFailed => "storage_failed",
             ErrorCode::ShuttingDown => "shutting_down",
+            ErrorCode::Unauthenticated => "unauthenticated",
+            ErrorCode::PermissionDenied => "permission_denied",
             ErrorCode::Internal => "internal",
         }
     }

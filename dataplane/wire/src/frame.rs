@@ -188,15 +188,43 @@ impl Default for Limits {
     }
 }
 
+/// `Hello::features` bit: a bearer token follows the client name (`Hello::token`).
+pub const FEATURE_TOKEN: u64 = 1 << 0;
+/// Every feature bit this version defines; a server ignores the others and answers with the
+/// bits it used (`HelloOk::features`).
+pub const FEATURES_KNOWN: u64 = FEATURE_TOKEN;
+
 /// First frame of a connection, client to server, on the first bidirectional stream.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct Hello {
     pub min_version: u16,
     pub max_version: u16,
-    /// Feature bits the client understands (none defined in v1: send 0).
+    /// Feature bits the client understands or uses. [`FEATURE_TOKEN`] is set by the encoder
+    /// exactly when `token` is present; unknown bits are carried as they are.
     pub features: u64,
     /// Free text for logs, e.g. "felix-cli/0.1.0". At most 255 bytes.
     pub client_name: String,
+    /// A bearer token (`felix_<id>_<secret>`), at most [`crate::TOKEN_BYTES_MAX`] bytes; on
+    /// the wire only when [`FEATURE_TOKEN`] is set. Never printed (`Debug` hides it).
+    pub token: Option<Bytes>,
+}
+
+impl std::fmt::Debug for Hello {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hello")
+            .field("min_version", &self.min_version)
+            .field("max_version", &self.max_version)
+            .field("features", &self.features)
+            .field("client_name", &self.client_name)
+            .field(
+                "token",
+                &self
+                    .token
+                    .as_ref()
+                    .map(|token| format!("<{} bytes>", token.len())),
+            )
+            .finish()
+    }
 }
 
 /// Server's answer to `Hello`.

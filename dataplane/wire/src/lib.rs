@@ -36,6 +36,9 @@ pub const CLIENT_NAME_BYTES_MAX: usize = 255;
 /// positions; the encoder truncates longer messages at a character boundary, the decoder
 /// refuses them.
 pub const ERROR_MESSAGE_BYTES_MAX: usize = 1024;
+/// Longest `Hello::token` in bytes: a Felix token is 87 bytes; the rest is room for other
+/// token formats without letting an unauthenticated peer make the broker buffer much.
+pub const TOKEN_BYTES_MAX: usize = 1024;
 /// Most entries in `HelloOk::core_ports`: an order of magnitude above the largest VM we target
 /// (80 vCPUs), small enough that the list stays a few KiB.
 pub const CORES_MAX: u32 = 1024;

@@ -122,13 +122,26 @@ fn limits() -> impl Strategy<Value = Limits> {
 fn frame_of(t: FrameType, sz: Sizes) -> BoxedStrategy<Frame> {
     let name = move || text(sz.name_chars);
     match t {
-        FrameType::Hello => (any::<u16>(), any::<u16>(), any::<u64>(), text(60))
-            .prop_map(|(min_version, max_version, features, client_name)| {
+        FrameType::Hello => (
+            any::<u16>(),
+            any::<u16>(),
+            any::<u64>(),
+            text(60),
+            proptest::option::of(vec(any::<u8>(), 0..=100)),
+        )
+            .prop_map(|(min_version, max_version, features, client_name, token)| {
+                // The token bit says whether the token is on the wire: it matches `token`.
+                let features = if token.is_some() {
+                    features | felix_wire::FEATURE_TOKEN
+                } else {
+                    features & !felix_wire::FEATURE_TOKEN
+                };
                 Frame::Hello(Hello {
                     min_version,
                     max_version,
                     features,
                     client_name,
+                    token: token.map(Bytes::from),
                 })
             })
             .boxed(),

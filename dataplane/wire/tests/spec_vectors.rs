@@ -44,11 +44,30 @@ fn hello_dump() {
         max_version: 1,
         features: 0,
         client_name: "cli".into(),
+        token: None,
     });
     check(
         &hello,
         "11 00 00 00 01 00
          01 00 01 00 00 00 00 00 00 00 00 00 03 00 63 6c 69",
+    );
+}
+
+// The document's Hello-with-token hex dump is exactly what the encoder writes: the token bit
+// is set and the token follows the client name.
+#[test]
+fn hello_with_token_dump() {
+    let hello = Frame::Hello(Hello {
+        min_version: 1,
+        max_version: 1,
+        features: felix_wire::FEATURE_TOKEN,
+        client_name: "cli".into(),
+        token: Some(Bytes::from_static(b"tok")),
+    });
+    check(
+        &hello,
+        "16 00 00 00 01 00
+         01 00 01 00 01 00 00 00 00 00 00 00 03 00 63 6c 69 03 00 74 6f 6b",
     );
 }
 
