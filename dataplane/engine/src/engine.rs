@@ -101,9 +101,46 @@ impl Engine {
     /// succeeds now. In-memory kind: the checks of [`Engine::create_stream`] (name, shard
     /// count 1..=max_shards, name free). `Durable`: those of [`Engine::create_durable_stream`]
     /// except the catalogue id's (durable enabled, name, shard count
-    /// 1..=min(max_shards, DURABLE_SHARDS_MAX), name free). Same errors as the create, so a
-    /// shell can validate, persist a catalogue entry, then create knowing it succeeds.
+    /// 1..=min(max_shards, DURABLE_SHARDS_MAX), name free). Both: fewer than `max_streams`
+    /// streams held. A shard count of 0 is `InvalidArgument`, one over a limit (and a stream
+    /// beyond `max_streams`) `LimitExceeded` with the limit in `detail`. Same errors as the
+    /// create, so a shell can validate, persist a catalogue entry, then create knowing it
+    /// succeeds.
     pub fn check_create(
+        &self,
+        name: &str,
+        shard_count: u32,
+        kind: StreamKind,
+    ) -> Result<(), EngineError> {
+        self.check_new_stream(name, shard_count, kind)?;
+        if shard_count > self.config.max_shards {
+            return Err(EngineError::new(
+                ErrorCode::LimitExceeded,
+                u64::from(self.config.max_shards),
+                format!(
+                    "shard count {shard_count} exceeds the limit of {} shards per stream \
+                     (FELIX_MAX_SHARDS_PER_STREAM)",
+                    self.config.max_shards
+                ),
+            ));
+        }
+        if self.streams.len() >= self.config.max_streams as usize {
+            return Err(EngineError::new(
+                ErrorCode::LimitExceeded,
+                u64::from(self.config.max_streams),
+                format!(
+                    "the broker holds its limit of {} streams (FELIX_MAX_STREAMS)",
+                    self.config.max_streams
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// What any new stream must satisfy, restored ones included: the configured limits
+    /// (FELIX_MAX_STREAMS, FELIX_MAX_SHARDS_PER_STREAM) apply to creates only, so lowering one
+    /// never stops a broker from restoring the streams it already has.
+    fn check_new_stream(
         &self,
         name: &str,
         shard_count: u32,
@@ -113,24 +150,20 @@ impl Engine {
             return Err(durable_disabled());
         }
         check_name(name, self.config.max_name_bytes)?;
-        match kind {
-            StreamKind::InMemory => {
-                if shard_count == 0 || shard_count > self.config.max_shards {
-                    return Err(EngineError::invalid(format!(
-                        "invalid shard count {shard_count}: a stream has 1 to {} shards",
-                        self.config.max_shards
-                    )));
-                }
-            }
-            StreamKind::Durable => {
-                let max_shards = self.config.max_shards.min(DURABLE_SHARDS_MAX);
-                if shard_count == 0 || shard_count > max_shards {
-                    return Err(EngineError::invalid(format!(
-                        "invalid shard count {shard_count}: a durable stream has 1 to \
-                         {max_shards} shards"
-                    )));
-                }
-            }
+        if shard_count == 0 {
+            return Err(EngineError::invalid(
+                "invalid shard count 0: a stream has at least 1 shard".to_owned(),
+            ));
+        }
+        if kind == StreamKind::Durable && shard_count > DURABLE_SHARDS_MAX {
+            return Err(EngineError::new(
+                ErrorCode::LimitExceeded,
+                u64::from(DURABLE_SHARDS_MAX),
+                format!(
+                    "shard count {shard_count} exceeds the limit of {DURABLE_SHARDS_MAX} shards \
+                     of a durable stream"
+                ),
+            ));
         }
         if self.streams.contains(name) {
             return Err(EngineError::new(
@@ -211,7 +244,11 @@ impl Engine {
         stream_id: u32,
         offsets: Option<&[(u64, u64)]>,
     ) -> Result<StreamDescription, EngineError> {
-        self.check_create(name, shard_count, StreamKind::Durable)?;
+        if offsets.is_some() {
+            self.check_new_stream(name, shard_count, StreamKind::Durable)?;
+        } else {
+            self.check_create(name, shard_count, StreamKind::Durable)?;
+        }
         if stream_id > DURABLE_STREAM_ID_MAX {
             return Err(EngineError::invalid(format!(
                 "stream id {stream_id} is over the limit of {DURABLE_STREAM_ID_MAX}"

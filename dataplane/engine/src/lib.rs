@@ -74,6 +74,9 @@ pub struct EngineConfig {
     pub max_shards: u32,
     /// Largest stream name in bytes.
     pub max_name_bytes: u16,
+    /// Most streams the engine holds (FELIX_MAX_STREAMS); a create beyond it is
+    /// `LimitExceeded`.
+    pub max_streams: u32,
 }
 
 impl Default for EngineConfig {
@@ -84,6 +87,7 @@ impl Default for EngineConfig {
             subscriber_queue_max_bytes: 64 * 1024 * 1024,
             max_shards: felix_wire::Limits::DEFAULT.max_shards,
             max_name_bytes: felix_wire::Limits::DEFAULT.max_name_bytes,
+            max_streams: felix_wire::LISTED_STREAMS_MAX,
         }
     }
 }

@@ -90,6 +90,12 @@ impl StreamTable {
         self.names.get(name).copied()
     }
 
+    /// Streams held.
+    #[must_use]
+    pub(crate) fn len(&self) -> usize {
+        self.names.len()
+    }
+
     /// Whether a stream called `name` exists.
     #[must_use]
     pub(crate) fn contains(&self, name: &str) -> bool {

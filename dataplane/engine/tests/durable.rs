@@ -225,7 +225,7 @@ fn durable_creation_rules() {
     );
     assert_eq!(
         code(engine.create_durable_stream(STREAM, 4097, STREAM_ID)),
-        ErrorCode::InvalidArgument
+        ErrorCode::LimitExceeded
     );
     assert_eq!(
         code(engine.create_durable_stream(STREAM, 2, 1 << 20)),
@@ -1072,4 +1072,46 @@ fn has_log_work_follows_append_requests_and_log_reads() {
     );
     assert!(!engine.has_log_work(), "everything drained");
     engine.assert_invariants();
+}
+
+#[test]
+fn stream_limits_apply_to_creates_not_restores() {
+    // Proves FELIX_MAX_STREAMS and FELIX_MAX_SHARDS_PER_STREAM refuse creates with
+    // LimitExceeded (the limit in `detail`, the setting named), a shard count of 0 stays
+    // InvalidArgument, and a restore after a restart is never refused by a lowered limit.
+    let mut engine = Engine::new(EngineConfig {
+        max_shards: 4,
+        max_streams: 1,
+        ..EngineConfig::default()
+    });
+    engine.enable_durable();
+    let zero = engine
+        .create_stream("zero", 0, StreamKind::InMemory)
+        .expect_err("no shards");
+    assert_eq!(zero.code, ErrorCode::InvalidArgument);
+    let wide = engine
+        .create_stream("wide", 5, StreamKind::InMemory)
+        .expect_err("over the shard limit");
+    assert_eq!((wide.code, wide.detail), (ErrorCode::LimitExceeded, 4));
+    assert!(
+        wide.message.contains("FELIX_MAX_SHARDS_PER_STREAM"),
+        "{}",
+        wide.message
+    );
+    engine
+        .create_stream("first", 4, StreamKind::InMemory)
+        .expect("within the limits");
+    let second = engine
+        .create_durable_stream("second", 1, STREAM_ID)
+        .expect_err("over the stream limit");
+    assert_eq!((second.code, second.detail), (ErrorCode::LimitExceeded, 1));
+    assert!(
+        second.message.contains("FELIX_MAX_STREAMS"),
+        "{}",
+        second.message
+    );
+    let restored = engine
+        .restore_durable_stream("restored", 8, STREAM_ID, &[(0, 0); 8])
+        .expect("a restore ignores the configured limits");
+    assert_eq!(restored.shards.len(), 8);
 }

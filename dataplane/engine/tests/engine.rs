@@ -116,13 +116,24 @@ fn create_stream_checks_name_shard_count_kind_and_existence() {
             .create_stream("tenbytes10", 8, StreamKind::InMemory)
             .is_ok()
     );
-    for shards in [0, 9] {
-        let error = engine
-            .create_stream("s", shards, StreamKind::InMemory)
-            .expect_err("bad shard count");
-        assert_eq!(error.code, ErrorCode::InvalidArgument);
-        assert!(error.message.contains("1 to 8 shards"), "{}", error.message);
-    }
+    let none = engine
+        .create_stream("s", 0, StreamKind::InMemory)
+        .expect_err("no shards");
+    assert_eq!(none.code, ErrorCode::InvalidArgument);
+    assert!(
+        none.message.contains("at least 1 shard"),
+        "{}",
+        none.message
+    );
+    let over = engine
+        .create_stream("s", 9, StreamKind::InMemory)
+        .expect_err("too many shards");
+    assert_eq!((over.code, over.detail), (ErrorCode::LimitExceeded, 8));
+    assert!(
+        over.message.contains("limit of 8 shards"),
+        "{}",
+        over.message
+    );
     let durable = engine
         .create_stream("d", 1, StreamKind::Durable)
         .expect_err("durable refused");
