@@ -1,7 +1,7 @@
 //! Felix typed configuration: one struct, layered defaults < config file (TOML) < FELIX_*
 //! environment < command-line flags, with the source of every effective value kept for
-//! `felix config`. A bad value is an error naming the variable, the value, where it came from
-//! and what is accepted; nothing silently falls back.
+//! `felix config`. A bad value is an error naming the variable, the value (`(hidden)` for a
+//! secret), where it came from and what is accepted; nothing silently falls back.
 //!
 //! The crate owns the settings table (`settings.rs`: one entry per setting drives parsing,
 //! validation, [`Config::entries`] and [`reference_markdown`]) and the value syntax
@@ -20,7 +20,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use settings::{BaseDirs, DefaultValue, Restart, SETTINGS, Setting};
-use values::FieldValue;
+use values::{FieldValue, Kind};
 
 /// Every setting's environment variable starts with this; so does [`CONFIG_ENV`].
 const ENV_PREFIX: &str = "FELIX_";
@@ -61,7 +61,8 @@ impl fmt::Display for Source {
 pub struct Entry {
     /// Environment variable name, e.g. `FELIX_REPLAY_RING_MAX_BYTES`.
     pub env: &'static str,
-    /// Effective value, rendered as it would be written in the environment.
+    /// Effective value, rendered as it would be written in the environment; a secret
+    /// (FELIX_TOKEN) is `(hidden)` when set.
     pub value: String,
     pub source: Source,
 }
@@ -82,8 +83,9 @@ impl Sources {
 ///
 /// Ranges are inclusive. "Restart" means the broker reads the value once at start-up; client
 /// settings are read by each `felix` command. The settings table in `settings.rs` is the
-/// authority; docs/configuration.md is generated from it.
-#[derive(Debug, Clone, PartialEq)]
+/// authority; docs/configuration.md is generated from it. `Debug` (written by the `settings!`
+/// macro) shows secrets as `(hidden)`.
+#[derive(Clone, PartialEq)]
 pub struct Config {
     // ---- broker ----
     /// FELIX_BIND: QUIC (UDP) listen address. Default 127.0.0.1:7400. Restart.
@@ -162,6 +164,46 @@ pub struct Config {
     /// FELIX_DATA_NIC: the clients' network interface, or `auto` (the default route's).
     /// Default `auto`. Restart.
     pub data_nic: String,
+    /// FELIX_AUTH: `off` (no credentials: principal `anonymous`) or `required`. Default `off`.
+    /// Restart.
+    pub auth: String,
+    /// FELIX_CLIENT_CA: PEM CA(s) client certificates must chain to; unset: client
+    /// certificates are not requested. Default unset. Restart.
+    pub client_ca: Option<PathBuf>,
+    /// FELIX_TOKENS_FILE: bearer-token hashes, lines `<id> <principal> <argon2 hash>`.
+    /// Default unset. Re-read on SIGHUP.
+    pub tokens_file: Option<PathBuf>,
+    /// FELIX_RULES: authorization rules as text (`;` or newline separated; an array of
+    /// strings in the file is joined one per line), parsed by the broker. Default empty (no
+    /// rules: everything allowed). Restart.
+    pub rules: String,
+    /// FELIX_MAX_CONNECTIONS_PER_CORE: connections per data-plane core, 1..=1000000.
+    /// Default 10000. Restart.
+    pub max_connections_per_core: u32,
+    /// FELIX_MAX_CONNECTIONS_PER_PRINCIPAL: connections per principal across all cores,
+    /// 0..=1000000 (0 = no limit). Default 1024. Restart.
+    pub max_connections_per_principal: u32,
+    /// FELIX_MAX_STREAMS: streams in the catalogue, 1..=65536. Default 1024. Restart.
+    pub max_streams: u32,
+    /// FELIX_MAX_SHARDS_PER_STREAM: shards of one stream, 1..=4096. Default 1024. Restart.
+    pub max_shards_per_stream: u32,
+    /// FELIX_MAX_STREAMS_PER_CONNECTION: client-opened QUIC streams open at once, 1..=65536.
+    /// Default 256. Restart.
+    pub max_streams_per_connection: u32,
+    /// FELIX_MAX_SUBSCRIPTIONS_PER_CONNECTION: open subscriptions per connection, 1..=65536.
+    /// Default 64. Restart.
+    pub max_subscriptions_per_connection: u32,
+    /// FELIX_HELLO_TIMEOUT_MS: handshake deadline, 100..=600000. Default 10000. Restart.
+    pub hello_timeout_ms: u64,
+    /// FELIX_HELLO_MAX_BYTES: largest Hello body, 1 KiB..=1 MiB. Default 16 KiB. Restart.
+    pub hello_max_bytes: u32,
+    /// FELIX_IDLE_TIMEOUT_MS: QUIC idle timeout, 1000..=3600000. Default 30000. Restart.
+    pub idle_timeout_ms: u64,
+    /// FELIX_MAX_KEY_BYTES: largest record key, 0..=65535. Default 1024. Restart.
+    pub max_key_bytes: u16,
+    /// FELIX_MAX_PAYLOAD_BYTES: largest record payload, 1 KiB..=64 MiB and at most
+    /// FELIX_MAX_FRAME_BYTES. Default 4 MiB. Restart.
+    pub max_payload_bytes: u32,
     // ---- client / CLI ----
     /// FELIX_ADDR: broker address the CLI connects to. Default 127.0.0.1:7400.
     pub addr: SocketAddr,
@@ -179,6 +221,13 @@ pub struct Config {
     /// FELIX_PUB_SHARD_STREAMS: client publish streams per connection, 0..=64 (0 = pooled).
     /// Default 4.
     pub pub_shard_streams: u64,
+    /// FELIX_TOKEN: bearer token sent in the Hello. Default unset. Never printed: `felix
+    /// config`, `Debug` and error messages show `(hidden)`.
+    pub token: Option<String>,
+    /// FELIX_CLIENT_CERT / FELIX_CLIENT_KEY: PEM client certificate chain and key for mutual
+    /// TLS, both set or both unset. Default unset (no client certificate).
+    pub client_cert: Option<PathBuf>,
+    pub client_key: Option<PathBuf>,
     // ---- bookkeeping ----
     /// Where each value above came from, for `felix config`.
     pub sources: Sources,
@@ -187,8 +236,12 @@ pub struct Config {
 /// Why a configuration was refused. Every message names what to fix.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    /// A value its setting does not accept.
-    #[error("{env}={value:?} (from {origin}) is invalid: expected {expected}")]
+    /// A value its setting does not accept. For a secret setting `value` is `(hidden)`, and
+    /// the message shows it unquoted, so neither Display nor Debug can leak the secret.
+    #[error(
+        "{env}={} (from {origin}) is invalid: expected {expected}",
+        shown_value(env, value)
+    )]
     Invalid {
         env: &'static str,
         value: String,
@@ -234,6 +287,29 @@ pub enum ConfigError {
         set: &'static str,
         missing: &'static str,
         origin: Source,
+    },
+    #[error(
+        "{set} is set (from {origin}) but {missing} is not: set both (client certificate \
+         chain and its key) or neither (the client then presents no certificate)"
+    )]
+    ClientCertPairIncomplete {
+        set: &'static str,
+        missing: &'static str,
+        origin: Source,
+    },
+    /// FELIX_MAX_PAYLOAD_BYTES above FELIX_MAX_FRAME_BYTES: no record that large could be sent.
+    #[error(
+        "FELIX_MAX_PAYLOAD_BYTES={} (from {payload_origin}) exceeds FELIX_MAX_FRAME_BYTES={} \
+         (from {frame_origin}): a record must fit in one frame; raise FELIX_MAX_FRAME_BYTES or \
+         lower FELIX_MAX_PAYLOAD_BYTES",
+        values::format_size(u64::from(*payload)),
+        values::format_size(u64::from(*frame))
+    )]
+    PayloadExceedsFrame {
+        payload: u32,
+        payload_origin: Source,
+        frame: u32,
+        frame_origin: Source,
     },
     #[error("environment variable {name} is not valid UTF-8")]
     NotUnicode { name: String },
@@ -290,6 +366,8 @@ impl Config {
         };
         let config = settings::build(&layers)?;
         config.check_tls_pair()?;
+        config.check_client_cert_pair()?;
+        config.check_payload_fits_frame()?;
         Ok(config)
     }
 
@@ -321,7 +399,7 @@ impl Config {
     }
 
     /// Every setting in table order, with its effective value rendered as it would be written
-    /// in the environment (empty: unset) and where it came from.
+    /// in the environment (empty: unset; a set secret: `(hidden)`) and where it came from.
     pub fn entries(&self) -> Vec<Entry> {
         settings::render_values(self)
             .into_iter()
@@ -340,7 +418,7 @@ impl Config {
             let value = if entry.value.is_empty() {
                 "(unset)".to_owned()
             } else {
-                entry.value
+                one_line(&entry.value)
             };
             [entry.env.to_owned(), value, entry.source.to_string()]
         }));
@@ -378,6 +456,38 @@ impl Config {
         self.data_dir.join(DEV_TLS_DIR).join(DEV_KEY_FILE)
     }
 
+    /// One line saying who may do what, for the end of `felix config` and the broker's
+    /// start-up log. Rules are only counted here; the broker parses them.
+    pub fn auth_summary(&self) -> String {
+        let rules = rule_count(&self.rules);
+        if self.auth == "off"
+            && self.client_ca.is_none()
+            && self.tokens_file.is_none()
+            && rules == 0
+        {
+            return "auth: off (no client certificate CA, no tokens file, no rules): any client \
+                    that reaches the broker may create, delete, publish to and read every stream"
+                .to_owned();
+        }
+        let certificates = self
+            .client_ca
+            .as_ref()
+            .map_or_else(|| "not requested".to_owned(), |ca| ca.display().to_string());
+        let tokens = self
+            .tokens_file
+            .as_ref()
+            .map_or_else(|| "none".to_owned(), |file| file.display().to_string());
+        let rules = match rules {
+            0 => "none (every principal may do everything)".to_owned(),
+            1 => "1 rule".to_owned(),
+            n => format!("{n} rules"),
+        };
+        format!(
+            "auth: {}, client certificates: {certificates}, tokens: {tokens}, rules: {rules}",
+            self.auth
+        )
+    }
+
     fn check_tls_pair(&self) -> Result<(), ConfigError> {
         let cert = settings::by_field::tls_cert.env;
         let key = settings::by_field::tls_key.env;
@@ -391,6 +501,66 @@ impl Config {
             missing,
             origin: self.sources.of(set),
         })
+    }
+
+    fn check_client_cert_pair(&self) -> Result<(), ConfigError> {
+        let cert = settings::by_field::client_cert.env;
+        let key = settings::by_field::client_key.env;
+        let (set, missing) = match (&self.client_cert, &self.client_key) {
+            (Some(_), None) => (cert, key),
+            (None, Some(_)) => (key, cert),
+            _ => return Ok(()),
+        };
+        Err(ConfigError::ClientCertPairIncomplete {
+            set,
+            missing,
+            origin: self.sources.of(set),
+        })
+    }
+
+    fn check_payload_fits_frame(&self) -> Result<(), ConfigError> {
+        if self.max_payload_bytes <= self.max_frame_bytes {
+            return Ok(());
+        }
+        Err(ConfigError::PayloadExceedsFrame {
+            payload: self.max_payload_bytes,
+            payload_origin: self.sources.of(settings::by_field::max_payload_bytes.env),
+            frame: self.max_frame_bytes,
+            frame_origin: self.sources.of(settings::by_field::max_frame_bytes.env),
+        })
+    }
+}
+
+/// The rules in FELIX_RULES text: its `;`- or newline-separated parts that are neither blank
+/// nor `#` comments. A count for [`Config::auth_summary`], not a parse.
+fn rule_count(rules: &str) -> usize {
+    rules
+        .split([';', '\n'])
+        .map(str::trim)
+        .filter(|part| !part.is_empty() && !part.starts_with('#'))
+        .count()
+}
+
+/// `value` on one line of `felix config`: line breaks and tabs (a multi-line FELIX_RULES from
+/// the file) written as `\n`, `\r`, `\t`.
+fn one_line(value: &str) -> String {
+    let mut out = String::with_capacity(value.len());
+    for c in value.chars() {
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// How an invalid value appears in its error message: quoted, or `(hidden)` for a secret.
+fn shown_value(env: &str, value: &str) -> String {
+    match setting_named(env) {
+        Some(setting) if setting.kind.is_secret() => values::HIDDEN.to_owned(),
+        _ => format!("{value:?}"),
     }
 }
 
@@ -412,6 +582,7 @@ pub fn reference_markdown() -> String {
         let restart = match setting.restart {
             Restart::Broker => "yes",
             Restart::PerCommand => "no, read by each command",
+            Restart::Sighup => "no: re-read on SIGHUP",
         };
         let cells = [
             format!("`{}`", setting.env),
@@ -459,25 +630,70 @@ fn read_file(path: PathBuf) -> Result<FileValues, ConfigError> {
             return Err(ConfigError::UnknownFileKey { key, path });
         };
         // Scalars become the text they would have in the environment; `64MiB` has to be a
-        // TOML string, 67108864 may be an integer, `insecure = true` a boolean.
+        // TOML string, 67108864 may be an integer, `insecure = true` a boolean. A text list
+        // (FELIX_RULES) may also be an array of strings, joined one per line.
         let raw = match value {
             toml::Value::String(text) => text,
             toml::Value::Integer(number) => number.to_string(),
             toml::Value::Float(number) => number.to_string(),
             toml::Value::Boolean(flag) => flag.to_string(),
+            toml::Value::Array(items) if matches!(setting.kind, Kind::TextList { .. }) => {
+                let mut parts = Vec::with_capacity(items.len());
+                for item in items {
+                    match item {
+                        toml::Value::String(text) => parts.push(text),
+                        other => {
+                            return Err(ConfigError::FileValueType {
+                                env: setting.env,
+                                key,
+                                path,
+                                found: array_element_type(&other),
+                                expected: file_expected(setting),
+                            });
+                        }
+                    }
+                }
+                // One rule per line: a `#` comment in one element ends with its line, so it
+                // cannot swallow the rules of the elements after it.
+                parts.join("\n")
+            }
             other => {
                 return Err(ConfigError::FileValueType {
                     env: setting.env,
                     key,
                     path,
                     found: other.type_str(),
-                    expected: setting.expected(),
+                    expected: file_expected(setting),
                 });
             }
         };
         values.insert(setting.env, raw);
     }
     Ok(FileValues { path, values })
+}
+
+/// What a config-file value of `setting` may be, for a FileValueType message.
+fn file_expected(setting: &Setting) -> String {
+    match setting.kind {
+        Kind::TextList { .. } => format!(
+            "{} (a TOML string or an array of strings)",
+            setting.expected()
+        ),
+        _ => setting.expected(),
+    }
+}
+
+/// The `found` of a FileValueType message for an array with a non-string element.
+fn array_element_type(element: &toml::Value) -> &'static str {
+    match element {
+        toml::Value::String(_) => "array of strings",
+        toml::Value::Integer(_) => "array with an integer element",
+        toml::Value::Float(_) => "array with a float element",
+        toml::Value::Boolean(_) => "array with a boolean element",
+        toml::Value::Datetime(_) => "array with a datetime element",
+        toml::Value::Array(_) => "array with an array element",
+        toml::Value::Table(_) => "array with a table element",
+    }
 }
 
 /// The layers a value can come from, lowest first: default, file, environment, flags.
@@ -497,9 +713,15 @@ impl Layers<'_> {
     ) -> Result<T, ConfigError> {
         let (raw, source) = self.raw(setting);
         let Some(value) = T::parse(setting.kind, &raw) else {
+            // A secret never enters the error, so neither its Display nor its Debug shows it.
+            let value = if setting.kind.is_secret() {
+                values::HIDDEN.to_owned()
+            } else {
+                raw
+            };
             return Err(ConfigError::Invalid {
                 env: setting.env,
-                value: raw,
+                value,
                 origin: source,
                 expected: setting.expected(),
             });

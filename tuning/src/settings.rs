@@ -67,12 +67,65 @@ const DURABLE_RETENTION_SECONDS_MAX: u64 = 10 * 366 * 24 * 3600;
 const FSYNC_MODES: &[&str] = &["periodic", "on_commit"];
 /// The host profiles of `felix tune` and `felix preflight` (felix_tuning::host::Profile).
 const HOST_PROFILES: &[&str] = &["azure", "baremetal", "test"];
+/// The authentication modes of docs/security.md: `off` admits clients without credentials.
+const AUTH_MODES: &[&str] = &["off", "required"];
+
+/// A core that admits no connection serves nothing.
+const MAX_CONNECTIONS_PER_CORE_MIN: u64 = 1;
+/// A million connections' QUIC and stream buffers exceed one core's share of any machine.
+const MAX_CONNECTIONS_PER_CORE_MAX: u64 = 1_000_000;
+/// As many as one core may hold: more for a single identity is a typo (0 means no limit).
+const MAX_CONNECTIONS_PER_PRINCIPAL_MAX: u64 = MAX_CONNECTIONS_PER_CORE_MAX;
+/// A broker that may hold no stream is of no use.
+const MAX_STREAMS_MIN: u64 = 1;
+/// The protocol's StreamList bound (felix_wire::LISTED_STREAMS_MAX): more could not be listed.
+const MAX_STREAMS_MAX: u64 = 65_536;
+/// A stream has at least one shard.
+const MAX_SHARDS_PER_STREAM_MIN: u64 = 1;
+/// The protocol's bound on shards per stream (every per-shard list in a frame).
+const MAX_SHARDS_PER_STREAM_MAX: u64 = 4096;
+/// A connection needs at least its request stream.
+const MAX_STREAMS_PER_CONNECTION_MIN: u64 = 1;
+/// 2^16 open streams is 256 times the default; each one holds buffers.
+const MAX_STREAMS_PER_CONNECTION_MAX: u64 = 1 << 16;
+/// A connection may subscribe at least once.
+const MAX_SUBSCRIPTIONS_PER_CONNECTION_MIN: u64 = 1;
+/// 2^16 is 1024 times the default: each holds a backlog, so more would bound no memory.
+const MAX_SUBSCRIPTIONS_PER_CONNECTION_MAX: u64 = 1 << 16;
+/// Below 100 ms a handshake across a wide-area round trip or two cannot finish.
+const HELLO_TIMEOUT_MS_MIN: u64 = 100;
+/// Ten minutes to complete a handshake is surely a stuck or hostile client.
+const HELLO_TIMEOUT_MS_MAX: u64 = 600_000;
+/// 1 KiB holds a Hello with a short client name and a Felix token (87 bytes).
+const HELLO_MAX_BYTES_MIN: u64 = KIB;
+/// More than 1 MiB read per connection before authentication hands memory to anyone.
+const HELLO_MAX_BYTES_MAX: u64 = MIB;
+/// Below one second a connection could time out between keep-alives.
+const IDLE_TIMEOUT_MS_MIN: u64 = 1000;
+/// An hour: holding a silent connection longer only pins its state.
+const IDLE_TIMEOUT_MS_MAX: u64 = 3_600_000;
+/// The protocol encodes a record key's length as a u16.
+const MAX_KEY_BYTES_MAX: u64 = u16::MAX as u64;
+/// A cap below 1 KiB would refuse ordinary small records.
+const MAX_PAYLOAD_BYTES_MIN: u64 = KIB;
+/// A record must fit in one frame, and no frame may exceed MAX_FRAME_BYTES_MAX.
+const MAX_PAYLOAD_BYTES_MAX: u64 = MAX_FRAME_BYTES_MAX;
 
 // The u32 fields must be able to hold their whole accepted range.
 const _: () = assert!(MAX_FRAME_BYTES_MAX <= u32::MAX as u64);
 const _: () = assert!(MAX_BATCH_RECORDS_MAX <= u32::MAX as u64);
 const _: () = assert!(MAX_FRAME_BYTES_MIN <= MAX_FRAME_BYTES_MAX);
 const _: () = assert!(SUBSCRIBER_QUEUE_MAX_BYTES_MIN >= MAX_FRAME_BYTES_MIN);
+const _: () = assert!(MAX_CONNECTIONS_PER_CORE_MAX <= u32::MAX as u64);
+const _: () = assert!(MAX_CONNECTIONS_PER_PRINCIPAL_MAX <= u32::MAX as u64);
+const _: () = assert!(MAX_STREAMS_MAX <= u32::MAX as u64);
+const _: () = assert!(MAX_SHARDS_PER_STREAM_MAX <= u32::MAX as u64);
+const _: () = assert!(MAX_STREAMS_PER_CONNECTION_MAX <= u32::MAX as u64);
+const _: () = assert!(MAX_SUBSCRIPTIONS_PER_CONNECTION_MAX <= u32::MAX as u64);
+const _: () = assert!(HELLO_MAX_BYTES_MAX <= u32::MAX as u64);
+const _: () = assert!(MAX_PAYLOAD_BYTES_MAX <= u32::MAX as u64);
+const _: () = assert!(MAX_KEY_BYTES_MAX <= u16::MAX as u64);
+const _: () = assert!(MAX_PAYLOAD_BYTES_MAX <= MAX_FRAME_BYTES_MAX);
 
 /// One setting's description; the field it fills is bound by the `settings!` macro.
 #[derive(Debug)]
@@ -127,6 +180,8 @@ pub(crate) enum Restart {
     Broker,
     /// Read by each `felix` client command: the next command uses the new value.
     PerCommand,
+    /// Read at start-up and again whenever the broker receives SIGHUP; no restart needed.
+    Sighup,
 }
 
 /// The environment variables the derived defaults look at.
@@ -194,9 +249,28 @@ macro_rules! settings {
             Ok(Config { $($field,)* sources })
         }
 
-        /// Every setting's effective value as it would be written in the environment.
+        /// Every setting's effective value as it would be written in the environment
+        /// (secrets as `(hidden)`).
         pub(crate) fn render_values(config: &Config) -> Vec<(&'static str, String)> {
             vec![$( (by_field::$field.env, settings!(@render config, $field $(, $render)?)) ),*]
+        }
+
+        /// Every field, secrets shown as `(hidden)` or `(unset)`, so that no `{:?}` of a
+        /// `Config` (a log line, a panic message) can leak one.
+        impl std::fmt::Debug for Config {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                let mut out = f.debug_struct("Config");
+                $(
+                    if by_field::$field.kind.is_secret() {
+                        let shown = FieldValue::render(&self.$field, by_field::$field.kind);
+                        let shown = if shown.is_empty() { "(unset)".to_owned() } else { shown };
+                        out.field(stringify!($field), &format_args!("{shown}"));
+                    } else {
+                        out.field(stringify!($field), &self.$field);
+                    }
+                )*
+                out.field("sources", &self.sources).finish()
+            }
         }
     };
 }
@@ -462,6 +536,147 @@ settings! {
         doc: "The network interface clients reach the broker on, whose MTU `felix tune` sets \
               and `felix preflight` checks; `auto`: the interface of the default route.",
     }
+    auth {
+        env: "FELIX_AUTH",
+        kind: Kind::Choice { options: AUTH_MODES },
+        default: Fixed("off"),
+        restart: Restart::Broker,
+        doc: "`off`: clients without credentials connect as the principal `anonymous` \
+              (credentials that are presented are still verified: a wrong token or a \
+              certificate from another CA is refused); `required`: a Hello without a valid \
+              client certificate or token is refused with `unauthenticated`. The development \
+              default is `off`; docs/security.md says what it does not protect.",
+    }
+    client_ca {
+        env: "FELIX_CLIENT_CA",
+        kind: Kind::OptionalPath,
+        default: Fixed(""),
+        restart: Restart::Broker,
+        doc: "PEM CA certificate(s) that client certificates must chain to (mutual TLS). Set: \
+              clients may present a certificate, which must verify against it; its subject \
+              Common Name (else its first subject alternative name) becomes the connection's \
+              principal. Unset: client certificates are not requested.",
+    }
+    tokens_file {
+        env: "FELIX_TOKENS_FILE",
+        kind: Kind::OptionalPath,
+        default: Fixed(""),
+        restart: Restart::Sighup,
+        doc: "File of bearer-token hashes (`felix token add PRINCIPAL` appends one; lines \
+              `<id> <principal> <argon2 hash>`), re-read on SIGHUP without dropping \
+              connections (connections of removed tokens are closed).",
+    }
+    rules {
+        env: "FELIX_RULES",
+        kind: Kind::TextList {
+            what: "rules `PRINCIPAL PERMISSIONS STREAMS` separated by ; or newlines \
+                   (see docs/security.md)",
+        },
+        default: Fixed(""),
+        restart: Restart::Broker,
+        doc: "Authorization rules, e.g. `alice publish,subscribe orders.*; ops admin *`; in \
+              the config file also an array of strings, one rule each. No rules: every \
+              principal may publish, subscribe and administer every stream. With rules: a \
+              principal may do only what a rule grants it (`*` names every principal). The \
+              broker parses them at start-up and names FELIX_RULES in a syntax error.",
+    }
+    max_connections_per_core {
+        env: "FELIX_MAX_CONNECTIONS_PER_CORE",
+        kind: Kind::Count { min: MAX_CONNECTIONS_PER_CORE_MIN, max: MAX_CONNECTIONS_PER_CORE_MAX },
+        default: Fixed("10000"),
+        restart: Restart::Broker,
+        doc: "Connections one data-plane core holds at once; bounds per-connection state on \
+              one core (each connection holds QUIC and stream buffers).",
+    }
+    max_connections_per_principal {
+        env: "FELIX_MAX_CONNECTIONS_PER_PRINCIPAL",
+        kind: Kind::Count { min: 0, max: MAX_CONNECTIONS_PER_PRINCIPAL_MAX },
+        default: Fixed("1024"),
+        restart: Restart::Broker,
+        doc: "Connections one principal holds at once, across all cores (0 = no limit), so \
+              that one misbehaving client identity cannot take every connection slot. A \
+              core-aware client uses one connection per core plus one; in open mode all \
+              clients without credentials share `anonymous`.",
+    }
+    max_streams {
+        env: "FELIX_MAX_STREAMS",
+        kind: Kind::Count { min: MAX_STREAMS_MIN, max: MAX_STREAMS_MAX },
+        default: Fixed("1024"),
+        restart: Restart::Broker,
+        doc: "Streams in the catalogue; every core holds every stream's metadata. 65,536 is \
+              the protocol's StreamList bound.",
+    }
+    max_shards_per_stream {
+        env: "FELIX_MAX_SHARDS_PER_STREAM",
+        kind: Kind::Count { min: MAX_SHARDS_PER_STREAM_MIN, max: MAX_SHARDS_PER_STREAM_MAX },
+        default: Fixed("1024"),
+        restart: Restart::Broker,
+        doc: "Shards of one stream; also bounds every per-shard list in frames (`max_shards` \
+              in HelloOk). 4096 is the protocol's bound.",
+    }
+    max_streams_per_connection {
+        env: "FELIX_MAX_STREAMS_PER_CONNECTION",
+        kind: Kind::Count {
+            min: MAX_STREAMS_PER_CONNECTION_MIN,
+            max: MAX_STREAMS_PER_CONNECTION_MAX,
+        },
+        default: Fixed("256"),
+        restart: Restart::Broker,
+        doc: "Client-opened QUIC streams open at once on one connection (request, publish and \
+              subscription streams); a stream beyond it is answered `limit_exceeded` and \
+              finished.",
+    }
+    max_subscriptions_per_connection {
+        env: "FELIX_MAX_SUBSCRIPTIONS_PER_CONNECTION",
+        kind: Kind::Count {
+            min: MAX_SUBSCRIPTIONS_PER_CONNECTION_MIN,
+            max: MAX_SUBSCRIPTIONS_PER_CONNECTION_MAX,
+        },
+        default: Fixed("64"),
+        restart: Restart::Broker,
+        doc: "Subscriptions open at once on one connection; each holds a backlog of up to \
+              FELIX_SUBSCRIBER_QUEUE_MAX_BYTES.",
+    }
+    hello_timeout_ms {
+        env: "FELIX_HELLO_TIMEOUT_MS",
+        kind: Kind::Count { min: HELLO_TIMEOUT_MS_MIN, max: HELLO_TIMEOUT_MS_MAX },
+        default: Fixed("10000"),
+        restart: Restart::Broker,
+        doc: "Milliseconds a new connection has to complete its handshake (Hello answered); a \
+              connection that sends nothing is closed with `protocol_violation` after it.",
+    }
+    hello_max_bytes {
+        env: "FELIX_HELLO_MAX_BYTES",
+        kind: Kind::Size { min: HELLO_MAX_BYTES_MIN, max: HELLO_MAX_BYTES_MAX },
+        default: Fixed("16KiB"),
+        restart: Restart::Broker,
+        doc: "Largest Hello frame body the broker reads before the handshake completes (a \
+              client name and a token fit in 2 KiB); a larger one is refused with \
+              `frame_too_large` and the connection closed.",
+    }
+    idle_timeout_ms {
+        env: "FELIX_IDLE_TIMEOUT_MS",
+        kind: Kind::Count { min: IDLE_TIMEOUT_MS_MIN, max: IDLE_TIMEOUT_MS_MAX },
+        default: Fixed("30000"),
+        restart: Restart::Broker,
+        doc: "QUIC idle timeout in milliseconds: a connection that sends nothing (not even \
+              keep-alives, which the Felix client sends) for this long is closed.",
+    }
+    max_key_bytes {
+        env: "FELIX_MAX_KEY_BYTES",
+        kind: Kind::Count { min: 0, max: MAX_KEY_BYTES_MAX },
+        default: Fixed("1024"),
+        restart: Restart::Broker,
+        doc: "Largest record key, in bytes; bounded by the protocol's u16 length.",
+    }
+    max_payload_bytes {
+        env: "FELIX_MAX_PAYLOAD_BYTES",
+        kind: Kind::Size { min: MAX_PAYLOAD_BYTES_MIN, max: MAX_PAYLOAD_BYTES_MAX },
+        default: Fixed("4MiB"),
+        restart: Restart::Broker,
+        doc: "Largest record payload, in bytes; a record must also fit in \
+              FELIX_MAX_FRAME_BYTES, and a larger value than that stops start-up.",
+    }
     // ---- client / CLI ----
     addr {
         env: "FELIX_ADDR",
@@ -508,5 +723,29 @@ settings! {
         doc: "Client publish streams per connection, assigned to shards first come first \
               served (shard i of the order seen uses stream i % count); 0 = a pool used \
               round-robin.",
+    }
+    token {
+        env: "FELIX_TOKEN",
+        kind: Kind::Secret { what: "a bearer token (felix_<id>_<secret>)" },
+        default: Fixed(""),
+        restart: Restart::PerCommand,
+        doc: "Bearer token the client sends in its Hello (`felix token add` prints one); never \
+              printed. Prefer the environment or a config file readable only by you over a \
+              command-line flag, which other users can see in the process list.",
+    }
+    client_cert {
+        env: "FELIX_CLIENT_CERT",
+        kind: Kind::OptionalPath,
+        default: Fixed(""),
+        restart: Restart::PerCommand,
+        doc: "Client certificate chain (PEM) presented for mutual TLS. Set together with \
+              FELIX_CLIENT_KEY, or leave both unset and the client presents no certificate.",
+    }
+    client_key {
+        env: "FELIX_CLIENT_KEY",
+        kind: Kind::OptionalPath,
+        default: Fixed(""),
+        restart: Restart::PerCommand,
+        doc: "PEM private key of FELIX_CLIENT_CERT. Set both or neither.",
     }
 }

@@ -48,8 +48,14 @@ fn bad_values(kind: Kind) -> Vec<String> {
         Kind::OptionalPath => &["a\0b"],
         Kind::Text { .. } => &["", "   "],
         Kind::Choice { .. } => &["", "On_Commit", "always", " periodic"],
+        Kind::TextList { .. } => &["a\0b", "alice publish \u{1b}[31m*"],
+        Kind::Secret { .. } => &["felix_a b", "felix_a\tb", "felix_\u{e9}_x", " felix_a_b"],
     };
     let mut values: Vec<String> = fixed.iter().map(|value| (*value).to_owned()).collect();
+    if let Kind::Secret { .. } = kind {
+        // One byte longer than the protocol lets a Hello carry.
+        values.push(format!("felix_{}", "x".repeat(1024 - "felix_".len() + 1)));
+    }
     if let Kind::Size { min, max } | Kind::Count { min, max } = kind {
         values.push((max + 1).to_string());
         if min > 0 {
@@ -88,6 +94,24 @@ fn defaults_are_the_documented_values() {
     assert_eq!(config.ca, None);
     assert!(!config.insecure);
     assert_eq!(config.publish_inflight_bytes, 4 << 20);
+    assert_eq!(config.auth, "off");
+    assert_eq!(config.client_ca, None);
+    assert_eq!(config.tokens_file, None);
+    assert_eq!(config.rules, "");
+    assert_eq!(config.max_connections_per_core, 10_000);
+    assert_eq!(config.max_connections_per_principal, 1024);
+    assert_eq!(config.max_streams, 1024);
+    assert_eq!(config.max_shards_per_stream, 1024);
+    assert_eq!(config.max_streams_per_connection, 256);
+    assert_eq!(config.max_subscriptions_per_connection, 64);
+    assert_eq!(config.hello_timeout_ms, 10_000);
+    assert_eq!(config.hello_max_bytes, 16 << 10);
+    assert_eq!(config.idle_timeout_ms, 30_000);
+    assert_eq!(config.max_key_bytes, 1024);
+    assert_eq!(config.max_payload_bytes, 4 << 20);
+    assert_eq!(config.token, None);
+    assert_eq!(config.client_cert, None);
+    assert_eq!(config.client_key, None);
     let entries = config.entries();
     assert_eq!(entries.len(), SETTINGS.len());
     assert!(entries.iter().all(|entry| entry.source == Source::Default));
@@ -95,6 +119,10 @@ fn defaults_are_the_documented_values() {
     assert_eq!(entry(&config, "FELIX_METRICS_BIND").value, "127.0.0.1:9400");
     assert_eq!(entry(&config, "FELIX_TLS_CERT").value, "");
     assert_eq!(entry(&config, "FELIX_INSECURE").value, "0");
+    assert_eq!(entry(&config, "FELIX_HELLO_MAX_BYTES").value, "16KiB");
+    assert_eq!(entry(&config, "FELIX_MAX_PAYLOAD_BYTES").value, "4MiB");
+    assert_eq!(entry(&config, "FELIX_RULES").value, "");
+    assert_eq!(entry(&config, "FELIX_TOKEN").value, "");
 }
 
 #[test]
@@ -243,8 +271,15 @@ fn every_setting_rejects_bad_values_naming_its_variable() {
                 setting.env
             );
             let message = error.to_string();
+            let shown = if setting.kind.is_secret() {
+                assert!(!message.contains(value.trim()), "secret echoed: {message}");
+                assert!(!format!("{error:?}").contains(value.trim()), "{error:?}");
+                "(hidden)".to_owned()
+            } else {
+                format!("{value:?}")
+            };
             let quoted = format!(
-                "{}={value:?} (from environment) is invalid: expected ",
+                "{}={shown} (from environment) is invalid: expected ",
                 setting.env
             );
             assert!(message.starts_with(&quoted), "{message}");
@@ -255,12 +290,19 @@ fn every_setting_rejects_bad_values_naming_its_variable() {
 
 #[test]
 fn numeric_bounds_are_inclusive() {
-    // The minimum and maximum of every numeric setting are accepted.
+    // The minimum and maximum of every numeric setting are accepted (with the largest frame
+    // and the smallest payload bound as the background, so the payload-fits-frame check
+    // passes at both ends of either).
     for setting in SETTINGS {
         if let Kind::Size { min, max } | Kind::Count { min, max } = setting.kind {
             for value in [min, max] {
-                let config = load_env(&[(setting.env, &value.to_string())])
-                    .unwrap_or_else(|error| panic!("{}={value}: {error}", setting.env));
+                let value_text = value.to_string();
+                let config = load_env(&[
+                    ("FELIX_MAX_FRAME_BYTES", "64MiB"),
+                    ("FELIX_MAX_PAYLOAD_BYTES", "1KiB"),
+                    (setting.env, &value_text),
+                ])
+                .unwrap_or_else(|error| panic!("{}={value}: {error}", setting.env));
                 let rendered = entry(&config, setting.env).value;
                 let expected = match setting.kind {
                     Kind::Size { .. } => format_size(value),
@@ -565,4 +607,351 @@ fn docs_config_file_example_loads() {
     let config = Config::load(Some(file.path()), Vec::new(), &[]).expect("doc example loads");
     assert_eq!(config.replay_ring_max_bytes, 256 << 20);
     assert_eq!(config.metrics_bind, None);
+    assert_eq!(
+        config.rules,
+        "alice publish,subscribe orders.*\nops admin *"
+    );
+}
+
+#[test]
+fn new_limit_settings_take_values_from_the_environment() {
+    // Each authentication, authorization and limit setting reaches its field from FELIX_*.
+    let config = load_env(&[
+        ("FELIX_AUTH", "required"),
+        ("FELIX_CLIENT_CA", "/etc/felix/clients-ca.pem"),
+        ("FELIX_TOKENS_FILE", "/etc/felix/tokens"),
+        ("FELIX_RULES", "alice publish orders.*"),
+        ("FELIX_MAX_CONNECTIONS_PER_CORE", "5"),
+        ("FELIX_MAX_CONNECTIONS_PER_PRINCIPAL", "0"),
+        ("FELIX_MAX_STREAMS", "65536"),
+        ("FELIX_MAX_SHARDS_PER_STREAM", "4096"),
+        ("FELIX_MAX_STREAMS_PER_CONNECTION", "8"),
+        ("FELIX_MAX_SUBSCRIPTIONS_PER_CONNECTION", "2"),
+        ("FELIX_HELLO_TIMEOUT_MS", "100"),
+        ("FELIX_HELLO_MAX_BYTES", "2KiB"),
+        ("FELIX_IDLE_TIMEOUT_MS", "1000"),
+        ("FELIX_MAX_KEY_BYTES", "65535"),
+        ("FELIX_MAX_PAYLOAD_BYTES", "1MiB"),
+        ("FELIX_TOKEN", "felix_0123_abc-DEF_xyz"),
+        ("FELIX_CLIENT_CERT", "/home/ada/client.pem"),
+        ("FELIX_CLIENT_KEY", "/home/ada/client-key.pem"),
+    ])
+    .expect("load");
+    assert_eq!(config.auth, "required");
+    assert_eq!(
+        config.client_ca,
+        Some(PathBuf::from("/etc/felix/clients-ca.pem"))
+    );
+    assert_eq!(config.tokens_file, Some(PathBuf::from("/etc/felix/tokens")));
+    assert_eq!(config.rules, "alice publish orders.*");
+    assert_eq!(config.max_connections_per_core, 5);
+    assert_eq!(config.max_connections_per_principal, 0);
+    assert_eq!(config.max_streams, 65_536);
+    assert_eq!(config.max_shards_per_stream, 4096);
+    assert_eq!(config.max_streams_per_connection, 8);
+    assert_eq!(config.max_subscriptions_per_connection, 2);
+    assert_eq!(config.hello_timeout_ms, 100);
+    assert_eq!(config.hello_max_bytes, 2048);
+    assert_eq!(config.idle_timeout_ms, 1000);
+    assert_eq!(config.max_key_bytes, u16::MAX);
+    assert_eq!(config.max_payload_bytes, 1 << 20);
+    assert_eq!(config.token.as_deref(), Some("felix_0123_abc-DEF_xyz"));
+    assert_eq!(
+        config.client_cert,
+        Some(PathBuf::from("/home/ada/client.pem"))
+    );
+    assert_eq!(
+        config.client_key,
+        Some(PathBuf::from("/home/ada/client-key.pem"))
+    );
+}
+
+#[test]
+fn new_settings_refuse_a_bad_value_naming_the_variable() {
+    // One plainly wrong value per new setting stops loading with Invalid naming its variable.
+    let cases = [
+        ("FELIX_AUTH", "on"),
+        ("FELIX_CLIENT_CA", "a\0b"),
+        ("FELIX_TOKENS_FILE", "a\0b"),
+        ("FELIX_RULES", "a\0b"),
+        ("FELIX_MAX_CONNECTIONS_PER_CORE", "0"),
+        ("FELIX_MAX_CONNECTIONS_PER_PRINCIPAL", "1000001"),
+        ("FELIX_MAX_STREAMS", "65537"),
+        ("FELIX_MAX_SHARDS_PER_STREAM", "4097"),
+        ("FELIX_MAX_STREAMS_PER_CONNECTION", "0"),
+        ("FELIX_MAX_SUBSCRIPTIONS_PER_CONNECTION", "65537"),
+        ("FELIX_HELLO_TIMEOUT_MS", "99"),
+        ("FELIX_HELLO_MAX_BYTES", "2MiB"),
+        ("FELIX_IDLE_TIMEOUT_MS", "999"),
+        ("FELIX_MAX_KEY_BYTES", "65536"),
+        ("FELIX_MAX_PAYLOAD_BYTES", "128MiB"),
+        ("FELIX_TOKEN", "not a token"),
+        ("FELIX_CLIENT_CERT", "a\0b"),
+        ("FELIX_CLIENT_KEY", "a\0b"),
+    ];
+    for (name, value) in cases {
+        let error = load_env(&[(name, value)]).expect_err(&format!("{name}={value:?}"));
+        assert!(
+            matches!(&error, ConfigError::Invalid { env, .. } if *env == name),
+            "{name}={value:?}: {error:?}"
+        );
+        assert!(
+            error.to_string().starts_with(&format!("{name}=")),
+            "{error}"
+        );
+    }
+}
+
+#[test]
+fn rules_come_from_a_string_or_an_array_of_strings() {
+    // FELIX_RULES loads from an env string, a TOML string, or a TOML array joined one
+    // element per line.
+    let config = load_env(&[("FELIX_RULES", "alice publish orders.*\nops admin *")])
+        .expect("string from the environment");
+    assert_eq!(config.rules, "alice publish orders.*\nops admin *");
+
+    let file =
+        config_file("rules = [\n  \"alice publish,subscribe orders.*\",\n  \"ops admin *\",\n]\n");
+    let config = Config::load(Some(file.path()), Vec::new(), &[]).expect("array from the file");
+    assert_eq!(
+        config.rules,
+        "alice publish,subscribe orders.*\nops admin *"
+    );
+    assert_eq!(
+        entry(&config, "FELIX_RULES").source,
+        Source::File(file.path().to_path_buf())
+    );
+
+    let file = config_file("rules = \"alice publish orders.*\"\n");
+    let config = Config::load(Some(file.path()), Vec::new(), &[]).expect("string from the file");
+    assert_eq!(config.rules, "alice publish orders.*");
+
+    let file = config_file("rules = []\n");
+    let config = Config::load(Some(file.path()), Vec::new(), &[]).expect("empty array");
+    assert_eq!(config.rules, "");
+}
+
+#[test]
+fn rules_array_with_a_non_string_element_is_refused() {
+    // A non-string element in the FELIX_RULES array is a FileValueType error naming it.
+    let file = config_file("rules = [\"alice publish *\", 7]\n");
+    let error = Config::load(Some(file.path()), Vec::new(), &[]).expect_err("integer element");
+    assert!(
+        matches!(
+            &error,
+            ConfigError::FileValueType {
+                env: "FELIX_RULES",
+                ..
+            }
+        ),
+        "{error:?}"
+    );
+    let message = error.to_string();
+    assert!(
+        message.starts_with("FELIX_RULES (key `rules` in config file "),
+        "{message}"
+    );
+    assert!(
+        message.contains("is a TOML array with an integer element"),
+        "{message}"
+    );
+    assert!(message.contains("an array of strings"), "{message}");
+    // Other settings still refuse arrays outright.
+    let file = config_file("auth = [\"off\"]\n");
+    let error = Config::load(Some(file.path()), Vec::new(), &[]).expect_err("array for auth");
+    assert!(matches!(
+        error,
+        ConfigError::FileValueType {
+            env: "FELIX_AUTH",
+            found: "array",
+            ..
+        }
+    ));
+}
+
+#[test]
+fn multi_line_rules_stay_on_one_line_of_felix_config() {
+    // A rules value with line breaks is shown escaped, so the table keeps one line a setting.
+    let config = load_env(&[("FELIX_RULES", "alice publish *\nbob subscribe *")]).expect("load");
+    let table = config.render_table();
+    assert_eq!(table.lines().count(), SETTINGS.len() + 1);
+    assert!(
+        table.contains("alice publish *\\nbob subscribe *"),
+        "{table}"
+    );
+}
+
+#[test]
+fn token_is_never_printed() {
+    // FELIX_TOKEN is (hidden)/(unset) in entries, the table, Debug and Invalid errors.
+    let secret = "felix_0123_s3cretSECRETs3cret";
+    let flags = [("FELIX_TOKEN", secret.to_owned())];
+    let config = Config::load(None, Vec::new(), &flags).expect("load");
+    assert_eq!(config.token.as_deref(), Some(secret));
+    assert_eq!(entry(&config, "FELIX_TOKEN").value, "(hidden)");
+    let table = config.render_table();
+    assert!(!table.contains(secret), "{table}");
+    let line = table
+        .lines()
+        .find(|line| line.starts_with("FELIX_TOKEN "))
+        .expect("token line");
+    assert!(line.contains("(hidden)"), "{line}");
+    assert!(line.ends_with("command-line flag"), "{line}");
+    let debug = format!("{config:?}");
+    assert!(!debug.contains(secret), "{debug}");
+    assert!(debug.contains("token: (hidden)"), "{debug}");
+
+    let unset = load_env(&[]).expect("load");
+    let table = unset.render_table();
+    let line = table
+        .lines()
+        .find(|line| line.starts_with("FELIX_TOKEN "))
+        .expect("token line");
+    assert!(line.contains("(unset)"), "{line}");
+
+    let bad = "felix_0123_s3cret with a space";
+    let error = load_env(&[("FELIX_TOKEN", bad)]).expect_err("space in token");
+    assert_eq!(
+        error.to_string(),
+        "FELIX_TOKEN=(hidden) (from environment) is invalid: expected a bearer token \
+         (felix_<id>_<secret>)"
+    );
+    assert!(!format!("{error:?}").contains("s3cret"), "{error:?}");
+}
+
+#[test]
+fn payload_larger_than_frame_is_refused_naming_both() {
+    // A payload bound above the frame bound is refused naming both and their sources.
+    let file = config_file("max_frame_bytes = \"1MiB\"\n");
+    let error = Config::load(
+        Some(file.path()),
+        env(&[("FELIX_MAX_PAYLOAD_BYTES", "2MiB")]),
+        &[],
+    )
+    .expect_err("payload over frame");
+    assert!(
+        matches!(
+            &error,
+            ConfigError::PayloadExceedsFrame {
+                payload: 2_097_152,
+                frame: 1_048_576,
+                payload_origin: Source::Env(_),
+                frame_origin: Source::File(_),
+            }
+        ),
+        "{error:?}"
+    );
+    let message = error.to_string();
+    let expected_start = format!(
+        "FELIX_MAX_PAYLOAD_BYTES=2MiB (from environment) exceeds FELIX_MAX_FRAME_BYTES=1MiB \
+         (from file {}): a record must fit in one frame",
+        file.path().display()
+    );
+    assert!(message.starts_with(&expected_start), "{message}");
+
+    // The default payload bound (4 MiB) does not fit a 1 MiB frame either.
+    let error = load_env(&[("FELIX_MAX_FRAME_BYTES", "1MiB")]).expect_err("default payload");
+    assert!(
+        error
+            .to_string()
+            .starts_with("FELIX_MAX_PAYLOAD_BYTES=4MiB (from default) exceeds"),
+        "{error}"
+    );
+
+    let config = load_env(&[
+        ("FELIX_MAX_FRAME_BYTES", "1MiB"),
+        ("FELIX_MAX_PAYLOAD_BYTES", "1MiB"),
+    ])
+    .expect("equal bounds load");
+    assert_eq!(config.max_payload_bytes, config.max_frame_bytes);
+}
+
+#[test]
+fn client_cert_and_key_come_as_a_pair() {
+    // FELIX_CLIENT_CERT and FELIX_CLIENT_KEY load both or neither; one alone names both.
+    let error = load_env(&[("FELIX_CLIENT_CERT", "/c.pem")]).expect_err("cert alone");
+    assert!(matches!(
+        &error,
+        ConfigError::ClientCertPairIncomplete {
+            set: "FELIX_CLIENT_CERT",
+            missing: "FELIX_CLIENT_KEY",
+            origin: Source::Env(_),
+        }
+    ));
+    assert!(
+        error.to_string().starts_with(
+            "FELIX_CLIENT_CERT is set (from environment) but FELIX_CLIENT_KEY is not: set both"
+        ),
+        "{error}"
+    );
+    let flags = [("FELIX_CLIENT_KEY", "/k.pem".to_owned())];
+    let error = Config::load(None, Vec::new(), &flags).expect_err("key alone");
+    assert!(matches!(
+        error,
+        ConfigError::ClientCertPairIncomplete {
+            set: "FELIX_CLIENT_KEY",
+            missing: "FELIX_CLIENT_CERT",
+            origin: Source::Flag
+        }
+    ));
+    let config = load_env(&[
+        ("FELIX_CLIENT_CERT", "/c.pem"),
+        ("FELIX_CLIENT_KEY", "/k.pem"),
+    ])
+    .expect("both");
+    assert_eq!(config.client_cert, Some(PathBuf::from("/c.pem")));
+    assert_eq!(config.client_key, Some(PathBuf::from("/k.pem")));
+}
+
+#[test]
+fn auth_summary_of_the_open_default() {
+    // The open default (comment-only rules included) says anyone may do anything.
+    let expected = "auth: off (no client certificate CA, no tokens file, no rules): any client \
+                    that reaches the broker may create, delete, publish to and read every stream";
+    assert_eq!(load_env(&[]).expect("load").auth_summary(), expected);
+    let comments = load_env(&[("FELIX_RULES", " ; # nothing yet\n\n")]).expect("load");
+    assert_eq!(comments.auth_summary(), expected);
+}
+
+#[test]
+fn auth_summary_of_a_configured_broker() {
+    // A configured broker's summary names the mode, the CA, the tokens file and counts rules.
+    let config = load_env(&[
+        ("FELIX_AUTH", "required"),
+        ("FELIX_CLIENT_CA", "/etc/felix/clients-ca.pem"),
+        ("FELIX_TOKENS_FILE", "/etc/felix/tokens"),
+        (
+            "FELIX_RULES",
+            "alice publish,subscribe orders.*; # ops\nops admin *\n;bob subscribe x",
+        ),
+    ])
+    .expect("load");
+    assert_eq!(
+        config.auth_summary(),
+        "auth: required, client certificates: /etc/felix/clients-ca.pem, tokens: \
+         /etc/felix/tokens, rules: 3 rules"
+    );
+    let config = load_env(&[("FELIX_TOKENS_FILE", "/etc/felix/tokens")]).expect("load");
+    assert_eq!(
+        config.auth_summary(),
+        "auth: off, client certificates: not requested, tokens: /etc/felix/tokens, rules: none \
+         (every principal may do everything)"
+    );
+    let config = load_env(&[("FELIX_RULES", "* subscribe *")]).expect("load");
+    assert!(
+        config.auth_summary().ends_with("rules: 1 rule"),
+        "{}",
+        config.auth_summary()
+    );
+}
+
+#[test]
+fn tokens_file_reloads_on_sighup_in_the_reference() {
+    // The reference says FELIX_TOKENS_FILE needs no restart but is re-read on SIGHUP.
+    let reference = reference_markdown();
+    let row = reference
+        .lines()
+        .find(|line| line.starts_with("| `FELIX_TOKENS_FILE` |"))
+        .expect("tokens file row");
+    assert!(row.contains("| no: re-read on SIGHUP |"), "{row}");
 }

@@ -36,7 +36,22 @@ pub(crate) enum Kind {
     Text { what: &'static str },
     /// One of a fixed set of words (exact spelling).
     Choice { options: &'static [&'static str] },
+    /// Free text, possibly empty, that a config file may also give as an array of strings
+    /// (joined one per line). Control characters other than tab and line breaks are refused: they
+    /// belong to no rule and would garble logs. `what` names it in messages.
+    TextList { what: &'static str },
+    /// A credential, possibly empty (unset), never shown: `felix config` and error messages
+    /// print `(hidden)` instead. Printable ASCII without spaces, at most
+    /// [`SECRET_BYTES_MAX`] bytes. `what` names it in messages.
+    Secret { what: &'static str },
 }
+
+/// What a secret value is replaced with wherever it would be shown.
+pub(crate) const HIDDEN: &str = "(hidden)";
+
+/// The protocol's bound on a Hello token (felix_wire::TOKEN_BYTES_MAX): a longer one could
+/// never be sent.
+pub(crate) const SECRET_BYTES_MAX: usize = 1024;
 
 impl Kind {
     /// What this kind accepts, in words: the reference's "Accepted" column and the tail of
@@ -58,7 +73,13 @@ impl Kind {
             Kind::OptionalPath => "a path, or empty for unset".to_owned(),
             Kind::Text { what } => what.to_owned(),
             Kind::Choice { options } => format!("one of {}", options.join(", ")),
+            Kind::TextList { what } | Kind::Secret { what } => what.to_owned(),
         }
+    }
+
+    /// Whether values of this kind must never be shown.
+    pub(crate) fn is_secret(self) -> bool {
+        matches!(self, Kind::Secret { .. })
     }
 
     /// Example spellings for an error message, taken from the setting's default so that they
@@ -81,7 +102,11 @@ impl Kind {
                 Some(default.to_owned())
             }
             Kind::AddrOrOff => Some(format!("{default} or off")),
-            Kind::Bool | Kind::Path | Kind::OptionalPath => None,
+            Kind::Bool
+            | Kind::Path
+            | Kind::OptionalPath
+            | Kind::TextList { .. }
+            | Kind::Secret { .. } => None,
         }
     }
 }
@@ -122,6 +147,17 @@ impl FieldValue for u32 {
         // Bounds of u32 settings sit inside u32 (asserted in settings.rs), so try_from only
         // fails for values the range check has already refused.
         u64::parse(kind, raw).and_then(|v| u32::try_from(v).ok())
+    }
+
+    fn render(&self, kind: Kind) -> String {
+        u64::from(*self).render(kind)
+    }
+}
+
+impl FieldValue for u16 {
+    fn parse(kind: Kind, raw: &str) -> Option<Self> {
+        // As for u32: the bounds of u16 settings sit inside u16 (asserted in settings.rs).
+        u64::parse(kind, raw).and_then(|v| u16::try_from(v).ok())
     }
 
     fn render(&self, kind: Kind) -> String {
@@ -214,12 +250,34 @@ impl FieldValue for String {
         match kind {
             Kind::Text { .. } => (!raw.trim().is_empty()).then(|| raw.to_owned()),
             Kind::Choice { options } => options.contains(&raw).then(|| raw.to_owned()),
+            Kind::TextList { .. } => raw
+                .chars()
+                .all(|c| !c.is_control() || matches!(c, '\t' | '\n' | '\r'))
+                .then(|| raw.to_owned()),
             _ => kind_mismatch(kind, "String"),
         }
     }
 
     fn render(&self, _kind: Kind) -> String {
         self.clone()
+    }
+}
+
+impl FieldValue for Option<String> {
+    fn parse(kind: Kind, raw: &str) -> Option<Self> {
+        match kind {
+            Kind::Secret { .. } if raw.is_empty() => Some(None),
+            Kind::Secret { .. } => (raw.len() <= SECRET_BYTES_MAX
+                && raw.bytes().all(|b| b.is_ascii_graphic()))
+            .then(|| Some(raw.to_owned())),
+            _ => kind_mismatch(kind, "Option<String>"),
+        }
+    }
+
+    /// Never the secret itself: `(hidden)` when set, empty (unset) when not.
+    fn render(&self, _kind: Kind) -> String {
+        self.as_ref()
+            .map_or_else(String::new, |_| HIDDEN.to_owned())
     }
 }
 
