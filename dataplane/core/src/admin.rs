@@ -9,6 +9,7 @@
 //! answered from the local catalogue; `DescribeStream` gathers each shard's state from its
 //! owner core.
 
+use felix_auth::Operation;
 use felix_engine::{DURABLE_STREAM_ID_MAX, EngineError, ShardState, StreamDescription};
 use felix_wire::{ErrorCode, Frame, StreamKind};
 
@@ -68,6 +69,14 @@ impl Core {
         request_id: u64,
         request: AdminRequest,
     ) -> Flow {
+        let (operation, name) = match &request {
+            AdminRequest::Create { name, .. } => (Operation::Create, name),
+            AdminRequest::Delete { name } => (Operation::Delete, name),
+        };
+        if let Err(denied) = self.authorize(stream, operation, name) {
+            self.write_error(stream, denied.to_frame(request_id));
+            return Flow::Continue;
+        }
         self.stream_mut(stream).parked = Some(Parked::Remote);
         if self.index == 0 {
             self.queue_admin(AdminOrigin::Local { stream, request_id }, request);
@@ -146,7 +155,17 @@ impl Core {
                 kind,
                 ..
             } => {
-                self.engine.check_create(name, *shard_count, *kind)?;
+                if let Err(error) = self.engine.check_create(name, *shard_count, *kind) {
+                    if error.code == ErrorCode::LimitExceeded {
+                        let limit = if *shard_count > self.engine.config().max_shards {
+                            crate::Limit::ShardsPerStream
+                        } else {
+                            crate::Limit::Streams
+                        };
+                        self.counters.limit(limit);
+                    }
+                    return Err(error);
+                }
                 if *kind == StreamKind::Durable {
                     let stream_id = self.next_stream_id;
                     if stream_id > DURABLE_STREAM_ID_MAX {
@@ -362,6 +381,10 @@ impl Core {
     /// A `DescribeStream` frame: the local catalogue's description, with each shard's state
     /// taken from its owner core.
     pub(crate) fn start_describe(&mut self, stream: StreamId, request_id: u64, name: &str) -> Flow {
+        if let Err(denied) = self.authorize(stream, Operation::Describe, name) {
+            self.write_error(stream, denied.to_frame(request_id));
+            return Flow::Continue;
+        }
         let description = match self.engine.describe_stream(name) {
             Ok(description) => description,
             Err(error) => {

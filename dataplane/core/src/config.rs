@@ -1,14 +1,17 @@
 //! What one core state machine is built with, the time it is given, and the identifiers it
 //! hands out.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use felix_engine::EngineConfig;
 use felix_wire::Limits;
 
-/// Open connections per core beyond which new ones are refused with `LimitExceeded`: bounds
-/// per-connection state (tasks, buffers); far above what one core serves usefully.
-pub const CONNECTIONS_PER_CORE_MAX: usize = 10_000;
+use crate::security::Security;
+
+/// Stream names whose permissions one connection remembers: a client touches a handful of
+/// streams; a hostile one naming random streams costs an evaluation each, not memory.
+pub const ACCESS_CACHE_ENTRIES_MAX: usize = 1024;
 /// Records per `Delivery` frame: amortizes framing and syscalls while keeping one frame small
 /// enough that other subscribers' frames interleave.
 pub const DELIVERY_RECORDS_MAX: usize = 256;
@@ -53,6 +56,9 @@ pub struct CoreConfig {
     /// Core 0 only: the catalogue id the next durable stream gets (the durable catalogue's
     /// `next_stream_id`); ignored on other cores.
     pub next_stream_id: u32,
+    /// Authentication mode, authorization policy and connection limits: one value shared by
+    /// every core ([`Security::open`] for the development default).
+    pub security: Arc<Security>,
 }
 
 /// The time an input happens at: monotonic for deadlines, wall clock for record timestamps.

@@ -10,16 +10,18 @@
 //! this one sends cross-core work first, which keeps latency lowest.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
+use felix_auth::{Access, Operation, Permissions, Principal, TokenRefusal, VerifiedToken};
 // Keys are ids this core assigns (connections, streams, tokens), never network input, so a
 // fast non-keyed hash is safe; it is also deterministic, which the simulation relies on.
 use felix_engine::{
     Engine, EngineError, EngineEvent, PublishToken, StreamDescription, SubscriptionId,
 };
 use felix_wire::{
-    ErrorCode, ErrorFrame, Frame, HashKind, HelloOk, Limits, PROTOCOL_VERSION, Publish, ShardAck,
-    ShardInfo, StreamInfo, StreamRoute, StreamSummary, WireError,
+    ErrorCode, ErrorFrame, FEATURE_TOKEN, Frame, HashKind, HelloOk, Limits, PROTOCOL_VERSION,
+    Publish, ShardAck, ShardInfo, StreamInfo, StreamRoute, StreamSummary, WireError,
 };
 use rustc_hash::FxHashMap as HashMap;
 
@@ -27,12 +29,13 @@ use crate::admin::{AdminOp, PendingDescribe};
 use crate::admission::{Admission, AdmissionEvent, Ticket};
 use crate::catalog::CatalogChange;
 use crate::config::{
-    CONNECTIONS_PER_CORE_MAX, ConnectionId, CoreConfig, HELLO_SHARD_MAP_FRAME_SHARE,
+    ACCESS_CACHE_ENTRIES_MAX, ConnectionId, CoreConfig, HELLO_SHARD_MAP_FRAME_SHARE,
     IngressSettings, Now, StreamId,
 };
 use crate::counters::CoreCounters;
 use crate::message::CoreMessage;
 use crate::publish::{PendingPublish, Tracked};
+use crate::security::{AuthRefusal, Limit, Security, TokenCheck, operation_index};
 use crate::subscribe::{RemoteSubscription, SubscriptionSlot};
 
 /// Something the shell must act on, drained with [`Core::poll_event`].
@@ -90,8 +93,24 @@ pub struct CatalogWrite {
 #[derive(Debug)]
 struct Connection {
     streams_opened: u64,
+    /// Client-opened streams of this connection still open (FELIX_MAX_STREAMS_PER_CONNECTION).
+    streams_open: u32,
+    /// Subscription streams still open (FELIX_MAX_SUBSCRIPTIONS_PER_CONNECTION).
+    subscriptions_open: u32,
     /// `HelloOk` was written.
     hello_done: bool,
+    /// The principal of the verified client certificate (mutual TLS), known at accept.
+    peer: Option<Principal>,
+    /// Who the connection acts as, from its accepted `Hello` on (counted in the ledger).
+    principal: Option<Principal>,
+    /// The id of the token that authenticated it, for revocation on reload.
+    token_id: Option<String>,
+    /// The principal's compiled rules.
+    access: Access,
+    /// Permissions by stream name, evaluated once per connection and stream (at most
+    /// [`ACCESS_CACHE_ENTRIES_MAX`] names; beyond, evaluated each time). Empty when `access`
+    /// is unrestricted. Keys come from the network: std's keyed hasher.
+    access_cache: std::collections::HashMap<Box<str>, Permissions>,
 }
 
 /// What a client stream is.
@@ -118,6 +137,8 @@ pub(crate) enum Parked {
     },
     /// An admin request or a describe waiting for other cores (or for the catalogue write).
     Remote,
+    /// A `Hello` whose token the shell is checking.
+    Token,
 }
 
 /// One client stream of this core.
@@ -139,6 +160,8 @@ pub(crate) struct StreamState {
     pub(crate) close_connection: Option<ErrorCode>,
     /// A `StreamReady` event is queued and not yet followed by `poll_transmit`.
     ready_queued: bool,
+    /// Counted in its connection's open subscriptions.
+    pub(crate) subscription_counted: bool,
 }
 
 /// A request sent to another core, waiting for its answer (by token).
@@ -164,6 +187,8 @@ pub(crate) enum Request {
 /// It owns no thread, socket, file, clock or channel.
 pub struct Core {
     pub(crate) index: u16,
+    /// Authentication mode, authorization policy and connection limits (shared, read-only).
+    security: Arc<Security>,
     pub(crate) core_count: u16,
     core_ports: Vec<u16>,
     pub(crate) limits: Limits,
@@ -209,6 +234,9 @@ pub struct Core {
     /// A durable shard landed on this core since the last log pump: the pump makes sure the
     /// log has its first segment (a core without durable shards takes no disk).
     pub(crate) log_wanted: bool,
+    /// Tokens of hellos waiting for the shell's verdict, oldest first. At most one per
+    /// connection (its hello stream is parked meanwhile).
+    token_checks: VecDeque<TokenCheck>,
 }
 
 impl std::fmt::Debug for Core {
@@ -238,6 +266,7 @@ impl Core {
         engine.enable_durable();
         Core {
             index: config.index,
+            security: config.security,
             core_count: config.core_count,
             core_ports: config.core_ports,
             limits: config.limits,
@@ -266,6 +295,7 @@ impl Core {
             in_call: None,
             scratch_shards: Vec::new(),
             log_wanted: false,
+            token_checks: VecDeque::new(),
         }
     }
 
@@ -354,10 +384,15 @@ impl Core {
 
     // ---- connections and streams ----
 
-    /// A connection was accepted. Refused (`LimitExceeded`, counted) beyond
-    /// [`CONNECTIONS_PER_CORE_MAX`]: the shell closes it with that code.
-    pub fn handle_connection_opened(&mut self) -> Result<ConnectionId, ErrorCode> {
-        if self.connections.len() >= CONNECTIONS_PER_CORE_MAX {
+    /// A connection was accepted; `peer` is the principal of its verified client certificate
+    /// (mutual TLS), if it presented one. Refused (`LimitExceeded`, counted) beyond
+    /// FELIX_MAX_CONNECTIONS_PER_CORE: the shell closes it with that code.
+    pub fn handle_connection_opened(
+        &mut self,
+        peer: Option<Principal>,
+    ) -> Result<ConnectionId, ErrorCode> {
+        if self.connections.len() >= self.security.limits.connections_per_core as usize {
+            self.counters.limit(Limit::ConnectionsPerCore);
             self.counters.error(ErrorCode::LimitExceeded);
             return Err(ErrorCode::LimitExceeded);
         }
@@ -367,28 +402,112 @@ impl Core {
             id,
             Connection {
                 streams_opened: 0,
+                streams_open: 0,
+                subscriptions_open: 0,
                 hello_done: false,
+                peer,
+                principal: None,
+                token_id: None,
+                access: Access::unrestricted(),
+                access_cache: std::collections::HashMap::new(),
             },
         );
         self.counters.connections += 1;
         Ok(id)
     }
 
-    /// No `Hello` arrived in time: counts the violation; the shell closes with the code.
+    /// No `Hello` answered in time (FELIX_HELLO_TIMEOUT_MS): counts the violation; the shell
+    /// closes with the code.
     pub fn handle_hello_timeout(&mut self, connection: ConnectionId) -> ErrorCode {
         assert!(
             self.connections.contains_key(&connection),
             "a live connection"
         );
+        self.counters.limit(Limit::HelloTime);
         self.counters.error(ErrorCode::ProtocolViolation);
         ErrorCode::ProtocolViolation
     }
 
     /// The connection is gone (its streams are closed one by one by their writers).
     pub fn handle_connection_closed(&mut self, connection: ConnectionId) {
-        if self.connections.remove(&connection).is_some() {
+        if let Some(state) = self.connections.remove(&connection) {
             self.counters.connections -= 1;
+            if let Some(principal) = &state.principal {
+                self.security.release(principal);
+            }
         }
+    }
+
+    /// The tokens file was re-read (SIGHUP): every connection authenticated by a token that
+    /// `still_valid(id, principal)` no longer accepts is refused (counted as revoked). Returns
+    /// them: the shell closes each with `Unauthenticated`.
+    pub fn handle_tokens_reloaded(
+        &mut self,
+        still_valid: impl Fn(&str, &Principal) -> bool,
+    ) -> Vec<ConnectionId> {
+        let mut revoked: Vec<ConnectionId> = self
+            .connections
+            .iter()
+            .filter_map(|(id, state)| {
+                let token = state.token_id.as_deref()?;
+                let principal = state.principal.as_ref()?;
+                (!still_valid(token, principal)).then_some(*id)
+            })
+            .collect();
+        revoked.sort_unstable();
+        for _ in &revoked {
+            self.counters.auth_refusal(AuthRefusal::Revoked);
+            self.counters.error(ErrorCode::Unauthenticated);
+        }
+        revoked
+    }
+
+    /// The principal a connection acts as (once its `Hello` was accepted).
+    #[must_use]
+    pub fn principal_of(&self, connection: ConnectionId) -> Option<&Principal> {
+        self.connections.get(&connection)?.principal.as_ref()
+    }
+
+    /// Next token to check, oldest first: answer with [`Core::handle_token_checked`].
+    #[must_use]
+    pub fn poll_token_check(&mut self) -> Option<TokenCheck> {
+        self.token_checks.pop_front()
+    }
+
+    /// The shell's verdict on a token [`Core::poll_token_check`] gave: the handshake goes on
+    /// as the token's principal, or is refused with `Unauthenticated`. A stream that closed
+    /// meanwhile is forgotten.
+    pub fn handle_token_checked(
+        &mut self,
+        now: Now,
+        stream: StreamId,
+        verdict: Result<VerifiedToken, TokenRefusal>,
+    ) {
+        let Some(state) = self.streams.get_mut(&stream) else {
+            return;
+        };
+        assert!(
+            matches!(state.role, Role::Hello) && matches!(state.parked, Some(Parked::Token)),
+            "a token verdict answers a parked hello"
+        );
+        state.parked = None;
+        match verdict {
+            Ok(verified) => {
+                self.accept_hello(stream, verified.principal, Some(verified.id), FEATURE_TOKEN);
+            }
+            Err(refusal) => {
+                self.counters.auth_refusal(AuthRefusal::of_token(&refusal));
+                self.refuse_handshake(
+                    stream,
+                    error_frame(
+                        ErrorCode::Unauthenticated,
+                        format!("the token was refused: {refusal}"),
+                    ),
+                );
+            }
+        }
+        self.mark_ready(stream);
+        self.settle(now);
     }
 
     /// The client opened a bidirectional stream on `connection`; the connection's first
@@ -404,6 +523,8 @@ impl Core {
             Role::New
         };
         opened.streams_opened += 1;
+        let over = opened.streams_open >= self.security.limits.streams_per_connection;
+        opened.streams_open += 1;
         let id = StreamId(self.next_stream);
         self.next_stream += 1;
         self.streams.insert(
@@ -418,8 +539,24 @@ impl Core {
                 finishing: false,
                 close_connection: None,
                 ready_queued: false,
+                subscription_counted: false,
             },
         );
+        if over {
+            // Refused with its error; it stays counted until its writer closes it.
+            let limit = self.security.limits.streams_per_connection;
+            self.counters.limit(Limit::StreamsPerConnection);
+            let mut refusal = error_frame(
+                ErrorCode::LimitExceeded,
+                format!(
+                    "the connection holds its limit of {limit} open streams \
+                     (FELIX_MAX_STREAMS_PER_CONNECTION)"
+                ),
+            );
+            refusal.detail = u64::from(limit);
+            self.write_error(id, refusal);
+            self.stream_mut(id).finishing = true;
+        }
         id
     }
 
@@ -470,15 +607,40 @@ impl Core {
                     && PROTOCOL_VERSION <= hello.max_version =>
             {
                 tracing::debug!(client = hello.client_name, "hello");
-                let hello_ok = Frame::HelloOk(self.hello_ok());
-                self.write(stream, &hello_ok);
-                let state = self.stream_mut(stream);
-                state.role = Role::Requests;
-                let connection = state.connection;
-                if let Some(state) = self.connections.get_mut(&connection) {
-                    state.hello_done = true;
+                if let Some(token) = hello.token {
+                    // The shell checks it (off the event loop when it must hash).
+                    self.stream_mut(stream).parked = Some(Parked::Token);
+                    self.token_checks.push_back(TokenCheck { stream, token });
+                    return Flow::Blocked;
                 }
-                return Flow::Continue;
+                let connection = self.stream_mut(stream).connection;
+                let peer = self
+                    .connections
+                    .get(&connection)
+                    .and_then(|state| state.peer.clone());
+                let principal = match peer {
+                    Some(principal) => principal,
+                    None if self.security.auth_required => {
+                        self.counters.auth_refusal(AuthRefusal::Missing);
+                        self.refuse_handshake(
+                            stream,
+                            error_frame(
+                                ErrorCode::Unauthenticated,
+                                "this broker requires authentication (FELIX_AUTH=required): \
+                                 present a client certificate or a token"
+                                    .to_owned(),
+                            ),
+                        );
+                        return Flow::Done;
+                    }
+                    None => Principal::anonymous(),
+                };
+                self.accept_hello(stream, principal, None, 0);
+                return if self.stream_mut(stream).finishing {
+                    Flow::Done
+                } else {
+                    Flow::Continue
+                };
             }
             Frame::Hello(hello) => error_frame(
                 ErrorCode::UnsupportedVersion,
@@ -500,6 +662,120 @@ impl Core {
         Flow::Done
     }
 
+    /// The handshake is authenticated as `principal`: counted against its connection limit,
+    /// its rules compiled, `HelloOk` written (with the streams it may see), or refused when the
+    /// principal holds FELIX_MAX_CONNECTIONS_PER_PRINCIPAL connections already.
+    fn accept_hello(
+        &mut self,
+        stream: StreamId,
+        principal: Principal,
+        token_id: Option<String>,
+        features: u64,
+    ) {
+        if let Err(max) = self.security.acquire(&principal) {
+            self.counters.limit(Limit::ConnectionsPerPrincipal);
+            let mut refusal = error_frame(
+                ErrorCode::LimitExceeded,
+                format!(
+                    "principal {principal} holds its limit of {max} connections \
+                     (FELIX_MAX_CONNECTIONS_PER_PRINCIPAL)"
+                ),
+            );
+            refusal.detail = u64::from(max);
+            self.refuse_handshake(stream, refusal);
+            return;
+        }
+        tracing::debug!(%principal, token = token_id.as_deref(), "hello accepted");
+        let access = self.security.policy.access(&principal);
+        let hello_ok = Frame::HelloOk(self.hello_ok(&access, features));
+        self.write(stream, &hello_ok);
+        self.counters.authenticated += 1;
+        let state = self.stream_mut(stream);
+        state.role = Role::Requests;
+        let connection = state.connection;
+        let state = self
+            .connections
+            .get_mut(&connection)
+            .expect("a hello stream's connection is open");
+        state.principal = Some(principal);
+        state.token_id = token_id;
+        state.access = access;
+        state.hello_done = true;
+    }
+
+    /// Whether the principal of `stream`'s connection may do `operation` on stream `name`:
+    /// `Err` is the `PermissionDenied` answer (counted). Evaluated once per connection and
+    /// name; free when no rules are configured.
+    pub(crate) fn authorize(
+        &mut self,
+        stream: StreamId,
+        operation: Operation,
+        name: &str,
+    ) -> Result<(), EngineError> {
+        if self.security.policy.is_open() {
+            return Ok(());
+        }
+        let connection = self.streams.get(&stream).map(|state| state.connection);
+        let (allowed, principal) = match connection.and_then(|id| self.connections.get_mut(&id)) {
+            Some(state) => {
+                let permissions = match state.access_cache.get(name) {
+                    Some(permissions) => *permissions,
+                    None => {
+                        let permissions = state.access.permissions(name);
+                        if state.access_cache.len() < ACCESS_CACHE_ENTRIES_MAX {
+                            state.access_cache.insert(name.into(), permissions);
+                        }
+                        permissions
+                    }
+                };
+                let required = operation.required();
+                let allowed = if required.is_empty() {
+                    !permissions.is_empty()
+                } else {
+                    permissions.contains(required)
+                };
+                let principal = state
+                    .principal
+                    .as_ref()
+                    .map_or_else(|| "?".to_owned(), ToString::to_string);
+                (allowed, principal)
+            }
+            // The connection is closing: nothing more is allowed on it.
+            None => (false, "?".to_owned()),
+        };
+        if allowed {
+            return Ok(());
+        }
+        self.counters.denied[operation_index(operation)] += 1;
+        Err(core_error(
+            ErrorCode::PermissionDenied,
+            format!("{principal} may not {} stream {name:?}", operation.name()),
+        ))
+    }
+
+    /// The security settings every core shares.
+    pub(crate) fn security(&self) -> &Security {
+        &self.security
+    }
+
+    /// The open-subscription count of `connection`, if it is open.
+    pub(crate) fn subscriptions_open_mut(&mut self, connection: ConnectionId) -> Option<&mut u32> {
+        self.connections
+            .get_mut(&connection)
+            .map(|state| &mut state.subscriptions_open)
+    }
+
+    /// Whether the principal of `stream`'s connection may see stream `name` (list, shard map).
+    pub(crate) fn may_see(&self, stream: StreamId, name: &str) -> bool {
+        if self.security.policy.is_open() {
+            return true;
+        }
+        self.streams
+            .get(&stream)
+            .and_then(|state| self.connections.get(&state.connection))
+            .is_some_and(|state| state.access.may_see(name))
+    }
+
     /// Writes the refusal, finishes the stream and closes the connection after it.
     fn refuse_handshake(&mut self, stream: StreamId, refusal: ErrorFrame) {
         let code = refusal.code;
@@ -514,7 +790,11 @@ impl Core {
     pub fn handle_decode_error(&mut self, now: Now, stream: StreamId, error: &WireError) {
         tracing::debug!(%error, "undecodable frame; finishing the stream");
         let refusal = error_frame(error.code(), error.to_string());
-        if matches!(self.stream_mut(stream).role, Role::Hello) {
+        let hello = matches!(self.stream_mut(stream).role, Role::Hello);
+        if let Some(limit) = Limit::of_wire_error(error, hello) {
+            self.counters.limit(limit);
+        }
+        if hello {
             self.refuse_handshake(stream, refusal);
         } else {
             self.write_error(stream, refusal);
@@ -562,6 +842,12 @@ impl Core {
         let Some(state) = self.streams.remove(&stream) else {
             return;
         };
+        if let Some(connection) = self.connections.get_mut(&state.connection) {
+            connection.streams_open -= 1;
+            if state.subscription_counted {
+                connection.subscriptions_open -= 1;
+            }
+        }
         match state.parked {
             Some(Parked::Admission { ticket, .. }) => {
                 let removed = self.waiters.remove(&ticket);
@@ -570,7 +856,7 @@ impl Core {
                 assert!(waiting, "admitted waiters are unparked in the same input");
                 self.counters.withdrawn += 1;
             }
-            Some(Parked::Remote) | None => {}
+            Some(Parked::Remote | Parked::Token) | None => {}
         }
         if let Role::Subscription(slot) = state.role {
             self.drop_subscription(*slot);
@@ -853,6 +1139,7 @@ impl Core {
                     .engine
                     .list_streams()
                     .into_iter()
+                    .filter(|(name, _, _)| self.may_see(stream, name))
                     .map(|(name, kind, shard_count)| StreamSummary {
                         name,
                         kind,
@@ -898,10 +1185,14 @@ impl Core {
         }
     }
 
-    /// The handshake answer: version, limits, every core's own port, and every stream's route.
+    /// The handshake answer: version, the client's `features` the broker used, limits, every
+    /// core's own port, and the route of every stream `access` may see.
     #[must_use]
-    pub fn hello_ok(&self) -> HelloOk {
-        let streams = self.engine.list_streams();
+    pub fn hello_ok(&self, access: &Access, features: u64) -> HelloOk {
+        let mut streams = self.engine.list_streams();
+        if !access.is_unrestricted() {
+            streams.retain(|(name, _, _)| access.may_see(name));
+        }
         let budget = usize::try_from(self.limits.max_frame_bytes).unwrap_or(usize::MAX)
             / HELLO_SHARD_MAP_FRAME_SHARE;
         let mut used = 0usize;
@@ -926,7 +1217,7 @@ impl Core {
         }
         HelloOk {
             version: PROTOCOL_VERSION,
-            features: 0,
+            features,
             limits: self.limits,
             core_ports: self.core_ports.clone(),
             shard_map,

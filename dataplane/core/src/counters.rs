@@ -3,6 +3,8 @@
 
 use felix_wire::ErrorCode;
 
+use crate::security::{AuthRefusal, Limit};
+
 /// Totals since the core started, and a few gauges.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct CoreCounters {
@@ -47,6 +49,16 @@ pub struct CoreCounters {
     pub ingress_bytes: u64,
     /// Gauge: publishes waiting for ingress room.
     pub ingress_waiting: u64,
+    /// Handshakes accepted (a principal authenticated, or `anonymous`).
+    pub authenticated: u64,
+    /// Handshakes refused with `Unauthenticated`, and connections revoked, by reason
+    /// (indexed like [`AuthRefusal::ALL`]).
+    pub auth_refused: [u64; AuthRefusal::ALL.len()],
+    /// Requests refused with `PermissionDenied`, by operation (indexed like
+    /// [`crate::OPERATIONS`]).
+    pub denied: [u64; crate::OPERATIONS.len()],
+    /// Limits a client ran into, by kind (indexed like [`Limit::ALL`]).
+    pub limits_exceeded: [u64; Limit::ALL.len()],
 }
 
 impl CoreCounters {
@@ -56,6 +68,16 @@ impl CoreCounters {
         if let Some(index) = ErrorCode::ALL.iter().position(|known| *known == code) {
             self.errors[index] += 1;
         }
+    }
+
+    /// Counts one client running into `limit`.
+    pub fn limit(&mut self, limit: Limit) {
+        self.limits_exceeded[limit.index()] += 1;
+    }
+
+    /// Counts one refused handshake (or revoked connection).
+    pub fn auth_refusal(&mut self, refusal: AuthRefusal) {
+        self.auth_refused[refusal.index()] += 1;
     }
 
     /// Errors counted with `code`.

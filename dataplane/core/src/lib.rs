@@ -28,12 +28,13 @@ mod counters;
 pub mod durable;
 mod message;
 mod publish;
+pub mod security;
 mod subscribe;
 
 pub use crate::admission::{Admission, AdmissionEvent, Decision, Policy, Ticket};
 pub use crate::catalog::{CATALOG_FILE, Catalog, CatalogChange, CatalogEntry, CatalogError};
 pub use crate::config::{
-    CONNECTIONS_PER_CORE_MAX, ConnectionId, CoreConfig, DELIVERY_BYTES_MAX, DELIVERY_RECORDS_MAX,
+    ACCESS_CACHE_ENTRIES_MAX, ConnectionId, CoreConfig, DELIVERY_BYTES_MAX, DELIVERY_RECORDS_MAX,
     HELLO_SHARD_MAP_FRAME_SHARE, INGRESS_EXHAUSTED_MESSAGE, IngressSettings, Now,
     REMOTE_DELIVERY_CREDITS, StreamId,
 };
@@ -41,3 +42,5 @@ pub use crate::core::{CatalogWrite, Core, Event, Flow, Transmit};
 pub use crate::counters::CoreCounters;
 pub use crate::durable::{DurableLog, DurableSettings, PumpReport, RecoverySummary, log_dir};
 pub use crate::message::{AdminRequest, CoreMessage};
+pub use crate::security::{AuthRefusal, ConnectionLimits, Limit, OPERATIONS, Security, TokenCheck};
+pub use felix_auth::Principal;

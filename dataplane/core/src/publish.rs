@@ -7,6 +7,7 @@
 //! output of the machine: the engine's completion resolves the part, the merged `Ack` is
 //! encoded on the stream it answers and the stream's writer is woken.
 
+use felix_auth::Operation;
 use felix_engine::{EngineError, PublishToken, StreamMeta};
 use felix_wire::{AckMode, ErrorCode, ErrorFrame, Frame, Publish, Record, ShardAck, StreamKind};
 
@@ -52,6 +53,11 @@ impl Core {
             .iter()
             .map(|record| record.payload.len() as u64)
             .sum();
+        // Authorized by name before the lookup, so a refusal says nothing of the stream.
+        if let Err(denied) = self.authorize(stream, Operation::Publish, &publish.stream) {
+            self.answer_publish(stream, publish.request_id, publish.ack, Err(denied));
+            return Flow::Continue;
+        }
         // The stream's name is resolved here, once; the engine is then reached by handle.
         let Some(meta) = self.engine.lookup(&publish.stream) else {
             let error = EngineError::stream_not_found(&publish.stream);

@@ -9,6 +9,7 @@
 
 use std::collections::VecDeque;
 
+use felix_auth::Operation;
 use felix_engine::{EngineError, SubscriptionId, select_shards};
 use felix_wire::{
     DeliveredRecord, Delivery, ErrorCode, Frame, ShardSelection, StartPosition, Subscribe,
@@ -102,10 +103,17 @@ impl Core {
             ended: None,
             counted: false,
         });
-        let selected = match self.engine.lookup(&name) {
-            None => Err(EngineError::stream_not_found(&name)),
+        let connection = self.streams.get(&stream).map(|state| state.connection);
+        let admitted = self
+            .authorize(stream, Operation::Subscribe, &name)
+            .and_then(|()| self.count_subscription(stream, connection));
+        let selected = match (admitted, self.engine.lookup(&name)) {
+            // Authorized (by name, before the lookup) and counted first: a refusal says
+            // nothing of the stream.
+            (Err(error), _) => Err(error),
+            (Ok(()), None) => Err(EngineError::stream_not_found(&name)),
             // The selection is checked once, here; each owner checks only its offsets.
-            Some(meta) => select_shards(&shards, &from, meta.shard_count),
+            (Ok(()), Some(meta)) => select_shards(&shards, &from, meta.shard_count),
         };
         let selected = match selected {
             Ok(selected) => selected,
@@ -208,6 +216,35 @@ impl Core {
                 );
             }
         }
+    }
+
+    /// Counts a subscription against its connection's FELIX_MAX_SUBSCRIPTIONS_PER_CONNECTION;
+    /// `LimitExceeded` (counted) when it holds that many already.
+    fn count_subscription(
+        &mut self,
+        stream: StreamId,
+        connection: Option<crate::ConnectionId>,
+    ) -> Result<(), EngineError> {
+        let limit = self.security().limits.subscriptions_per_connection;
+        let Some(open) = connection.and_then(|id| self.subscriptions_open_mut(id)) else {
+            // The connection is closing: the stream closes with it.
+            return Ok(());
+        };
+        if *open >= limit {
+            self.counters
+                .limit(crate::Limit::SubscriptionsPerConnection);
+            return Err(EngineError::new(
+                ErrorCode::LimitExceeded,
+                u64::from(limit),
+                format!(
+                    "the connection holds its limit of {limit} open subscriptions \
+                     (FELIX_MAX_SUBSCRIPTIONS_PER_CONNECTION)"
+                ),
+            ));
+        }
+        *open += 1;
+        self.stream_mut(stream).subscription_counted = true;
+        Ok(())
     }
 
     fn slot_mut(&mut self, stream: StreamId) -> Option<&mut SubscriptionSlot> {

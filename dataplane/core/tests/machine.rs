@@ -22,10 +22,13 @@ fn handshake_refusals_close_the_connection() {
             max_version: PROTOCOL_VERSION + 1,
             features: 0,
             client_name: "new".to_owned(),
+            token: None,
         }),
         Frame::ListStreams { request_id: 1 },
     ] {
-        let id = broker.cores[0].handle_connection_opened().expect("room");
+        let id = broker.cores[0]
+            .handle_connection_opened(None)
+            .expect("room");
         let stream = broker.cores[0].handle_stream_opened(id);
         assert_eq!(broker.feed(0, stream, first), Flow::Done);
         let now = broker.now();

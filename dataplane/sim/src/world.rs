@@ -231,6 +231,7 @@ impl World {
                     },
                     ingress: self.shape.ingress,
                     next_stream_id: self.catalog.next_stream_id(),
+                    security: std::sync::Arc::new(felix_core::Security::open()),
                 });
                 core.restore_durable(&log, &entries).expect("restored");
                 SimCore { core, log, fault }

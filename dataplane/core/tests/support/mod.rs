@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use felix_core::{
-    ConnectionId, Core, CoreConfig, CoreMessage, Flow, IngressSettings, Now, StreamId,
+    ConnectionId, Core, CoreConfig, CoreMessage, Flow, IngressSettings, Now, Security, StreamId,
 };
 use felix_engine::EngineConfig;
 use felix_wire::{
@@ -44,6 +44,12 @@ pub struct Broker {
 
 impl Broker {
     pub fn new(cores: u16, ingress: IngressSettings) -> Broker {
+        Broker::with_security(cores, ingress, Security::open())
+    }
+
+    /// N cores sharing `security` (authentication mode, rules, connection limits).
+    pub fn with_security(cores: u16, ingress: IngressSettings, security: Security) -> Broker {
+        let security = std::sync::Arc::new(security);
         let ports: Vec<u16> = (0..cores).map(|i| 7400 + i).collect();
         Broker {
             cores: (0..cores)
@@ -56,6 +62,7 @@ impl Broker {
                         engine: EngineConfig::default(),
                         ingress,
                         next_stream_id: 0,
+                        security: std::sync::Arc::clone(&security),
                     })
                 })
                 .collect(),
@@ -151,7 +158,7 @@ impl Broker {
     /// A connection on core `core` with its handshake done.
     pub fn connect(&mut self, core: usize) -> Conn {
         let id = self.cores[core]
-            .handle_connection_opened()
+            .handle_connection_opened(None)
             .expect("below the connection limit");
         let hello = self.cores[core].handle_stream_opened(id);
         let flow = self.feed(
@@ -162,6 +169,7 @@ impl Broker {
                 max_version: PROTOCOL_VERSION,
                 features: 0,
                 client_name: "test".to_owned(),
+                token: None,
             }),
         );
         assert_eq!(flow, Flow::Continue);
