@@ -89,8 +89,15 @@ pub fn record(key: impl Into<Bytes>, payload: impl Into<Bytes>) -> Record {
     }
 }
 
-/// How to reach and trust a broker.
+/// A client certificate chain and its private key (PEM files) for mutual TLS.
 #[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientIdentity {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+/// How to reach and trust a broker, and how to prove who the client is.
+#[derive(Clone, PartialEq, Eq)]
 pub struct ClientConfig {
     /// Broker UDP address.
     pub addr: SocketAddr,
@@ -113,6 +120,28 @@ pub struct ClientConfig {
     /// first served; 0 = a pool of [`PUBLISH_POOL_STREAMS`] used round-robin (per-shard order
     /// across pipelined publishes is then not guaranteed). Default 4.
     pub pub_shard_streams: u32,
+    /// Bearer token sent in every connection's `Hello` (FELIX_TOKEN); never printed.
+    pub token: Option<String>,
+    /// Client certificate presented for mutual TLS (FELIX_CLIENT_CERT, FELIX_CLIENT_KEY).
+    pub identity: Option<ClientIdentity>,
+}
+
+impl std::fmt::Debug for ClientConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientConfig")
+            .field("addr", &self.addr)
+            .field("server_name", &self.server_name)
+            .field("ca", &self.ca)
+            .field("insecure", &self.insecure)
+            .field("publish_inflight_bytes", &self.publish_inflight_bytes)
+            .field("client_name", &self.client_name)
+            .field("core_aware", &self.core_aware)
+            .field("pub_shard_streams", &self.pub_shard_streams)
+            // Never the token itself.
+            .field("token", &self.token.as_ref().map(|_| "(hidden)"))
+            .field("identity", &self.identity)
+            .finish()
+    }
 }
 
 impl ClientConfig {
@@ -128,6 +157,8 @@ impl ClientConfig {
             client_name: concat!("felix-client/", env!("CARGO_PKG_VERSION")).to_owned(),
             core_aware: true,
             pub_shard_streams: DEFAULT_PUB_SHARD_STREAMS,
+            token: None,
+            identity: None,
         }
     }
 }
@@ -292,6 +323,26 @@ fn tls_client(
                 ClientError::Tls(format!("cannot use CA file {}: {error}", ca.display()))
             })?;
     }
+    if let Some(identity) = &config.identity {
+        let read = |path: &std::path::Path, what: &str| {
+            std::fs::read_to_string(path).map_err(|error| {
+                ClientError::Tls(format!(
+                    "cannot read the client {what} {}: {error}",
+                    path.display()
+                ))
+            })
+        };
+        let cert = read(&identity.cert, "certificate")?;
+        let key = read(&identity.key, "key")?;
+        builder = builder
+            .with_client_identity(cert.as_str(), key.as_str())
+            .map_err(|error| {
+                ClientError::Tls(format!(
+                    "cannot use the client certificate {}: {error}",
+                    identity.cert.display()
+                ))
+            })?;
+    }
     builder.build().map_err(|e| tls_error(&e))
 }
 
@@ -338,6 +389,10 @@ impl Conn {
             max_version: felix_wire::PROTOCOL_VERSION,
             features: 0,
             client_name: config.client_name.clone(),
+            token: config
+                .token
+                .as_ref()
+                .map(|token| Bytes::from(token.clone())),
         });
         let mut out = BytesMut::new();
         felix_wire::encode(&hello, &mut out);

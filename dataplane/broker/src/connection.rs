@@ -15,9 +15,6 @@ use s2n_quic::stream::{BidirectionalStream, SendStream};
 
 use crate::shell::{Shell, close_code};
 
-/// Time a new connection has to complete its handshake (`Hello` answered): generous for a
-/// slow client, short enough that idle handshakes do not pile up.
-const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// Time to get an `Error` frame acknowledged before closing a connection after a refused
 /// handshake, so the client can read why.
 const ERROR_FLUSH_TIMEOUT: Duration = Duration::from_secs(1);
@@ -57,7 +54,17 @@ impl Drop for ConnectionGuard {
 
 /// Serves one connection: a task per accepted stream; the first carries the handshake.
 pub(crate) async fn serve_connection(shell: Rc<Shell>, mut connection: Connection) {
-    let id = match shell.input(|core, _| core.handle_connection_opened()) {
+    let remote = connection.remote_addr().ok();
+    let peer = match crate::auth::peer_principal(&connection) {
+        Ok(peer) => peer,
+        Err(reason) => {
+            // TLS verified the chain, but its names make no principal (docs/security.md).
+            tracing::warn!(?remote, %reason, "client certificate refused");
+            connection.close(close_code(felix_wire::ErrorCode::Unauthenticated));
+            return;
+        }
+    };
+    let id = match shell.input(|core, _| core.handle_connection_opened(peer)) {
         Ok(id) => id,
         Err(code) => {
             tracing::warn!(?code, "connection refused: too many connections");
@@ -73,9 +80,10 @@ pub(crate) async fn serve_connection(shell: Rc<Shell>, mut connection: Connectio
         shell: Rc::clone(&shell),
         id,
     };
-    let remote = connection.remote_addr().ok();
     tracing::debug!(?remote, "connection accepted");
-    let hello = tokio::time::timeout(HELLO_TIMEOUT, connection.accept_bidirectional_stream());
+    let hello_timeout = shell.hello_timeout;
+    let deadline = tokio::time::Instant::now() + hello_timeout;
+    let hello = tokio::time::timeout_at(deadline, connection.accept_bidirectional_stream());
     let first = match hello.await {
         Ok(Ok(Some(stream))) => stream,
         Ok(_) => return,
@@ -96,7 +104,7 @@ pub(crate) async fn serve_connection(shell: Rc<Shell>, mut connection: Connectio
         Some(handshake_done),
     ));
     // Other streams wait until the handshake is answered (the client opens none before).
-    match tokio::time::timeout(HELLO_TIMEOUT, handshake).await {
+    match tokio::time::timeout_at(deadline, handshake).await {
         Ok(Ok(true)) => {}
         Ok(_) => return,
         Err(_) => {
@@ -148,6 +156,8 @@ fn append(buffer: &mut BytesMut, chunk: Bytes) {
 
 /// Decodes and feeds buffered frames while the machine accepts them, at most
 /// [`FRAMES_PER_FEED_MAX`]. Returns what to read next and whether whole frames may be left.
+/// `decoder`: the hello decoder (frames bounded by FELIX_HELLO_MAX_BYTES) on a hello stream
+/// until its handshake is answered, else the connection's.
 fn feed(
     core: &mut Core,
     now: Now,
@@ -206,7 +216,12 @@ async fn serve_stream(
         let mut frames_left = false;
         let mut transmit = shell.input(|core, now| {
             if reading == Reading::Frames {
-                (reading, frames_left) = feed(core, now, stream, &mut buffer, &shell.decoder);
+                let decoder = if handshake.is_some() {
+                    &shell.hello_decoder
+                } else {
+                    &shell.decoder
+                };
+                (reading, frames_left) = feed(core, now, stream, &mut buffer, decoder);
             }
             core.poll_transmit(now, stream)
         });

@@ -29,6 +29,7 @@
 //! machine asks, before the change is applied or acknowledged. A fatal storage error (failed
 //! fdatasync) exits the process.
 
+mod auth;
 mod connection;
 mod error;
 // Public only so benches/mesh.rs can drive it; not part of the broker's API.
@@ -47,12 +48,13 @@ use std::sync::Arc;
 use felix_affinity::CorePlan;
 use felix_tuning::Config;
 
+pub use auth::{TokenReloader, load_tokens};
 pub use error::BrokerError;
 pub use metrics::{CoreMetrics, Metrics, MetricsServer};
 pub use runtime::{CoreReport, CoreRuntime};
 pub use settings::{
-    MTU_UPPER_BOUND_CLAMP, MTU_UPPER_BOUND_MIN, core_plan, durable_settings, effective_mtu,
-    plan_options,
+    ConnectionSettings, MTU_UPPER_BOUND_CLAMP, MTU_UPPER_BOUND_MIN, STREAMS_REFUSED_SLACK,
+    connection_settings, core_plan, durable_settings, effective_mtu, plan_options, security,
 };
 pub use shell::FATAL_STORAGE_EXIT_CODE;
 pub use tls::{
@@ -80,8 +82,20 @@ pub struct Broker {
     cores: Vec<CoreRuntime>,
     plan: CorePlan,
     mtu: u16,
+    tokens: TokenReloader,
     // Held so the metrics thread lives as long as the broker; stopped on drop.
     _metrics_server: Option<MetricsServer>,
+}
+
+/// Says once at start-up how clients are authenticated and authorized: a development broker
+/// says plainly that it is open.
+fn log_security(config: &Config, security: &felix_core::Security, tokens: usize) {
+    let summary = config.auth_summary();
+    if !security.auth_required && security.policy.is_open() {
+        tracing::warn!(tokens, "{summary}");
+    } else {
+        tracing::info!(tokens, "{summary}");
+    }
 }
 
 fn size(bytes: u64) -> usize {
@@ -95,6 +109,10 @@ impl Broker {
     pub fn start(config: &Config) -> Result<Broker, BrokerError> {
         let plan = core_plan(config)?;
         let mtu = effective_mtu(config)?;
+        let security = Arc::new(settings::security(config)?);
+        let client_ca = tls::load_client_ca(config)?;
+        let (tokens, token_receiver) = TokenReloader::start(config.tokens_file.as_deref())?;
+        log_security(config, &security, tokens.count());
         let pair = tls::load_server_pair(config)?;
         let core_count = plan.core_count();
         let mut durable = durable_settings(config)?;
@@ -151,7 +169,21 @@ impl Broker {
             max_mtu: mtu,
             conn_recv_window: config.broker_pub_conn_recv_window,
             stream_recv_window: config.broker_pub_stream_recv_window,
+            connection: settings::connection_settings(config),
         };
+        // Announce (and decode) shard lists as long as the widest restored stream, even when
+        // FELIX_MAX_SHARDS_PER_STREAM was lowered since it was created; creates still obey
+        // the setting (the engine's bound).
+        let mut limits = settings::limits(config);
+        let widest = catalog_entries.iter().map(|entry| entry.shards).max();
+        if let Some(widest) = widest.filter(|&widest| widest > limits.max_shards) {
+            tracing::warn!(
+                widest,
+                max_shards_per_stream = limits.max_shards,
+                "a durable stream has more shards than FELIX_MAX_SHARDS_PER_STREAM allows new ones"
+            );
+            limits.max_shards = widest;
+        }
         let shutdown = ShutdownTrigger {
             sender: Arc::new(sender),
         };
@@ -167,10 +199,11 @@ impl Broker {
                     index: core.index,
                     core_count,
                     core_ports: core_ports.clone(),
-                    limits: settings::limits(config),
+                    limits,
                     engine: settings::engine_config(config),
                     ingress: settings::ingress_settings(config),
                     next_stream_id,
+                    security: Arc::clone(&security),
                 },
                 data_dir: config.data_dir.clone(),
                 durable: durable.clone(),
@@ -181,6 +214,8 @@ impl Broker {
                 } else {
                     None
                 },
+                client_ca: client_ca.clone(),
+                tokens: token_receiver.clone(),
             };
             match CoreRuntime::spawn(
                 settings,
@@ -206,8 +241,15 @@ impl Broker {
             cores,
             plan,
             mtu,
+            tokens,
             _metrics_server: metrics_server,
         })
+    }
+
+    /// Re-reads FELIX_TOKENS_FILE (what SIGHUP does); see [`TokenReloader::reload`].
+    #[must_use]
+    pub fn token_reloader(&self) -> TokenReloader {
+        self.tokens.clone()
     }
 
     /// The shared UDP address (SO_REUSEPORT group) any client may use.

@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI32, AtomicU64};
 
-use felix_core::CoreCounters;
+use felix_core::{AuthRefusal, CoreCounters, Limit, OPERATIONS};
 use felix_wire::ErrorCode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -275,6 +275,28 @@ impl CoreExport {
         for (index, counter) in metrics.errors.iter().enumerate() {
             add(&[counter], now.errors[index], &mut last.errors[index]);
         }
+        add(
+            &[&metrics.authenticated],
+            now.authenticated,
+            &mut last.authenticated,
+        );
+        for (index, counter) in metrics.auth_refused.iter().enumerate() {
+            add(
+                &[counter],
+                now.auth_refused[index],
+                &mut last.auth_refused[index],
+            );
+        }
+        for (index, counter) in metrics.denied.iter().enumerate() {
+            add(&[counter], now.denied[index], &mut last.denied[index]);
+        }
+        for (index, counter) in metrics.limits_exceeded.iter().enumerate() {
+            add(
+                &[counter],
+                now.limits_exceeded[index],
+                &mut last.limits_exceeded[index],
+            );
+        }
         let gauge = |gauges: &[&Gauge], now: u64, seen: &mut u64| {
             if now != *seen {
                 let delta = i64::try_from(now).unwrap_or(i64::MAX)
@@ -335,6 +357,17 @@ pub struct Metrics {
     cpu_seconds: Arc<[CpuGauge]>,
     /// The kernel's UDP `RcvbufErrors` (host-wide, /proc/net/snmp), read on scrape.
     udp_rcvbuf_errors: Gauge,
+    /// Handshakes accepted (`felix_authenticated_total`).
+    authenticated: Counter,
+    /// Handshakes refused and connections revoked with `Unauthenticated`, indexed like
+    /// [`AuthRefusal::ALL`] (`felix_auth_refused_total{reason}`).
+    auth_refused: [Counter; AuthRefusal::ALL.len()],
+    /// Requests refused with `PermissionDenied`, indexed like [`OPERATIONS`]
+    /// (`felix_permission_denied_total{operation}`).
+    denied: [Counter; OPERATIONS.len()],
+    /// Limits clients ran into, indexed like [`Limit::ALL`]
+    /// (`felix_limit_exceeded_total{limit}`).
+    limits_exceeded: [Counter; Limit::ALL.len()],
 }
 
 impl std::fmt::Debug for Metrics {
@@ -431,8 +464,51 @@ impl Metrics {
              was full; host-wide, from /proc/net/snmp, read on scrape)",
             udp_rcvbuf_errors.clone(),
         );
+        let authenticated = Counter::default();
+        registry.register(
+            "felix_authenticated",
+            "Handshakes accepted (a principal authenticated, or anonymous)",
+            authenticated.clone(),
+        );
+        let refused_family = Family::<Label, Counter>::default();
+        registry.register(
+            "felix_auth_refused",
+            "Handshakes refused, and connections revoked, with unauthenticated, by reason",
+            refused_family.clone(),
+        );
+        let auth_refused = AuthRefusal::ALL.map(|reason| {
+            refused_family
+                .get_or_create(&[("reason", reason.name())])
+                .clone()
+        });
+        let denied_family = Family::<Label, Counter>::default();
+        registry.register(
+            "felix_permission_denied",
+            "Requests refused with permission_denied, by operation",
+            denied_family.clone(),
+        );
+        let denied = OPERATIONS.map(|operation| {
+            denied_family
+                .get_or_create(&[("operation", operation.name())])
+                .clone()
+        });
+        let limit_family = Family::<Label, Counter>::default();
+        registry.register(
+            "felix_limit_exceeded",
+            "Requests, streams and connections refused by a limit, by limit",
+            limit_family.clone(),
+        );
+        let limits_exceeded = Limit::ALL.map(|limit| {
+            limit_family
+                .get_or_create(&[("limit", limit.name())])
+                .clone()
+        });
         let (cores, cpu_seconds) = register_cores(&mut registry, core_count);
         Metrics {
+            authenticated,
+            auth_refused,
+            denied,
+            limits_exceeded,
             registry: Arc::new(registry),
             publishes_shed,
             publishes_refused,

@@ -11,23 +11,23 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use felix_auth::TokenStore;
 use felix_core::{Catalog, CatalogEntry, Core, CoreConfig, DurableLog, DurableSettings};
 use felix_storage::ErrorChain;
-use felix_wire::{Decoder, ErrorCode};
+use felix_wire::{Decoder, ErrorCode, Limits};
 use s2n_quic::Server;
 use tokio::io::unix::AsyncFd;
+use tokio::sync::watch;
 
 use crate::BrokerError;
 use crate::connection;
 use crate::mesh::{DRAIN_BATCH, Mesh, SPIN_BEFORE_PARK};
 use crate::metrics::Metrics;
+use crate::settings::ConnectionSettings;
 use crate::shell::{Shell, close_code};
 use crate::tls::CertificatePair;
 use crate::udp::BoundSocket;
 
-/// Client-opened bidirectional streams per connection (request, publish and subscription
-/// streams); enough for a busy client, small enough that one connection cannot exhaust a core.
-const STREAMS_PER_CONNECTION_MAX: u64 = 256;
 /// How long shutdown waits for connection tasks to end after closing them.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 /// After the last connection task ended: time for the endpoint to transmit the
@@ -45,6 +45,8 @@ pub(crate) struct QuicSettings {
     pub max_mtu: u16,
     pub conn_recv_window: u64,
     pub stream_recv_window: u64,
+    /// Hello bounds, idle timeout, QUIC's open-stream bound.
+    pub connection: ConnectionSettings,
 }
 
 /// What a core needs to start.
@@ -61,6 +63,10 @@ pub(crate) struct CoreSettings {
     pub entries: Vec<CatalogEntry>,
     /// The catalogue file itself: core 0 only (it serializes catalogue changes).
     pub catalog: Option<Catalog>,
+    /// FELIX_CLIENT_CA's PEM (mutual TLS), if set.
+    pub client_ca: Option<String>,
+    /// The tokens in force, replaced on SIGHUP.
+    pub tokens: watch::Receiver<Arc<TokenStore>>,
 }
 
 /// What a core reports once it is pinned and its endpoints listen.
@@ -207,11 +213,16 @@ fn run_thread(
             servers.push(start_endpoint(
                 socket,
                 pair,
+                settings.client_ca.as_deref(),
                 settings.quic,
                 core_metrics.wire_bytes_counter(),
             )?);
         }
         let decoder = Decoder::new(settings.core.limits);
+        let hello_decoder = Decoder::new(Limits {
+            max_frame_bytes: settings.quic.connection.hello_max_bytes,
+            ..settings.core.limits
+        });
         let mut core = Core::new(settings.core);
         core.restore_durable(&log, &settings.entries)
             .map_err(|(name, error)| {
@@ -225,16 +236,21 @@ fn run_thread(
             log,
             settings.catalog,
             mesh,
-            decoder,
+            (decoder, hello_decoder),
+            settings.tokens.clone(),
+            settings.quic.connection.hello_timeout,
             metrics.clone(),
             core_metrics,
         ));
         let _ = ready.send(Ok(report));
         tracing::info!(core = index, cpu = settings.cpu, %own_addr, "core serving");
         tokio::task::spawn_local(pump(Rc::clone(&shell), mesh_wake));
+        let tokens =
+            tokio::task::spawn_local(crate::auth::token_task(Rc::clone(&shell), settings.tokens));
         let timers = tokio::task::spawn_local(timers(Rc::clone(&shell), log_wake));
         serve(Rc::clone(&shell), servers, shutdown).await;
         timers.abort();
+        tokens.abort();
         shell.shutdown_log(DURABLE_SHUTDOWN_FLUSH);
         Ok(())
     })
@@ -254,16 +270,13 @@ fn register(
 fn start_endpoint(
     socket: BoundSocket,
     pair: &CertificatePair,
+    client_ca: Option<&str>,
     quic: QuicSettings,
     wire_bytes: crate::metrics::WireBytes,
 ) -> Result<Server, BrokerError> {
     let addr = socket.local_addr;
     let bind_error = |reason: String| BrokerError::QuicBind { addr, reason };
-    let tls = s2n_quic::provider::tls::default::Server::builder()
-        .with_certificate(pair.cert_pem.as_str(), pair.key_pem.as_str())
-        .and_then(|builder| builder.with_application_protocols([felix_wire::ALPN]))
-        .and_then(|builder| builder.build())
-        .map_err(|error| BrokerError::Tls(error.to_string()))?;
+    let tls = crate::tls::server_tls(pair, client_ca)?;
     let io = s2n_quic::provider::io::tokio::Builder::default()
         .with_rx_socket(socket.socket)
         .and_then(|builder| builder.with_gso(true))
@@ -272,7 +285,8 @@ fn start_endpoint(
         .and_then(|builder| builder.build())
         .map_err(|error| bind_error(error.to_string()))?;
     let limits = s2n_quic::provider::limits::Limits::new()
-        .with_max_open_remote_bidirectional_streams(STREAMS_PER_CONNECTION_MAX)
+        .with_max_open_remote_bidirectional_streams(quic.connection.quic_streams_max)
+        .and_then(|limits| limits.with_max_idle_timeout(quic.connection.idle_timeout))
         .and_then(|limits| limits.with_data_window(quic.conn_recv_window))
         .and_then(|limits| limits.with_bidirectional_remote_data_window(quic.stream_recv_window))
         .and_then(|limits| limits.with_bidirectional_local_data_window(quic.stream_recv_window))
@@ -284,7 +298,7 @@ fn start_endpoint(
         .map_err(|error| bind_error(error.to_string()))?
         .with_limits(limits)
         .map_err(|error| bind_error(error.to_string()))?
-        .with_event(wire_bytes)
+        .with_event((wire_bytes, crate::auth::PeerIdentity))
         .map_err(|error| bind_error(error.to_string()))?
         .start()
         .map_err(|error| bind_error(error.to_string()))

@@ -2,7 +2,7 @@
 //! bound, the engine and ingress settings. A bad value is an error naming its variable.
 
 use felix_affinity::{CorePlan, CpuSelection, PlanOptions, Topology};
-use felix_core::{DurableSettings, IngressSettings};
+use felix_core::{ConnectionLimits, DurableSettings, IngressSettings, Security};
 use felix_engine::EngineConfig;
 use felix_tuning::Config;
 use felix_wire::Limits;
@@ -164,6 +164,9 @@ pub fn limits(config: &Config) -> Limits {
     Limits {
         max_frame_bytes: config.max_frame_bytes,
         max_batch_records: config.max_batch_records,
+        max_payload_bytes: config.max_payload_bytes,
+        max_key_bytes: config.max_key_bytes,
+        max_shards: config.max_shards_per_stream,
         ..Limits::DEFAULT
     }
 }
@@ -179,6 +182,78 @@ pub fn engine_config(config: &Config) -> EngineConfig {
         subscriber_queue_max_bytes: config.subscriber_queue_max_bytes,
         max_shards: limits.max_shards,
         max_name_bytes: limits.max_name_bytes,
+        max_streams: config.max_streams,
+    }
+}
+
+/// What every core enforces: FELIX_AUTH, FELIX_RULES (parsed here: a syntax error names the
+/// variable) and the connection limits. FELIX_AUTH=required with neither FELIX_CLIENT_CA nor
+/// FELIX_TOKENS_FILE would refuse every client: refused too.
+pub fn security(config: &Config) -> Result<Security, BrokerError> {
+    let auth_required = match config.auth.as_str() {
+        "off" => false,
+        "required" => true,
+        other => {
+            return Err(BrokerError::Setting {
+                env: "FELIX_AUTH",
+                value: other.to_owned(),
+                reason: "expected off or required".to_owned(),
+            });
+        }
+    };
+    if auth_required && config.client_ca.is_none() && config.tokens_file.is_none() {
+        return Err(BrokerError::Setting {
+            env: "FELIX_AUTH",
+            value: config.auth.clone(),
+            reason: "no client could authenticate: set FELIX_CLIENT_CA (client certificates) \
+                     or FELIX_TOKENS_FILE (bearer tokens), or both"
+                .to_owned(),
+        });
+    }
+    let rules = felix_auth::Rules::parse(&config.rules).map_err(|error| BrokerError::Setting {
+        env: "FELIX_RULES",
+        value: config.rules.clone(),
+        reason: error.to_string(),
+    })?;
+    let limits = ConnectionLimits {
+        connections_per_core: config.max_connections_per_core,
+        connections_per_principal: config.max_connections_per_principal,
+        streams_per_connection: config.max_streams_per_connection,
+        subscriptions_per_connection: config.max_subscriptions_per_connection,
+    };
+    Ok(Security::new(
+        auth_required,
+        felix_auth::Policy::from_rules(rules),
+        limits,
+    ))
+}
+
+/// The limits of the connections' first moments and of QUIC itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionSettings {
+    /// FELIX_HELLO_TIMEOUT_MS: time to get the handshake answered.
+    pub hello_timeout: std::time::Duration,
+    /// FELIX_HELLO_MAX_BYTES: the frame bound on the hello stream until `HelloOk`.
+    pub hello_max_bytes: u32,
+    /// FELIX_IDLE_TIMEOUT_MS: the QUIC idle timeout.
+    pub idle_timeout: std::time::Duration,
+    /// QUIC's own bound on open client streams: FELIX_MAX_STREAMS_PER_CONNECTION plus
+    /// [`STREAMS_REFUSED_SLACK`], so that the broker can answer the streams beyond the limit
+    /// with `LimitExceeded` instead of leaving the client blocked without a word.
+    pub quic_streams_max: u64,
+}
+
+/// Streams QUIC lets a client open beyond FELIX_MAX_STREAMS_PER_CONNECTION: each is answered
+/// `LimitExceeded` and finished at once; past these, QUIC flow control stops the client.
+pub const STREAMS_REFUSED_SLACK: u64 = 8;
+
+#[must_use]
+pub fn connection_settings(config: &Config) -> ConnectionSettings {
+    ConnectionSettings {
+        hello_timeout: std::time::Duration::from_millis(config.hello_timeout_ms),
+        hello_max_bytes: config.hello_max_bytes,
+        idle_timeout: std::time::Duration::from_millis(config.idle_timeout_ms),
+        quic_streams_max: u64::from(config.max_streams_per_connection) + STREAMS_REFUSED_SLACK,
     }
 }
 

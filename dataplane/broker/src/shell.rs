@@ -5,16 +5,18 @@
 //! No `RefCell` borrow is ever held across an `.await`.
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use felix_core::{Catalog, ConnectionId, Core, DurableLog, Event, Now, StreamId};
+use felix_auth::{Checked, TokenStore};
+use felix_core::{Catalog, ConnectionId, Core, DurableLog, Event, Now, StreamId, TokenCheck};
 use felix_storage::{ErrorChain, StorageError};
 use felix_wire::{Decoder, ErrorCode};
-use tokio::sync::Notify;
+use tokio::sync::{Notify, watch};
 
+use crate::auth::SlowCheck;
 use crate::mesh::Mesh;
 use crate::metrics::{CoreExport, CoreMetrics, DurableExported, Metrics};
 
@@ -46,6 +48,16 @@ pub(crate) struct Shell {
     /// The earliest deadline the timer task sleeps until (to notice an earlier one).
     pub next_deadline: Cell<Option<Instant>>,
     pub decoder: Decoder,
+    /// The decoder of hello streams until `HelloOk`: frames bounded by FELIX_HELLO_MAX_BYTES.
+    pub hello_decoder: Decoder,
+    /// The tokens in force (replaced whole on SIGHUP).
+    tokens: watch::Receiver<Arc<TokenStore>>,
+    /// FELIX_HELLO_TIMEOUT_MS: time a connection has to get its handshake answered.
+    pub hello_timeout: std::time::Duration,
+    /// Token checks that need argon2, for the token task (one per parked hello).
+    pub slow_checks: RefCell<VecDeque<SlowCheck>>,
+    /// Wakes the token task.
+    pub token_work: Notify,
     metrics: Metrics,
     pub core_metrics: CoreMetrics,
     exported: RefCell<CoreExport>,
@@ -72,10 +84,13 @@ impl Shell {
         log: DurableLog,
         catalog: Option<Catalog>,
         mesh: Arc<Mesh>,
-        decoder: Decoder,
+        decoders: (Decoder, Decoder),
+        tokens: watch::Receiver<Arc<TokenStore>>,
+        hello_timeout: std::time::Duration,
         metrics: Metrics,
         core_metrics: CoreMetrics,
     ) -> Shell {
+        let (decoder, hello_decoder) = decoders;
         Shell {
             index: core.index(),
             core: RefCell::new(core),
@@ -88,6 +103,11 @@ impl Shell {
             timers_changed: Notify::new(),
             next_deadline: Cell::new(None),
             decoder,
+            hello_decoder,
+            tokens,
+            hello_timeout,
+            slow_checks: RefCell::new(VecDeque::new()),
+            token_work: Notify::new(),
             metrics,
             core_metrics,
             exported: RefCell::new(CoreExport::default()),
@@ -141,6 +161,10 @@ impl Shell {
                 core.handle_catalog_written(now, write.id, result);
                 more = true;
             }
+            while let Some(check) = core.poll_token_check() {
+                self.check_token(core, now, check);
+                more = true;
+            }
             if !pumped && core.has_log_work() {
                 self.pump_log(core, now);
                 pumped = true;
@@ -166,6 +190,26 @@ impl Shell {
         self.exported
             .borrow_mut()
             .export(core.counters(), &self.metrics, &self.core_metrics);
+    }
+
+    /// Answers a token check at once when no hashing is needed (a malformed or unknown token,
+    /// or one verified since the last reload), else queues it for the token task.
+    fn check_token(&self, core: &mut Core, now: Now, check: TokenCheck) {
+        let store = Arc::clone(&self.tokens.borrow());
+        match store.check_fast(&check.token) {
+            Ok(Checked::Verified(verified)) => {
+                core.handle_token_checked(now, check.stream, Ok(verified));
+            }
+            Err(refusal) => core.handle_token_checked(now, check.stream, Err(refusal)),
+            Ok(Checked::NeedsHash) => {
+                self.slow_checks.borrow_mut().push_back(SlowCheck {
+                    stream: check.stream,
+                    token: check.token,
+                    store,
+                });
+                self.token_work.notify_one();
+            }
+        }
     }
 
     /// Moves outbox messages into the mesh while the queues have room.

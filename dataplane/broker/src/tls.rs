@@ -97,6 +97,67 @@ fn read(path: &Path) -> Result<String, BrokerError> {
     })
 }
 
+/// FELIX_CLIENT_CA, read once at start-up: the PEM CA certificate(s) client certificates must
+/// chain to.
+pub fn load_client_ca(config: &Config) -> Result<Option<String>, BrokerError> {
+    let Some(path) = &config.client_ca else {
+        return Ok(None);
+    };
+    let pem = read(path)?;
+    if !pem.contains("-----BEGIN CERTIFICATE-----") {
+        return Err(BrokerError::Setting {
+            env: "FELIX_CLIENT_CA",
+            value: path.display().to_string(),
+            reason: "the file holds no PEM certificate".to_owned(),
+        });
+    }
+    Ok(Some(pem))
+}
+
+/// Accepts any name in a client certificate: TLS has already verified its chain against
+/// FELIX_CLIENT_CA, and the name becomes the principal the rules are written for, so there
+/// is no expected name to compare it with (s2n-tls asks, for client certificates, whether the
+/// name is acceptable).
+struct AnyClientName;
+
+impl s2n_quic::provider::tls::default::callbacks::VerifyHostNameCallback for AnyClientName {
+    fn verify_host_name(&self, _host_name: &str) -> bool {
+        true
+    }
+}
+
+/// The TLS configuration of every endpoint: the broker's pair, ALPN `felix/1`, and with a
+/// client CA, client certificates requested (optional: a client may use a token instead) and
+/// verified against it; a certificate that does not verify fails the TLS handshake.
+pub fn server_tls(
+    pair: &CertificatePair,
+    client_ca: Option<&str>,
+) -> Result<s2n_quic::provider::tls::default::Server, BrokerError> {
+    use s2n_quic::provider::tls::default::enums::ClientAuthType;
+    let tls_error =
+        |error: s2n_quic::provider::tls::default::error::Error| BrokerError::Tls(error.to_string());
+    let mut builder = s2n_quic::provider::tls::default::Server::builder()
+        .with_certificate(pair.cert_pem.as_str(), pair.key_pem.as_str())
+        .and_then(|builder| builder.with_application_protocols([felix_wire::ALPN]))
+        .map_err(tls_error)?;
+    if let Some(ca) = client_ca {
+        builder = builder
+            .with_empty_trust_store()
+            .and_then(|builder| builder.with_trusted_certificate(ca))
+            .and_then(|builder| builder.with_verify_host_name_callback(AnyClientName))
+            .map_err(|error| BrokerError::Setting {
+                env: "FELIX_CLIENT_CA",
+                value: "(the CA file)".to_owned(),
+                reason: error.to_string(),
+            })?;
+        builder
+            .config_mut()
+            .set_client_auth_type(ClientAuthType::Optional)
+            .map_err(tls_error)?;
+    }
+    builder.build().map_err(tls_error)
+}
+
 /// The broker's pair: FELIX_TLS_CERT/FELIX_TLS_KEY when set, else the development pair at
 /// `dev_cert_path()`/`dev_key_path()`, generated (and logged) on first start.
 pub fn load_server_pair(config: &Config) -> Result<CertificatePair, BrokerError> {

@@ -107,6 +107,14 @@ fn client_config(config: &Config) -> ClientConfig {
     client.core_aware = !NO_CORE_AWARE.get().copied().unwrap_or(false);
     // The tuning crate bounds FELIX_PUB_SHARD_STREAMS to 0..=64.
     client.pub_shard_streams = u32::try_from(config.pub_shard_streams).unwrap_or(4);
+    client.token = config.token.clone();
+    // The tuning crate refuses one of the two without the other.
+    if let (Some(cert), Some(key)) = (&config.client_cert, &config.client_key) {
+        client.identity = Some(felix_client::ClientIdentity {
+            cert: cert.clone(),
+            key: key.clone(),
+        });
+    }
     client
 }
 

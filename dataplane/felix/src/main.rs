@@ -89,6 +89,16 @@ struct ClientArgs {
     /// (the broker then hops between cores).
     #[arg(long, global = true)]
     no_core_aware: bool,
+    /// Bearer token to authenticate with (FELIX_TOKEN). Other users can read a command line
+    /// in the process list: prefer FELIX_TOKEN in the environment or the config file.
+    #[arg(long, global = true, value_name = "TOKEN")]
+    token: Option<String>,
+    /// Client certificate chain (PEM) for mutual TLS (FELIX_CLIENT_CERT); with --client-key.
+    #[arg(long, global = true, value_name = "FILE")]
+    client_cert: Option<String>,
+    /// Private key of --client-cert (FELIX_CLIENT_KEY).
+    #[arg(long, global = true, value_name = "FILE")]
+    client_key: Option<String>,
 }
 
 /// The flags as (setting name, raw value) pairs for felix-tuning.
@@ -118,6 +128,9 @@ impl Flags {
         self.push("FELIX_ADDR", args.addr.as_ref());
         self.push("FELIX_CA", args.ca.as_ref());
         self.push("FELIX_DATA_DIR", args.data_dir.as_ref());
+        self.push("FELIX_TOKEN", args.token.as_ref());
+        self.push("FELIX_CLIENT_CERT", args.client_cert.as_ref());
+        self.push("FELIX_CLIENT_KEY", args.client_key.as_ref());
         if args.insecure {
             self.0.push(("FELIX_INSECURE", "1".to_owned()));
         }
@@ -190,6 +203,16 @@ enum Command {
         #[command(flatten)]
         args: host_commands::PreflightArgs,
     },
+    /// Manage the bearer tokens of FELIX_TOKENS_FILE (the broker re-reads it on SIGHUP).
+    Token {
+        #[command(flatten)]
+        common: CommonArgs,
+        /// The tokens file (default: FELIX_TOKENS_FILE).
+        #[arg(long, global = true, value_name = "FILE")]
+        file: Option<PathBuf>,
+        #[command(subcommand)]
+        command: TokenCommand,
+    },
     /// Print a shell completion script (the package installs them).
     Completions {
         /// The shell.
@@ -208,6 +231,22 @@ enum TuneCommand {
         common: CommonArgs,
         #[command(flatten)]
         args: listener_sweep::ListenersArgs,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum TokenCommand {
+    /// Create a token for PRINCIPAL: prints it once and appends its hash to the file.
+    Add {
+        /// Who the token authenticates as (the name rules use).
+        principal: String,
+    },
+    /// List the tokens in the file: id and principal (the secrets are not stored).
+    List,
+    /// Remove the token with this id, or every token of this principal.
+    Revoke {
+        /// A token id (16 hex digits) or a principal.
+        id_or_principal: String,
     },
 }
 
@@ -271,6 +310,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Stream { client, .. }
         | Command::Pub { client, .. }
         | Command::Sub { client, .. } => flags.client(client),
+        Command::Token { common, .. } => flags.common(common),
         Command::Cert { .. } | Command::Completions { .. } | Command::Man => None,
     };
     match cli.command {
@@ -296,6 +336,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 print!("{}", felix_tuning::reference_markdown());
             } else {
                 print!("{}", config.render_table());
+                println!("\n{}", config.auth_summary());
+                if let Err(error) = felix_broker::security(&config) {
+                    println!("{:#}", anyhow::Error::from(error));
+                }
                 match felix_broker::core_plan(&config) {
                     Ok(plan) => print!("\n{}", plan.render()),
                     Err(error) => println!("\ncore plan: {:#}", anyhow::Error::from(error)),
@@ -304,6 +348,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Cert { out, names, force } => run_cert(&out, names, force),
+        Command::Token { file, command, .. } => run_token(&config, file, command),
         Command::Tune {
             command: Some(TuneCommand::Listeners { args, .. }),
             ..
@@ -350,13 +395,14 @@ fn run_broker(config: &Config) -> anyhow::Result<()> {
     host_commands::log_host_settings(config);
     let broker = Broker::start(config).context("cannot start the broker")?;
     let trigger = broker.shutdown_trigger();
+    let tokens = broker.token_reloader();
     // Install the handlers before announcing the ports, so a supervisor that signals right
     // after reading them gets a clean shutdown.
     let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
     std::thread::Builder::new()
         .name("felix-signals".to_owned())
         .spawn(move || {
-            match wait_for_signal(&ready_tx) {
+            match wait_for_signal(&ready_tx, &tokens) {
                 Ok(signal) => tracing::info!(signal, "shutting down"),
                 Err(error) => tracing::error!(%error, "signal handling failed; shutting down"),
             }
@@ -394,22 +440,83 @@ fn run_broker(config: &Config) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Waits for SIGINT or SIGTERM; returns the signal's name.
-fn wait_for_signal(ready: &std::sync::mpsc::SyncSender<()>) -> std::io::Result<&'static str> {
+/// Waits for SIGINT or SIGTERM (returns the signal's name); each SIGHUP meanwhile re-reads
+/// the tokens file (an unreadable file keeps the tokens in force and says why).
+fn wait_for_signal(
+    ready: &std::sync::mpsc::SyncSender<()>,
+    tokens: &felix_broker::TokenReloader,
+) -> std::io::Result<&'static str> {
     use tokio::signal::unix::{SignalKind, signal};
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     runtime.block_on(async {
-        let registered = signal(SignalKind::terminate())
-            .and_then(|terminate| Ok((terminate, signal(SignalKind::interrupt())?)));
+        let registered = signal(SignalKind::terminate()).and_then(|terminate| {
+            Ok((
+                terminate,
+                signal(SignalKind::interrupt())?,
+                signal(SignalKind::hangup())?,
+            ))
+        });
         let _ = ready.send(());
-        let (mut terminate, mut interrupt) = registered?;
-        tokio::select! {
-            _ = terminate.recv() => Ok("SIGTERM"),
-            _ = interrupt.recv() => Ok("SIGINT"),
+        let (mut terminate, mut interrupt, mut hangup) = registered?;
+        loop {
+            tokio::select! {
+                _ = terminate.recv() => return Ok("SIGTERM"),
+                _ = interrupt.recv() => return Ok("SIGINT"),
+                _ = hangup.recv() => match tokens.reload() {
+                    Ok(count) => tracing::info!(tokens = count, "SIGHUP: tokens file re-read"),
+                    Err(error) => tracing::error!(
+                        error = %felix_storage::ErrorChain(&error),
+                        "SIGHUP: cannot re-read the tokens file; the tokens in force stay"
+                    ),
+                },
+            }
         }
     })
+}
+
+/// `felix token add|list|revoke`: the tokens file of `--file`, else FELIX_TOKENS_FILE.
+fn run_token(config: &Config, file: Option<PathBuf>, command: TokenCommand) -> anyhow::Result<()> {
+    let Some(path) = file.or_else(|| config.tokens_file.clone()) else {
+        anyhow::bail!("no tokens file: set FELIX_TOKENS_FILE or pass --file");
+    };
+    match command {
+        TokenCommand::Add { principal } => {
+            let principal = felix_auth::Principal::new(&principal)?;
+            let token = felix_auth::generate_token(&principal)?;
+            felix_auth::append_token(&path, &token)?;
+            println!("{}", token.token);
+            eprintln!(
+                "felix: token {} for {} added to {}: it is shown once, store it now; \
+                 send SIGHUP to the broker to load it (systemctl reload felix)",
+                token.id,
+                principal,
+                path.display()
+            );
+        }
+        TokenCommand::List => {
+            let file = felix_auth::TokenFile::load(&path)?;
+            println!("{:<16}  PRINCIPAL", "ID");
+            for entry in &file.entries {
+                println!("{:<16}  {}", entry.id, entry.principal);
+            }
+        }
+        TokenCommand::Revoke { id_or_principal } => {
+            let removed = felix_auth::revoke_tokens(&path, &id_or_principal)?;
+            anyhow::ensure!(
+                removed > 0,
+                "no token with id or principal {id_or_principal:?} in {}",
+                path.display()
+            );
+            println!(
+                "removed {removed} token(s) from {}; send SIGHUP to the broker to apply \
+                 (systemctl reload felix): their connections are closed",
+                path.display()
+            );
+        }
+    }
+    Ok(())
 }
 
 fn run_cert(out: &std::path::Path, names: Vec<String>, force: bool) -> anyhow::Result<()> {

@@ -263,6 +263,28 @@ impl BrokerProcess {
             .unwrap_or_default()
     }
 
+    /// Sends signal `name` (`HUP`, ...) and returns at once.
+    pub fn signal(&self, name: &str) {
+        let status = Command::new("kill")
+            .args([&format!("-{name}"), &self.child.0.id().to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(status.success(), "kill -{name} failed");
+    }
+
+    /// The broker's resident memory in bytes (VmRSS of /proc/<pid>/status).
+    pub fn rss_bytes(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.0.id()))
+            .expect("the broker's /proc status");
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix("VmRSS:"))
+            .and_then(|rest| rest.trim().strip_suffix("kB"))
+            .and_then(|kib| kib.trim().parse::<u64>().ok())
+            .map(|kib| kib * 1024)
+            .expect("VmRSS in kB")
+    }
+
     /// Sends SIGTERM and waits (within the deadline) for the broker to exit.
     pub fn terminate(&mut self) -> std::process::ExitStatus {
         self.stop_with("TERM")
@@ -316,4 +338,135 @@ pub fn sum_over_cores(body: &str, name: &str) -> f64 {
         .filter(|line| line.starts_with(&format!("{name}{{core=")))
         .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
+}
+
+/// A QUIC + TLS connection to a broker with no Felix handshake yet (s2n-quic client, not
+/// felix-client): for tests that write frames (or bytes) by hand.
+pub struct RawQuic {
+    // Kept so the endpoint outlives the connection.
+    _endpoint: s2n_quic::Client,
+    pub connection: s2n_quic::connection::Connection,
+}
+
+/// Connects to `addr` trusting the broker's development certificate, optionally presenting a
+/// client certificate (PEM cert, PEM key) for mutual TLS. `Err` is the connection error
+/// (a TLS refusal, say).
+pub async fn raw_quic(
+    broker: &BrokerProcess,
+    addr: SocketAddr,
+    identity: Option<(&str, &str)>,
+) -> Result<RawQuic, s2n_quic::connection::Error> {
+    let ca = std::fs::read_to_string(broker.ca_path()).expect("dev cert readable");
+    let mut tls = s2n_quic::provider::tls::default::Client::builder()
+        .with_certificate(ca.as_str())
+        .and_then(|builder| builder.with_application_protocols([felix_wire::ALPN]))
+        .expect("tls client");
+    if let Some((cert, key)) = identity {
+        tls = tls
+            .with_client_identity(cert, key)
+            .expect("client identity");
+    }
+    let endpoint = s2n_quic::Client::builder()
+        .with_tls(tls.build().expect("tls client"))
+        .expect("tls provider")
+        .with_io("127.0.0.1:0")
+        .expect("io provider")
+        .start()
+        .expect("client endpoint");
+    let connect = s2n_quic::client::Connect::new(addr).with_server_name("localhost");
+    let connection = within(endpoint.connect(connect)).await?;
+    Ok(RawQuic {
+        _endpoint: endpoint,
+        connection,
+    })
+}
+
+/// A Hello of protocol v1 with `token`.
+pub fn hello(token: Option<&str>) -> felix_wire::Frame {
+    felix_wire::Frame::Hello(felix_wire::Hello {
+        min_version: 1,
+        max_version: 1,
+        features: 0,
+        client_name: "raw-test".to_owned(),
+        token: token.map(|token| bytes::Bytes::from(token.to_owned())),
+    })
+}
+
+/// One bidirectional stream of a raw connection, with its receive buffer.
+pub struct RawStream {
+    pub stream: s2n_quic::stream::BidirectionalStream,
+    buffer: bytes::BytesMut,
+    decoder: felix_wire::Decoder,
+}
+
+impl RawQuic {
+    /// Opens a stream.
+    pub async fn open(&mut self) -> RawStream {
+        let stream = within(self.connection.open_bidirectional_stream())
+            .await
+            .expect("stream opened");
+        RawStream {
+            stream,
+            buffer: bytes::BytesMut::new(),
+            decoder: felix_wire::Decoder::new(felix_wire::Limits::DEFAULT),
+        }
+    }
+
+    /// Opens the hello stream, sends `hello` and returns the stream and the broker's answer.
+    pub async fn handshake(
+        &mut self,
+        hello: &felix_wire::Frame,
+    ) -> (RawStream, Option<felix_wire::Frame>) {
+        let mut stream = self.open().await;
+        stream.write(hello).await;
+        let answer = stream.read().await;
+        (stream, answer)
+    }
+
+    /// The application close code the broker closed the connection with (waits for it).
+    pub async fn closed_with(&mut self) -> Option<u64> {
+        match within(self.connection.accept_bidirectional_stream()).await {
+            Err(s2n_quic::connection::Error::Application { error, .. }) => Some(*error),
+            _ => None,
+        }
+    }
+}
+
+impl RawStream {
+    pub async fn write(&mut self, frame: &felix_wire::Frame) {
+        let mut out = bytes::BytesMut::new();
+        felix_wire::encode(frame, &mut out);
+        self.write_bytes(out.freeze()).await;
+    }
+
+    pub async fn write_bytes(&mut self, bytes: bytes::Bytes) {
+        within(self.stream.send(bytes)).await.expect("sent");
+    }
+
+    /// The next frame, or None when the broker finished (or reset) the stream or the
+    /// connection is gone.
+    pub async fn read(&mut self) -> Option<felix_wire::Frame> {
+        loop {
+            if let Some(frame) = self
+                .decoder
+                .decode(&mut self.buffer)
+                .expect("broker frames decode")
+            {
+                return Some(frame);
+            }
+            match within(self.stream.receive()).await {
+                Ok(Some(chunk)) => self.buffer.extend_from_slice(&chunk),
+                Ok(None) | Err(_) => return None,
+            }
+        }
+    }
+}
+
+/// Waits (within the deadline) until `check` holds, polling every few milliseconds.
+pub async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
+    let deadline = Instant::now() + DEADLINE;
+    while !check() {
+        assert!(Instant::now() < deadline, "not within the deadline: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
