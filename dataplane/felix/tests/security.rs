@@ -412,3 +412,68 @@ async fn rules_allow_and_deny_each_operation() {
         ) >= 2.0
     );
 }
+
+/// `felix broker` with `env` that must refuse to start: its stderr.
+fn refused_start(env: &[(&str, &str)]) -> String {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let output = felix()
+        .arg("broker")
+        .env("FELIX_DATA_DIR", dir.path())
+        .env("FELIX_BIND", "127.0.0.1:0")
+        .env("FELIX_METRICS_BIND", "127.0.0.1:0")
+        .envs(env.iter().copied())
+        .output()
+        .expect("felix broker runs");
+    assert!(!output.status.success(), "{output:?}");
+    assert!(output.stdout.is_empty(), "nothing announced: {output:?}");
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+// Proves the development mode says it is open (start-up log and `felix config`), and that
+// start-up stops naming the variable for a rule syntax error, a missing tokens file, and
+// FELIX_AUTH=required with no way to authenticate.
+#[test]
+fn open_mode_is_announced_and_bad_security_settings_stop_start_up() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let output = felix()
+        .arg("config")
+        .env("FELIX_DATA_DIR", dir.path())
+        .output()
+        .expect("felix config runs");
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        text.lines().any(|line| line.starts_with("auth: off")
+            && line.contains("any client that reaches the broker may")),
+        "{text}"
+    );
+    let broker = BrokerProcess::start(&[]);
+    let open_lines = || {
+        broker
+            .stderr_text()
+            .lines()
+            .filter(|line| line.contains("auth: off"))
+            .count()
+    };
+    // stderr is collected by a thread: wait for the line rather than race it.
+    let deadline = std::time::Instant::now() + DEADLINE;
+    while open_lines() == 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert_eq!(
+        open_lines(),
+        1,
+        "one start-up line says the broker is open:\n{}",
+        broker.stderr_text()
+    );
+    let stderr = refused_start(&[("FELIX_RULES", "alice publsh orders.*")]);
+    assert!(stderr.contains("FELIX_RULES") && stderr.contains("publsh"), "{stderr}");
+    let stderr = refused_start(&[("FELIX_TOKENS_FILE", "/nonexistent/felix-tokens")]);
+    assert!(stderr.contains("FELIX_TOKENS_FILE"), "{stderr}");
+    let stderr = refused_start(&[("FELIX_AUTH", "required")]);
+    assert!(
+        stderr.contains("FELIX_AUTH") && stderr.contains("FELIX_CLIENT_CA"),
+        "{stderr}"
+    );
+    let stderr = refused_start(&[("FELIX_CLIENT_CA", "/nonexistent/ca.pem")]);
+    assert!(stderr.contains("/nonexistent/ca.pem"), "{stderr}");
+}
