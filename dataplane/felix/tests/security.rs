@@ -466,7 +466,10 @@ fn open_mode_is_announced_and_bad_security_settings_stop_start_up() {
         broker.stderr_text()
     );
     let stderr = refused_start(&[("FELIX_RULES", "alice publsh orders.*")]);
-    assert!(stderr.contains("FELIX_RULES") && stderr.contains("publsh"), "{stderr}");
+    assert!(
+        stderr.contains("FELIX_RULES") && stderr.contains("publsh"),
+        "{stderr}"
+    );
     let stderr = refused_start(&[("FELIX_TOKENS_FILE", "/nonexistent/felix-tokens")]);
     assert!(stderr.contains("FELIX_TOKENS_FILE"), "{stderr}");
     let stderr = refused_start(&[("FELIX_AUTH", "required")]);
