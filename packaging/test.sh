@@ -49,6 +49,11 @@ if command -v systemd-analyze >/dev/null; then
     # The root gets the host's own units too (targets the units order against); man pages
     # are not looked up (--man=no: the root has no man).
     cp -rn /usr/lib/systemd/system/. "$root/usr/lib/systemd/system/"
+    # ExecReload runs /bin/kill, from procps (a dependency of the package): the host's stands in.
+    [ -x /bin/kill ] || fail "/bin/kill (procps) is missing on this host"
+    mkdir -p "$root/bin" && cp -n /bin/kill "$root/bin/kill"
+    # shellcheck disable=SC2016 # $MAINPID is the unit's, not the shell's
+    grep -q '^ExecReload=/bin/kill -HUP \$MAINPID$' "$unit" || fail "felix.service has no SIGHUP reload"
     systemd-analyze verify --man=no --root="$root" /usr/lib/systemd/system/felix.service \
         /usr/lib/systemd/system/felix-tune.service || fail "systemd-analyze verify"
 else

@@ -6,6 +6,7 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use bytes::{Bytes, BytesMut};
+use felix_auth::Operation;
 use felix_core::{ConnectionId, Flow, INGRESS_EXHAUSTED_MESSAGE, StreamId};
 use felix_wire::{
     AckMode, CreateStream, Decoder, ErrorCode, Frame, Hello, Limits, PROTOCOL_VERSION, Publish,
@@ -53,6 +54,12 @@ pub enum Pending {
         /// The global epoch at sending, if every name was settled then.
         epoch: Option<u64>,
     },
+    /// A request the client's principal may not make (a secured run): only
+    /// `PermissionDenied` may answer it.
+    Denied {
+        operation: Operation,
+        name: String,
+    },
 }
 
 /// A subscription as its client follows it.
@@ -70,6 +77,8 @@ pub struct Sub {
     /// Next offset expected per shard (set at `Subscribed`).
     pub next: BTreeMap<u32, u64>,
     pub ended: Option<ErrorCode>,
+    /// The client's principal may not subscribe to the stream: refused, never subscribed.
+    pub denied: bool,
 }
 
 #[derive(Debug)]
@@ -174,9 +183,10 @@ impl World {
     /// does not speak).
     pub fn connect(&mut self, client: usize) {
         let core = u16::try_from(self.rng.below(u64::from(self.shape.cores))).expect("a core");
+        let principal = self.principal_of(client);
         let id = self.cores[usize::from(core)]
             .core
-            .handle_connection_opened(None)
+            .handle_connection_opened(principal)
             .expect("far below the connection limit");
         let stream = self.cores[usize::from(core)].core.handle_stream_opened(id);
         let version = if self.rng.chance(20) {
@@ -244,7 +254,24 @@ impl World {
             return;
         };
         let name = NAMES[self.rng.index(NAMES.len())].to_owned();
-        match self.rng.weighted(&[3, 2, 40, 10, 2, 2]) {
+        let kind = self.rng.weighted(&[3, 2, 40, 10, 2, 2]);
+        let operation = [
+            Operation::Create,
+            Operation::Delete,
+            Operation::Publish,
+            Operation::Subscribe,
+            Operation::Describe,
+        ]
+        .get(kind)
+        .copied();
+        if let Some(operation) = operation
+            && operation != Operation::Subscribe
+            && !self.allowed(client, operation, &name)
+        {
+            self.queue_denied(client, conn, operation, name);
+            return;
+        }
+        match kind {
             0 => {
                 let shards = u32::try_from(self.rng.range(1, 6)).expect("small");
                 let kind = if self.rng.chance(500) {
@@ -405,6 +432,61 @@ impl World {
         }));
     }
 
+    /// A request the client's principal may not make: the same frame as an allowed one, with
+    /// nothing begun in the oracle, answered by `PermissionDenied` only (a fire-and-forget
+    /// publish by nothing, counted as failed).
+    fn queue_denied(&mut self, client: usize, conn: usize, operation: Operation, name: String) {
+        let stream = self.request_stream(client, conn);
+        let request_id = self.clients[client].request_id();
+        let ack = if operation == Operation::Publish && self.rng.chance(250) {
+            AckMode::FireAndForget
+        } else {
+            AckMode::Acked
+        };
+        self.trace.line(format!(
+            "c{client} {} {name} (#{request_id}), which its principal may not",
+            operation.name()
+        ));
+        let frame = match operation {
+            Operation::Create => Frame::CreateStream(CreateStream {
+                request_id,
+                name: name.clone(),
+                shard_count: 1,
+                kind: StreamKind::InMemory,
+            }),
+            Operation::Delete => Frame::DeleteStream {
+                request_id,
+                name: name.clone(),
+            },
+            Operation::Describe => Frame::DescribeStream {
+                request_id,
+                name: name.clone(),
+            },
+            Operation::Publish => Frame::Publish(Publish {
+                request_id,
+                ack,
+                stream: name.clone(),
+                records: vec![Record {
+                    key: Bytes::from_static(b"k0"),
+                    payload: Bytes::from(format!("c{client}-denied")),
+                }],
+            }),
+            Operation::Subscribe | Operation::List => {
+                unreachable!("subscriptions are denied on their own stream; lists never")
+            }
+        };
+        let s = self.stream(At {
+            client,
+            conn,
+            stream,
+        });
+        if ack == AckMode::Acked {
+            s.pending
+                .insert(request_id, Pending::Denied { operation, name });
+        }
+        s.to_send.push_back(frame);
+    }
+
     /// Opens a subscription stream (from `resume` positions, or a random start).
     pub fn subscribe(
         &mut self,
@@ -449,7 +531,9 @@ impl World {
         self.trace.line(format!(
             "c{client} subscribe {name} {selection:?} from {from:?} (#{request_id})"
         ));
+        let denied = !self.allowed(client, Operation::Subscribe, &name);
         let sub = Sub {
+            denied,
             request_id,
             name: name.clone(),
             explicit: matches!(selection, ShardSelection::List(_)),
@@ -741,14 +825,18 @@ impl World {
                 };
                 if epoch == Some(self.oracle.global_epoch) && self.oracle.all_settled() {
                     let listed: Vec<&str> = streams.iter().map(|s| s.name.as_str()).collect();
+                    let access = &self.accesses[client];
                     let known: Vec<&str> = self
                         .oracle
                         .names
                         .iter()
-                        .filter(|(_, state)| state.current.is_some())
+                        .filter(|(name, state)| state.current.is_some() && access.may_see(name))
                         .map(|(name, _)| name.as_str())
                         .collect();
-                    assert_eq!(listed, known, "the list shows the acknowledged streams");
+                    assert_eq!(
+                        listed, known,
+                        "the list shows the acknowledged streams the principal may see"
+                    );
                 }
             }
             Frame::Subscribed(subscribed) => self.subscribed(at, &subscribed.shards),
@@ -808,12 +896,24 @@ impl World {
         if let Role::Subscription(sub) = &mut self.stream(at).role
             && sub.request_id == error.request_id
         {
+            assert_eq!(
+                sub.denied,
+                error.code == ErrorCode::PermissionDenied,
+                "a subscription is refused by the rules exactly when its principal may not \
+                 subscribe: {:?} {}",
+                error.code,
+                error.message
+            );
             sub.ended = Some(error.code);
-            let (name, next, lagged) = (
+            let (name, next, lagged, denied) = (
                 sub.name.clone(),
                 sub.next.clone(),
                 error.code == ErrorCode::SubscriberLagged,
+                sub.denied,
             );
+            if denied {
+                self.stats.denied += 1;
+            }
             self.trace.line(format!(
                 "c{client} subscription {name} ended {:?}: {}",
                 error.code, error.message
@@ -896,6 +996,23 @@ impl World {
                 self.oracle.described(&name, quiet, None);
             }
             Pending::List { .. } => panic!("a list cannot fail"),
+            Pending::Denied { operation, name } => {
+                self.stats.denied += 1;
+                assert_eq!(
+                    error.code,
+                    ErrorCode::PermissionDenied,
+                    "{} {name} by a principal that may not: {}",
+                    operation.name(),
+                    error.message
+                );
+                assert!(
+                    error
+                        .message
+                        .ends_with(&format!("may not {} stream {name:?}", operation.name())),
+                    "{}",
+                    error.message
+                );
+            }
         }
     }
 
@@ -908,6 +1025,10 @@ impl World {
         let Role::Subscription(sub) = &mut self.stream(at).role else {
             unreachable!("checked above");
         };
+        assert!(
+            !sub.denied,
+            "a subscription its principal may not make was accepted"
+        );
         let shards: Vec<u32> = start.iter().map(|(shard, _)| *shard).collect();
         // An explicit list is subscribed as asked; "all" means the shard count of the stream
         // the subscription reached, known only when nothing changed since it was sent.

@@ -115,7 +115,7 @@ fn main() -> ExitCode {
         "felix-sim: exercised {} frames, {} acks, {} deliveries, {} refused, {} shed, {} waits, \
          {} lagged ({} resumed), {} messages, {} log rounds, {} crashes ({} power cuts), {} \
          fsync failures, {} disk-full writes, {} catalogue failures, {} durable records \
-         checked after crashes",
+         checked after crashes, {} requests denied by rules",
         total.frames,
         total.acks,
         total.deliveries,
@@ -131,7 +131,8 @@ fn main() -> ExitCode {
         total.fsync_failures,
         total.disk_full,
         total.catalog_failures,
-        total.durable_checked
+        total.durable_checked,
+        total.denied
     );
     if failures.is_empty() {
         ExitCode::SUCCESS

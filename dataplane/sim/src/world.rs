@@ -8,9 +8,10 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use felix_auth::{Access, Operation, Policy, Principal, Rules};
 use felix_core::{
-    Catalog, Core, CoreConfig, CoreMessage, DurableLog, DurableSettings, IngressSettings, Now,
-    REMOTE_DELIVERY_CREDITS,
+    Catalog, ConnectionLimits, Core, CoreConfig, CoreMessage, DurableLog, DurableSettings,
+    IngressSettings, Now, REMOTE_DELIVERY_CREDITS, Security,
 };
 use felix_engine::{EngineConfig, LogShardId};
 use felix_storage::{BackendChoice, FaultBackend, FaultHandle, FsyncMode, PowerCut};
@@ -40,7 +41,17 @@ pub struct Shape {
     /// Per mille of steps that inject a storage fault or crash.
     pub fault_rate: u64,
     pub crashes_max: u32,
+    /// Clients connect as principals `p<client % 3>` under [`SIM_RULES`] (else the open
+    /// development mode).
+    pub secured: bool,
 }
+
+/// The rules of a secured run: p0 may do everything; p1 publishes and subscribes on s0 and s1
+/// only (it may not even see s2); p2 subscribes anywhere and publishes to s2; everyone
+/// subscribes to s0. So every request kind is both allowed and denied for some principal and
+/// name, and the lists differ.
+pub const SIM_RULES: &str =
+    "p0 all *; p1 publish,subscribe s0,s1; p2 subscribe s*; p2 publish s2; * subscribe s0";
 
 impl Shape {
     pub fn draw(rng: &mut Rng, steps: u64) -> Shape {
@@ -68,6 +79,7 @@ impl Shape {
             mesh_capacity: usize::try_from(rng.range(1, 16)).expect("small"),
             fault_rate: [0, 2, 10][rng.index(3)],
             crashes_max: u32::try_from(rng.range(0, 3)).expect("small"),
+            secured: rng.chance(300),
         }
     }
 
@@ -108,6 +120,8 @@ pub struct Stats {
     pub messages: u64,
     pub rounds: u64,
     pub durable_checked: u64,
+    /// Requests and subscriptions refused by the rules (secured runs).
+    pub denied: u64,
 }
 
 impl Stats {
@@ -128,6 +142,7 @@ impl Stats {
         self.messages += other.messages;
         self.rounds += other.rounds;
         self.durable_checked += other.durable_checked;
+        self.denied += other.denied;
     }
 }
 
@@ -163,6 +178,9 @@ pub struct World {
     /// A core hit a fatal storage error: the process would exit now; nothing more happens
     /// until the crash is carried out.
     pub halted: bool,
+    /// What every core enforces ([`SIM_RULES`] when secured), and each client's rules.
+    pub policy: Policy,
+    pub accesses: Vec<Access>,
 }
 
 impl World {
@@ -173,7 +191,17 @@ impl World {
         let mut catalog = Catalog::load(dir.path()).expect("an empty catalogue");
         catalog.bind_cores(shape.cores).expect("bound");
         let clients = (0..shape.clients).map(|_| Client::new()).collect();
+        let policy = if shape.secured {
+            Policy::from_rules(Rules::parse(SIM_RULES).expect("the simulation's rules parse"))
+        } else {
+            Policy::open()
+        };
+        let accesses = (0..shape.clients)
+            .map(|client| policy.access(&principal(client)))
+            .collect();
         let mut world = World {
+            policy,
+            accesses,
             rng,
             shape,
             dir,
@@ -201,6 +229,16 @@ impl World {
         }
     }
 
+    /// The principal client `client` connects as in a secured run.
+    pub fn principal_of(&self, client: usize) -> Option<Principal> {
+        self.shape.secured.then(|| principal(client))
+    }
+
+    /// Whether client `client` may do `operation` on stream `name`.
+    pub fn allowed(&self, client: usize, operation: Operation, name: &str) -> bool {
+        self.accesses[client].allows(operation, name)
+    }
+
     fn dir(&self) -> &Path {
         self.dir.path()
     }
@@ -210,6 +248,12 @@ impl World {
         let cores = self.shape.cores;
         let entries: Vec<_> = self.catalog.entries().cloned().collect();
         let core_ports: Vec<u16> = (0..cores).map(|i| 7401 + i).collect();
+        // One per broker start: its per-principal ledger is shared by every core.
+        let security = std::sync::Arc::new(Security::new(
+            false,
+            self.policy.clone(),
+            ConnectionLimits::DEFAULT,
+        ));
         self.cores = (0..cores)
             .map(|index| {
                 let (backend, fault) = FaultBackend::new(false).expect("fault backend");
@@ -231,7 +275,7 @@ impl World {
                     },
                     ingress: self.shape.ingress,
                     next_stream_id: self.catalog.next_stream_id(),
-                    security: std::sync::Arc::new(felix_core::Security::open()),
+                    security: std::sync::Arc::clone(&security),
                 });
                 core.restore_durable(&log, &entries).expect("restored");
                 SimCore { core, log, fault }
@@ -576,4 +620,9 @@ fn describe_message(message: &CoreMessage) -> String {
         CoreMessage::Credit { id } => format!("Credit {}", id.0),
         CoreMessage::Unsubscribe { id } => format!("Unsubscribe {}", id.0),
     }
+}
+
+/// The principal of client `client` in a secured run.
+fn principal(client: usize) -> Principal {
+    Principal::new(&format!("p{}", client % 3)).expect("a valid principal")
 }
