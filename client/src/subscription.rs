@@ -131,9 +131,7 @@ impl futures::Stream for SubscriptionPart {
                 }
                 Poll::Ready(Err(error)) => {
                     this.done = true;
-                    return Poll::Ready(Some(Err(ClientError::Closed(describe_stream_error(
-                        &error,
-                    )))));
+                    return Poll::Ready(Some(Err(stream_error(&error))));
                 }
             }
         }
@@ -225,4 +223,26 @@ impl futures::Stream for Subscription {
         }
         Poll::Pending
     }
+}
+
+/// A subscription stream's QUIC error: a reset carrying a Felix error code (a stalled
+/// subscriber whose subscription ended, docs/wire-protocol.md section 10) is that error,
+/// anything else a closed stream.
+fn stream_error(error: &s2n_quic::stream::Error) -> ClientError {
+    if let s2n_quic::stream::Error::StreamReset { error: code, .. } = error
+        && let Some(code) = u16::try_from(**code)
+            .ok()
+            .and_then(felix_wire::ErrorCode::from_u16)
+    {
+        return ClientError::Server {
+            code,
+            detail: 0,
+            message: format!(
+                "the broker reset the subscription stream with {} while the client was not \
+                 reading; resume from the offset after the last record received of each shard",
+                code.name()
+            ),
+        };
+    }
+    ClientError::Closed(describe_stream_error(error))
 }

@@ -24,6 +24,13 @@ const ERROR_FLUSH_TIMEOUT: Duration = Duration::from_secs(1);
 const FRAMES_PER_FEED_MAX: u32 = 64;
 /// Writes (delivery batches) a stream makes before it yields to the core's other tasks.
 const WRITES_PER_YIELD_MAX: u32 = 16;
+/// How often a write blocked by QUIC flow control checks whether its subscription ended.
+const STALL_CHECK_INTERVAL: Duration = Duration::from_millis(250);
+/// How long a subscription that ended (lagged, stream deleted) waits for a client that
+/// withholds flow-control credit to read on: a reading client gets the `Error` within it; a
+/// stalled one gets its stream reset with the error's code instead, so that nothing is held
+/// for it (docs/wire-protocol.md, 10 Connection and stream usage).
+const STALLED_END_GRACE: Duration = Duration::from_secs(1);
 
 /// What a stream's reader does next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -229,7 +236,7 @@ async fn serve_stream(
         let mut writes = 0u32;
         loop {
             if let Some(bytes) = transmit.bytes.take()
-                && send.send(bytes).await.is_err()
+                && !write(&shell, stream, &mut send, bytes).await
             {
                 return;
             }
@@ -291,6 +298,41 @@ async fn serve_stream(
             },
         }
     }
+}
+
+/// Writes `bytes` on the stream; false when the stream is gone. A write blocked by a client
+/// that stopped reading (no QUIC flow-control credit) gives up once its subscription has ended
+/// and [`STALLED_END_GRACE`] passed: the stream is reset with the ending error's code.
+async fn write(shell: &Shell, stream: StreamId, send: &mut SendStream, bytes: Bytes) -> bool {
+    use futures::FutureExt as _;
+    let stalled_code = {
+        let mut sending = std::pin::pin!(send.send(bytes));
+        // The common case costs no timer: the data fits the flow-control window.
+        if let Some(result) = (&mut sending).now_or_never() {
+            return result.is_ok();
+        }
+        let mut ending_since = None;
+        loop {
+            tokio::select! {
+                result = &mut sending => return result.is_ok(),
+                () = tokio::time::sleep(STALL_CHECK_INTERVAL) => {}
+            }
+            let Some(code) = shell.core.borrow().subscription_ending(stream) else {
+                continue;
+            };
+            let since = *ending_since.get_or_insert_with(tokio::time::Instant::now);
+            if since.elapsed() >= STALLED_END_GRACE {
+                break code;
+            }
+        }
+    };
+    tracing::debug!(
+        ?stream,
+        code = ?stalled_code,
+        "a stalled subscriber's stream is reset: its subscription ended"
+    );
+    let _ = send.reset(close_code(stalled_code));
+    false
 }
 
 /// Finishes the stream; after a refused handshake, waits (bounded) for the client to read the

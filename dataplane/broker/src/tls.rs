@@ -126,6 +126,127 @@ impl s2n_quic::provider::tls::default::callbacks::VerifyHostNameCallback for Any
     }
 }
 
+/// TLS extension type of ALPN (RFC 7301).
+const EXTENSION_ALPN: u16 = 16;
+
+/// Whether a ClientHello (the handshake message body, as s2n-tls gives it) offers ALPN
+/// `protocol`; `None` when the message does not parse. Every length is checked against what
+/// is present: the bytes come from an unauthenticated peer.
+fn offers_alpn(hello: &[u8], protocol: &[u8]) -> Option<bool> {
+    let mut rest = hello;
+    let mut take = |len: usize| -> Option<&[u8]> {
+        let (head, tail) = rest.split_at_checked(len)?;
+        rest = tail;
+        Some(head)
+    };
+    let u8_len = |bytes: &[u8]| usize::from(bytes[0]);
+    let u16_len = |bytes: &[u8]| usize::from(u16::from_be_bytes([bytes[0], bytes[1]]));
+    take(2 + 32)?; // legacy_version, random
+    let session = u8_len(take(1)?);
+    take(session)?;
+    let suites = u16_len(take(2)?);
+    take(suites)?;
+    let compression = u8_len(take(1)?);
+    take(compression)?;
+    let extensions_len = u16_len(take(2)?);
+    let mut extensions = take(extensions_len)?;
+    while !extensions.is_empty() {
+        let (header, tail) = extensions.split_at_checked(4)?;
+        let kind = u16::from_be_bytes([header[0], header[1]]);
+        let (body, tail) = tail.split_at_checked(u16_len(&header[2..]))?;
+        extensions = tail;
+        if kind != EXTENSION_ALPN {
+            continue;
+        }
+        let (list_len, mut list) = body.split_at_checked(2)?;
+        if u16_len(list_len) != list.len() {
+            return None;
+        }
+        while !list.is_empty() {
+            let (name_len, tail) = list.split_at_checked(1)?;
+            let (name, tail) = tail.split_at_checked(usize::from(name_len[0]))?;
+            if name == protocol {
+                return Some(true);
+            }
+            list = tail;
+        }
+        return Some(false);
+    }
+    Some(false)
+}
+
+/// Refuses a ClientHello that does not offer ALPN `felix/1` at once. Without it s2n-tls
+/// would go on without an application protocol and the client would wait for its handshake
+/// timeout; QUIC requires ALPN (RFC 9001 section 8.1). The close carries the TLS alert
+/// handshake_failure (QUIC 0x128): s2n-tls has no no_application_protocol alert for this
+/// case, and s2n-quic's production close formatter reports every TLS alert as
+/// handshake_failure anyway, as RFC 9001 section 4.8 allows.
+struct RequireFelixAlpn;
+
+/// Why a handshake was refused by [`RequireFelixAlpn`].
+#[derive(Debug)]
+struct NoFelixAlpn;
+
+impl std::fmt::Display for NoFelixAlpn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the client does not offer ALPN felix/1 (no_application_protocol)"
+        )
+    }
+}
+
+impl std::error::Error for NoFelixAlpn {}
+
+impl s2n_quic::provider::tls::default::callbacks::ClientHelloCallback for RequireFelixAlpn {
+    fn on_client_hello(
+        &self,
+        connection: &mut s2n_quic::provider::tls::default::connection::Connection,
+    ) -> Result<
+        Option<
+            std::pin::Pin<Box<dyn s2n_quic::provider::tls::default::callbacks::ConnectionFuture>>,
+        >,
+        s2n_quic::provider::tls::default::error::Error,
+    > {
+        let offered = connection
+            .client_hello()
+            .and_then(|hello| hello.raw_message())
+            .ok()
+            .and_then(|raw| offers_alpn(&raw, felix_wire::ALPN));
+        if offered == Some(true) {
+            return Ok(None);
+        }
+        tracing::debug!("TLS handshake refused: no ALPN felix/1");
+        // Failing here, inside the connection's first datagram, makes s2n-quic drop the
+        // connection without a word (it keeps no state for a connection whose first packet
+        // failed). Failing on the next poll instead, once the connection exists, sends the
+        // CONNECTION_CLOSE.
+        Ok(Some(Box::pin(RefuseOnNextPoll { polled: false })))
+    }
+}
+
+/// Fails the handshake on its second poll (see [`RequireFelixAlpn`]).
+struct RefuseOnNextPoll {
+    polled: bool,
+}
+
+impl s2n_quic::provider::tls::default::callbacks::ConnectionFuture for RefuseOnNextPoll {
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        _connection: &mut s2n_quic::provider::tls::default::connection::Connection,
+        context: &mut std::task::Context,
+    ) -> std::task::Poll<Result<(), s2n_quic::provider::tls::default::error::Error>> {
+        if !self.polled {
+            self.polled = true;
+            context.waker().wake_by_ref();
+            return std::task::Poll::Pending;
+        }
+        std::task::Poll::Ready(Err(
+            s2n_quic::provider::tls::default::error::Error::application(Box::new(NoFelixAlpn)),
+        ))
+    }
+}
+
 /// The TLS configuration of every endpoint: the broker's pair, ALPN `felix/1`, and with a
 /// client CA, client certificates requested (optional: a client may use a token instead) and
 /// verified against it; a certificate that does not verify fails the TLS handshake.
@@ -139,6 +260,10 @@ pub fn server_tls(
     let mut builder = s2n_quic::provider::tls::default::Server::builder()
         .with_certificate(pair.cert_pem.as_str(), pair.key_pem.as_str())
         .and_then(|builder| builder.with_application_protocols([felix_wire::ALPN]))
+        .map_err(tls_error)?;
+    builder
+        .config_mut()
+        .set_client_hello_callback(RequireFelixAlpn)
         .map_err(tls_error)?;
     if let Some(ca) = client_ca {
         builder = builder
@@ -192,6 +317,57 @@ pub fn load_server_pair(config: &Config) -> Result<CertificatePair, BrokerError>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A ClientHello body with `extensions` (type, data) after fixed fields.
+    fn client_hello(extensions: &[(u16, Vec<u8>)]) -> Vec<u8> {
+        let mut hello = vec![3, 3];
+        hello.extend_from_slice(&[7; 32]);
+        hello.extend_from_slice(&[2, 0xaa, 0xbb]); // session id
+        hello.extend_from_slice(&[0, 2, 0x13, 0x01]); // one cipher suite
+        hello.extend_from_slice(&[1, 0]); // null compression
+        let mut body = Vec::new();
+        for (kind, data) in extensions {
+            body.extend_from_slice(&kind.to_be_bytes());
+            body.extend_from_slice(&u16::try_from(data.len()).expect("small").to_be_bytes());
+            body.extend_from_slice(data);
+        }
+        hello.extend_from_slice(&u16::try_from(body.len()).expect("small").to_be_bytes());
+        hello.extend_from_slice(&body);
+        hello
+    }
+
+    fn alpn(names: &[&[u8]]) -> Vec<u8> {
+        let mut list = Vec::new();
+        for name in names {
+            list.push(u8::try_from(name.len()).expect("short"));
+            list.extend_from_slice(name);
+        }
+        let mut data = u16::try_from(list.len())
+            .expect("small")
+            .to_be_bytes()
+            .to_vec();
+        data.extend_from_slice(&list);
+        data
+    }
+
+    // Proves the ALPN check finds felix/1 among several protocols and after other
+    // extensions, refuses other protocols and a missing extension, and returns None (refused
+    // too) for every truncation of a ClientHello instead of panicking.
+    #[test]
+    fn alpn_is_found_only_where_offered() {
+        let good = client_hello(&[(0, vec![0, 0]), (16, alpn(&[b"h3", b"felix/1"]))]);
+        assert_eq!(offers_alpn(&good, b"felix/1"), Some(true));
+        let other = client_hello(&[(16, alpn(&[b"felix/2", b"h3"]))]);
+        assert_eq!(offers_alpn(&other, b"felix/1"), Some(false));
+        assert_eq!(offers_alpn(&client_hello(&[]), b"felix/1"), Some(false));
+        for cut in 0..good.len() {
+            assert_ne!(
+                offers_alpn(&good[..cut], b"felix/1"),
+                Some(true),
+                "cut at {cut}"
+            );
+        }
+    }
 
     // Proves the key file is written with mode 0600 and both files hold PEM blocks.
     #[test]

@@ -44,10 +44,17 @@ pub(crate) struct SubscriptionSlot {
     remote_batches: VecDeque<(u16, SubscriptionId, Vec<DeliveredRecord>)>,
     /// `(shard, first offset delivered)` per shard, gathered while registering.
     start: Vec<(u32, u64)>,
+    /// From `Subscribed` on: `(shard, next offset to deliver)` per selected shard, ascending,
+    /// advanced by every record written. A subscription ended for lagging tells the client to
+    /// resume from exactly these positions (every selected shard, whichever core lagged).
+    next: Vec<(u32, u64)>,
     /// The refusal of the lowest core that refused while registering.
     refusal: Option<(u16, EngineError)>,
     /// Set when an owner ended the subscription (lagged, stream deleted).
     ended: Option<EngineError>,
+    /// The code of the error that ended it, from the moment an owner ended it (kept after the
+    /// error is written): the shell resets a stalled stream with it.
+    ending: Option<ErrorCode>,
     /// Counted in the subscribers gauge (from `Subscribed` on).
     counted: bool,
 }
@@ -99,6 +106,8 @@ impl Core {
             remotes: Vec::new(),
             remote_batches: VecDeque::new(),
             start: Vec::new(),
+            next: Vec::new(),
+            ending: None,
             refusal: None,
             ended: None,
             counted: false,
@@ -209,6 +218,7 @@ impl Core {
                 slot.counted = true;
                 let mut shards = std::mem::take(&mut slot.start);
                 shards.sort_unstable_by_key(|(shard, _)| *shard);
+                slot.next.clone_from(&shards);
                 self.counters.subscribers += 1;
                 self.write(
                     stream,
@@ -245,6 +255,17 @@ impl Core {
         *open += 1;
         self.stream_mut(stream).subscription_counted = true;
         Ok(())
+    }
+
+    /// The code of the error an owner ended `stream`'s subscription with (lagged, stream
+    /// deleted), written or about to be. A shell whose write to that stream is blocked by a
+    /// client that stopped reading resets the stream with it (docs/wire-protocol.md, 10).
+    #[must_use]
+    pub fn subscription_ending(&self, stream: StreamId) -> Option<ErrorCode> {
+        match &self.streams.get(&stream)?.role {
+            Role::Subscription(slot) => slot.ending,
+            _ => None,
+        }
     }
 
     fn slot_mut(&mut self, stream: StreamId) -> Option<&mut SubscriptionSlot> {
@@ -404,15 +425,32 @@ impl Core {
             self.send(owner, CoreMessage::Credit { id });
         }
         if !records.is_empty() {
+            let slot = self.slot_mut(stream).expect("looked up above");
+            for record in &records {
+                let position = slot
+                    .next
+                    .binary_search_by_key(&record.shard, |(shard, _)| *shard)
+                    .expect("only selected shards are delivered");
+                assert_eq!(
+                    slot.next[position].1, record.offset,
+                    "a subscription delivers each shard's offsets consecutively"
+                );
+                slot.next[position].1 = record.offset + 1;
+            }
             self.counters.delivered_records += records.len() as u64;
             self.write(stream, &Frame::Delivery(Delivery { records }));
             return;
         }
         // Records already queued went out before the error that ended the subscription.
         let slot = self.slot_mut(stream).expect("looked up above");
-        if let Some(error) = slot.ended.take() {
+        if let Some(mut error) = slot.ended.take() {
             tracing::debug!(%error, "subscription ended by an owner core");
             slot.phase = Phase::Over;
+            if error.code == ErrorCode::SubscriberLagged {
+                // The owner that lagged knows its own shards only: list every selected shard,
+                // where this stream's deliveries stop.
+                error = EngineError::new(ErrorCode::SubscriberLagged, 0, lag_message(&slot.next));
+            }
             let request_id = slot.request_id;
             self.write_error(stream, error.to_frame(request_id));
             self.stream_mut(stream).finishing = true;
@@ -433,6 +471,7 @@ impl Core {
         if let Some(stream) = self.local_subscriptions.remove(&id) {
             let slot = self.slot_mut(stream).expect("a local subscription's slot");
             slot.local = None;
+            slot.ending.get_or_insert(error.code);
             slot.ended.get_or_insert(error);
             self.mark_ready(stream);
         } else if let Some(remote) = self.remote_subscriptions.remove(&id) {
@@ -500,6 +539,7 @@ impl Core {
     /// An owner ended its part of a subscription stream of this core.
     pub(crate) fn handle_ended(&mut self, slot: StreamId, error: EngineError) {
         if let Some(target) = self.slot_mut(slot) {
+            target.ending.get_or_insert(error.code);
             target.ended.get_or_insert(error);
             self.mark_ready(slot);
         }
@@ -512,4 +552,27 @@ impl Core {
         }
         self.pump_remote(id);
     }
+}
+
+/// The `SubscriberLagged` message of a subscription stream: `shard:next_offset` for every
+/// selected shard, ascending (docs/wire-protocol.md, 5 Error codes). A list too long for an
+/// error message ends with ` ...`; the positions are then those the client computes itself:
+/// one past the last offset it received of each shard, or the start `Subscribed` gave.
+fn lag_message(next: &[(u32, u64)]) -> String {
+    use std::fmt::Write as _;
+    const ELLIPSIS: &str = " ...";
+    let mut message =
+        String::from("subscriber fell behind live delivery; resume from shard:next_offset");
+    let mut entry = String::new();
+    for (shard, offset) in next {
+        entry.clear();
+        // Writing to a String cannot fail.
+        write!(entry, " {shard}:{offset}").expect("String writes are infallible");
+        if message.len() + entry.len() + ELLIPSIS.len() > felix_wire::ERROR_MESSAGE_BYTES_MAX {
+            message.push_str(ELLIPSIS);
+            break;
+        }
+        message.push_str(&entry);
+    }
+    message
 }

@@ -736,3 +736,48 @@ async fn sigterm_closes_connections_and_exits_zero() {
         other => panic!("expected a shutdown error, got {other:?}"),
     }
 }
+
+// Proves a client that does not offer ALPN felix/1 is refused at once by a TLS alert (a QUIC
+// transport close in the 0x100-0x1ff crypto range: handshake_failure), not left to time out,
+// and the broker goes on serving.
+#[tokio::test]
+async fn a_wrong_alpn_is_refused_at_once() {
+    let broker = BrokerProcess::start(&[("FELIX_LOG", "debug")]);
+    let ca = std::fs::read_to_string(broker.ca_path()).expect("dev cert readable");
+    for protocols in [
+        &[b"h3".as_slice()][..],
+        &[b"felix/2".as_slice(), b"other".as_slice()][..],
+    ] {
+        let tls = s2n_quic::provider::tls::default::Client::builder()
+            .with_certificate(ca.as_str())
+            .and_then(|builder| builder.with_application_protocols(protocols.iter().copied()))
+            .and_then(|builder| builder.build())
+            .expect("tls client");
+        let endpoint = s2n_quic::Client::builder()
+            .with_tls(tls)
+            .expect("tls provider")
+            .with_io("127.0.0.1:0")
+            .expect("io provider")
+            .start()
+            .expect("client endpoint");
+        let connect =
+            s2n_quic::client::Connect::new(broker.quic_addr).with_server_name("localhost");
+        match within(endpoint.connect(connect)).await {
+            Err(s2n_quic::connection::Error::Transport { code, .. }) => {
+                let code = code.as_u64();
+                assert!(
+                    (0x100..0x200).contains(&code),
+                    "a TLS alert closes it, got code {code:#x}"
+                );
+            }
+            other => panic!(
+                "expected a TLS refusal, got {:?}\n{}",
+                other.map(|_| ()),
+                broker.stderr_text()
+            ),
+        }
+    }
+    let client = broker.client().await;
+    within(client.list_streams()).await.expect("still serving");
+    client.close().await;
+}

@@ -914,6 +914,28 @@ impl World {
             if denied {
                 self.stats.denied += 1;
             }
+            if lagged && !error.message.ends_with(" ...") {
+                // The resume positions name every selected shard, where this stream's
+                // deliveries stopped, whichever core lagged.
+                let listed: BTreeMap<u32, u64> = error
+                    .message
+                    .rsplit("shard:next_offset")
+                    .next()
+                    .unwrap_or_default()
+                    .split_whitespace()
+                    .map(|entry| {
+                        let (shard, offset) = entry.split_once(':').expect("shard:offset");
+                        (
+                            shard.parse().expect("a shard"),
+                            offset.parse().expect("an offset"),
+                        )
+                    })
+                    .collect();
+                assert_eq!(
+                    listed, next,
+                    "the lagged subscription's resume positions are where its deliveries stopped"
+                );
+            }
             self.trace.line(format!(
                 "c{client} subscription {name} ended {:?}: {}",
                 error.code, error.message
