@@ -808,7 +808,7 @@ impl Core {
     pub fn handle_fin(&mut self, now: Now, stream: StreamId, partial_frame: bool) {
         if partial_frame {
             let truncated = WireError::Malformed {
-                frame: "frame",
+                frame: "truncated",
                 reason: "the stream ended inside a frame".to_owned(),
             };
             self.handle_decode_error(now, stream, &truncated);

@@ -318,3 +318,105 @@ fn a_durable_ack_is_written_to_its_stream_once_the_round_is_synced() {
     assert_eq!(fault.syncs_completed(), 1);
     assert_eq!(broker.cores[0].counters().ingress_depth, 0);
 }
+
+#[test]
+fn protocol_violations_after_the_handshake_end_only_their_stream() {
+    // Proves what docs/wire-protocol.md section 10 says of frames in the wrong place after
+    // HelloOk: a server-only frame or a second Hello on a request stream gets Error
+    // protocol_violation (request id 0) and that stream finishes; a Subscribe on a request
+    // stream gets protocol_violation with its own request id and the stream goes on; a second
+    // frame on a subscription stream gets protocol_violation (request id 0) and the
+    // subscription ends; a frame cut short by FIN gets malformed (request id 0); the
+    // connection and its other streams carry on throughout.
+    let mut broker = Broker::new(1, ingress());
+    let conn = broker.connect(0);
+    broker.create(&conn, "edges", 2, StreamKind::InMemory);
+    let error_of = |frames: &[Frame]| match frames {
+        [Frame::Error(error)] => (error.request_id, error.code, error.message.clone()),
+        other => panic!("expected one Error, got {other:?}"),
+    };
+    for frame in [
+        Frame::Done { request_id: 5 },
+        Frame::Hello(Hello {
+            min_version: PROTOCOL_VERSION,
+            max_version: PROTOCOL_VERSION,
+            features: 0,
+            client_name: "again".to_owned(),
+            token: None,
+        }),
+    ] {
+        let stream = broker.open(&conn);
+        assert_eq!(
+            broker.feed(0, stream, Frame::ListStreams { request_id: 1 }),
+            Flow::Continue
+        );
+        assert!(matches!(
+            broker.read(0, stream).as_slice(),
+            [Frame::StreamList { .. }]
+        ));
+        assert_eq!(broker.feed(0, stream, frame), Flow::Done);
+        let (frames, finished) = broker.read_all(0, stream);
+        let (request_id, code, _) = error_of(&frames);
+        assert_eq!((request_id, code), (0, ErrorCode::ProtocolViolation));
+        assert!(finished, "that stream ends");
+    }
+    // A Subscribe on a request stream: its own id, the stream goes on.
+    let requests = broker.open(&conn);
+    assert_eq!(
+        broker.feed(0, requests, Frame::ListStreams { request_id: 1 }),
+        Flow::Continue
+    );
+    broker.read(0, requests);
+    let subscribe = Frame::Subscribe(Subscribe {
+        request_id: 6,
+        stream: "edges".to_owned(),
+        shards: ShardSelection::All,
+        from: StartPosition::Latest,
+    });
+    assert_eq!(broker.feed(0, requests, subscribe.clone()), Flow::Continue);
+    let (request_id, code, _) = error_of(&broker.read(0, requests));
+    assert_eq!((request_id, code), (6, ErrorCode::ProtocolViolation));
+    assert_eq!(
+        broker.feed(0, requests, Frame::ListStreams { request_id: 7 }),
+        Flow::Continue
+    );
+    assert!(matches!(
+        broker.read(0, requests).as_slice(),
+        [Frame::StreamList { request_id: 7, .. }]
+    ));
+    // A second frame on a subscription stream ends the subscription (request id 0).
+    let subscription = broker.open(&conn);
+    assert_eq!(broker.feed(0, subscription, subscribe), Flow::Subscribed);
+    broker.settle();
+    assert!(matches!(
+        broker.read(0, subscription).as_slice(),
+        [Frame::Subscribed(_)]
+    ));
+    let now = broker.now();
+    broker.cores[0].handle_extra_data(now, subscription);
+    let (frames, finished) = broker.read_all(0, subscription);
+    let (request_id, code, _) = error_of(&frames);
+    assert_eq!((request_id, code), (0, ErrorCode::ProtocolViolation));
+    assert!(finished);
+    // A frame cut short by FIN.
+    let cut = broker.open(&conn);
+    let now = broker.now();
+    broker.cores[0].handle_fin(now, cut, true);
+    let (frames, finished) = broker.read_all(0, cut);
+    let (request_id, code, message) = error_of(&frames);
+    assert_eq!((request_id, code), (0, ErrorCode::Malformed));
+    assert_eq!(
+        message,
+        "malformed truncated frame: the stream ended inside a frame"
+    );
+    assert!(finished);
+    // The connection's first stream still serves.
+    assert_eq!(
+        broker.feed(0, conn.requests, Frame::ListStreams { request_id: 8 }),
+        Flow::Continue
+    );
+    assert!(matches!(
+        broker.read(0, conn.requests).as_slice(),
+        [Frame::StreamList { request_id: 8, .. }]
+    ));
+}
