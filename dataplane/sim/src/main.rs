@@ -113,7 +113,7 @@ fn main() -> ExitCode {
     );
     println!(
         "felix-sim: exercised {} frames, {} acks, {} deliveries, {} refused, {} shed, {} waits, \
-         {} lagged ({} resumed), {} messages, {} log rounds, {} crashes ({} power cuts), {} \
+         {} lagged ({} resumed), {} messages, {} log rounds, {} crashes ({} power cuts, {} torn), {} \
          fsync failures, {} disk-full writes, {} catalogue failures, {} durable records \
          checked after crashes, {} requests denied by rules",
         total.frames,
@@ -128,6 +128,7 @@ fn main() -> ExitCode {
         total.rounds,
         total.crashes,
         total.power_cuts,
+        total.torn_cuts,
         total.fsync_failures,
         total.disk_full,
         total.catalog_failures,

@@ -114,6 +114,8 @@ pub struct Stats {
     pub resumed: u64,
     pub crashes: u64,
     pub power_cuts: u64,
+    /// Power cuts that tore the unsynced bytes sector by sector.
+    pub torn_cuts: u64,
     pub fsync_failures: u64,
     pub disk_full: u64,
     pub catalog_failures: u64,
@@ -136,6 +138,7 @@ impl Stats {
         self.resumed += other.resumed;
         self.crashes += other.crashes;
         self.power_cuts += other.power_cuts;
+        self.torn_cuts += other.torn_cuts;
         self.fsync_failures += other.fsync_failures;
         self.disk_full += other.disk_full;
         self.catalog_failures += other.catalog_failures;
@@ -456,6 +459,9 @@ impl World {
         self.trace.line(format!("crash: power cut {power_cut:?}"));
         if let Some(how) = power_cut {
             self.stats.power_cuts += 1;
+            if matches!(how, PowerCut::TearUnsynced { .. }) {
+                self.stats.torn_cuts += 1;
+            }
             for sim in &self.cores {
                 sim.fault.power_cut(how).expect("power cut");
             }
