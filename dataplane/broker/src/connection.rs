@@ -43,6 +43,50 @@ enum Reading {
     Done,
 }
 
+/// Bytes of frames not yet decoded that one connection's streams hold, bounded by the
+/// shell's `connection_read_budget` (FELIX_BROKER_PUB_CONN_RECV_WINDOW + FELIX_MAX_FRAME_BYTES:
+/// the data QUIC lets the client have in flight, plus one whole frame). QUIC flow control
+/// alone does not bound it: bytes read into a stream's frame buffer give their credit back.
+/// At the bound the connection's streams stop reading (QUIC then stops the client) until a
+/// frame completes or a stream closes. A client that keeps frames unfinished on many streams
+/// stalls only itself (docs/security.md).
+struct ReadBudget {
+    held: std::cell::Cell<u64>,
+    limit: u64,
+    /// Woken when bytes are released below the limit.
+    freed: tokio::sync::Notify,
+}
+
+impl ReadBudget {
+    fn has_room(&self) -> bool {
+        self.held.get() < self.limit
+    }
+
+    /// The stream's buffer went from `*accounted` to `now` bytes.
+    fn track(&self, accounted: &mut u64, now: u64) {
+        let held = self.held.get() - *accounted + now;
+        let freed = now < *accounted;
+        self.held.set(held);
+        *accounted = now;
+        if freed && held < self.limit {
+            self.freed.notify_waiters();
+        }
+    }
+}
+
+/// Releases a stream's share of its connection's read budget when the stream ends.
+struct BudgetShare {
+    budget: Rc<ReadBudget>,
+    accounted: u64,
+}
+
+impl Drop for BudgetShare {
+    fn drop(&mut self) {
+        let mut accounted = self.accounted;
+        self.budget.track(&mut accounted, 0);
+    }
+}
+
 /// Counts the connection in the machine and keeps its handle for its whole life.
 struct ConnectionGuard {
     shell: Rc<Shell>,
@@ -52,8 +96,10 @@ struct ConnectionGuard {
 impl Drop for ConnectionGuard {
     fn drop(&mut self) {
         self.shell.connections.borrow_mut().remove(&self.id);
-        if let Ok(mut core) = self.shell.core.try_borrow_mut() {
-            core.handle_connection_closed(self.id);
+        // Through `input`, so the metrics (the connections gauge) are exported at once.
+        if self.shell.core.try_borrow_mut().is_ok() {
+            self.shell
+                .input(|core, _| core.handle_connection_closed(self.id));
         }
         self.shell.connections_changed.notify_waiters();
     }
@@ -102,6 +148,11 @@ pub(crate) async fn serve_connection(shell: Rc<Shell>, mut connection: Connectio
         }
     };
     let stream = shell.input(|core, _| core.handle_stream_opened(id));
+    let budget = Rc::new(ReadBudget {
+        held: std::cell::Cell::new(0),
+        limit: shell.connection_read_budget,
+        freed: tokio::sync::Notify::new(),
+    });
     let (handshake_done, handshake) = tokio::sync::oneshot::channel();
     tokio::task::spawn_local(serve_stream(
         Rc::clone(&shell),
@@ -109,6 +160,7 @@ pub(crate) async fn serve_connection(shell: Rc<Shell>, mut connection: Connectio
         stream,
         first,
         Some(handshake_done),
+        Rc::clone(&budget),
     ));
     // Other streams wait until the handshake is answered (the client opens none before).
     match tokio::time::timeout_at(deadline, handshake).await {
@@ -125,7 +177,14 @@ pub(crate) async fn serve_connection(shell: Rc<Shell>, mut connection: Connectio
         match connection.accept_bidirectional_stream().await {
             Ok(Some(quic)) => {
                 let stream = shell.input(|core, _| core.handle_stream_opened(id));
-                tokio::task::spawn_local(serve_stream(Rc::clone(&shell), id, stream, quic, None));
+                tokio::task::spawn_local(serve_stream(
+                    Rc::clone(&shell),
+                    id,
+                    stream,
+                    quic,
+                    None,
+                    Rc::clone(&budget),
+                ));
             }
             Ok(None) => break,
             Err(error) => {
@@ -208,12 +267,17 @@ async fn serve_stream(
     stream: StreamId,
     quic: BidirectionalStream,
     mut handshake: Option<tokio::sync::oneshot::Sender<bool>>,
+    budget: Rc<ReadBudget>,
 ) {
     let (mut receive, mut send) = quic.split();
     let writer = shell.add_writer(stream);
     let _guard = StreamGuard {
         shell: Rc::clone(&shell),
         stream,
+    };
+    let mut share = BudgetShare {
+        budget,
+        accounted: 0,
     };
     let mut buffer = BytesMut::new();
     let mut reading = Reading::Frames;
@@ -232,6 +296,9 @@ async fn serve_stream(
             }
             core.poll_transmit(now, stream)
         });
+        share
+            .budget
+            .track(&mut share.accounted, buffer.len() as u64);
         // Write everything the machine has for this stream (a subscription: batch by batch).
         let mut writes = 0u32;
         loop {
@@ -267,7 +334,13 @@ async fn serve_stream(
             tokio::task::yield_now().await;
             continue;
         }
+        // Registered before the check, so a release between the two is not missed.
+        let freed = share.budget.freed.notified();
+        tokio::pin!(freed);
+        freed.as_mut().enable();
+        let over_budget = reading == Reading::Frames && !share.budget.has_room();
         let read = receive_open
+            && !over_budget
             && match reading {
                 Reading::Frames => shell.core.borrow().accepts_frames(stream),
                 Reading::Subscription => true,
@@ -276,9 +349,15 @@ async fn serve_stream(
         tokio::select! {
             biased;
             () = writer.notified() => {}
+            () = &mut freed, if over_budget => {}
             received = receive.receive(), if read => match received {
                 Ok(Some(chunk)) => match reading {
-                    Reading::Frames => append(&mut buffer, chunk),
+                    Reading::Frames => {
+                        append(&mut buffer, chunk);
+                        share
+                            .budget
+                            .track(&mut share.accounted, buffer.len() as u64);
+                    }
                     Reading::Subscription if chunk.is_empty() => {}
                     Reading::Subscription => {
                         shell.input(|core, now| core.handle_extra_data(now, stream));

@@ -223,6 +223,8 @@ fn run_thread(
             max_frame_bytes: settings.quic.connection.hello_max_bytes,
             ..settings.core.limits
         });
+        let read_budget =
+            settings.quic.conn_recv_window + u64::from(settings.core.limits.max_frame_bytes);
         let mut core = Core::new(settings.core);
         core.restore_durable(&log, &settings.entries)
             .map_err(|(name, error)| {
@@ -239,6 +241,7 @@ fn run_thread(
             (decoder, hello_decoder),
             settings.tokens.clone(),
             settings.quic.connection.hello_timeout,
+            read_budget,
             metrics.clone(),
             core_metrics,
         ));

@@ -54,6 +54,9 @@ pub(crate) struct Shell {
     tokens: watch::Receiver<Arc<TokenStore>>,
     /// FELIX_HELLO_TIMEOUT_MS: time a connection has to get its handshake answered.
     pub hello_timeout: std::time::Duration,
+    /// Bytes of undecoded frames one connection's streams may hold (connection.rs,
+    /// `ReadBudget`).
+    pub connection_read_budget: u64,
     /// Token checks that need argon2, for the token task (one per parked hello).
     pub slow_checks: RefCell<VecDeque<SlowCheck>>,
     /// Wakes the token task.
@@ -87,6 +90,7 @@ impl Shell {
         decoders: (Decoder, Decoder),
         tokens: watch::Receiver<Arc<TokenStore>>,
         hello_timeout: std::time::Duration,
+        connection_read_budget: u64,
         metrics: Metrics,
         core_metrics: CoreMetrics,
     ) -> Shell {
@@ -106,6 +110,7 @@ impl Shell {
             hello_decoder,
             tokens,
             hello_timeout,
+            connection_read_budget,
             slow_checks: RefCell::new(VecDeque::new()),
             token_work: Notify::new(),
             metrics,

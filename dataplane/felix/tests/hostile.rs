@@ -27,12 +27,10 @@ const HELLO_MAX_BYTES: u32 = 2048;
 const SUBSCRIBER_QUEUE_MAX_BYTES: u64 = 1 << 20;
 
 /// Broker defects the suite finds today (case names): run and reported, not counted. Remove a
-/// name once its defect is fixed (the report then says `FIXED?` and the test fails).
-///
-/// - `connection_gauge_is_current`: `felix_connections` keeps counting a closed connection
-///   until its core handles another input (the decrement is made outside the shell's input
-///   path, which is where counters are exported).
-const KNOWN_FAILURES: &[&str] = &["connection_gauge_is_current"];
+/// name once its defect is fixed (the report then says `FIXED?` and the test fails). None now:
+/// `connection_gauge_is_current` (the gauge kept counting a closed connection) was fixed by
+/// closing connections through the shell's input path.
+const KNOWN_FAILURES: &[&str] = &[];
 
 /// Bound on how far the broker's peak resident memory (VmHWM, which also covers the moments
 /// between samples) may rise above its resident memory before the first case.
