@@ -1,5 +1,8 @@
 //! Plain counters the broker exports; no metrics crate.
+//!
+//! Threads: updated and read on the log's core thread.
 
+use std::cell::Cell;
 use std::time::Duration;
 
 /// Buckets of [`LatencyHistogram`]: bucket `i` counts samples in `[2^i, 2^(i+1))` microseconds
@@ -89,6 +92,25 @@ pub struct Counters {
     pub recovery_bytes: u64,
     pub recovery_truncated_bytes: u64,
     pub recovery_us: u64,
+    /// Closed segments recovery read from their sidecar index instead of scanning them, and
+    /// bytes it scanned (the active segment, plus closed ones without a usable sidecar).
+    pub recovery_sidecar_segments: u64,
+    pub recovery_scanned_bytes: u64,
+    /// Sidecar indexes written (when a segment closes, or by recovery for one without).
+    pub sidecars_written: u64,
+    /// Commit marks: idle rounds that wrote only a mark (+ fdatasync), and mark bytes written
+    /// (marks in record rounds included; not in `write_bytes`).
+    pub mark_rounds: u64,
+    pub mark_bytes: u64,
+    /// Gauge: offsets in the log's quarantined ranges (records lost to damage and quarantined
+    /// by `felix log repair`); set at open.
+    pub quarantined_records: u64,
+    /// Quarantined offsets that reads skipped (each read that crosses a range counts it).
+    /// A `Cell` because reads take `&self`; the log lives on one thread.
+    pub quarantine_skipped_records: Cell<u64>,
+    /// Segments and file bytes given back by releasing deleted streams' shards.
+    pub released_segments: u64,
+    pub released_bytes: u64,
 }
 
 impl Counters {

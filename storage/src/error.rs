@@ -1,7 +1,10 @@
 //! The crate's one error type.
 
 use std::io;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+use crate::ShardRange;
 
 /// Everything that can go wrong in the durable log.
 ///
@@ -58,6 +61,20 @@ pub enum StorageError {
         position: u64,
         reason: String,
     },
+    /// Recovery (or an offline check) found damage inside committed data: bytes that a
+    /// completed fdatasync covered no longer hold valid records. Cutting there would drop
+    /// acknowledged records and hand their offsets out again, so the log refuses to open; the
+    /// message names the file, the position, what it can attribute and the repair command.
+    #[error("{0}")]
+    CorruptLog(Box<CorruptLog>),
+    /// Another process (a running broker, or an offline log command) holds the log
+    /// directory's lock.
+    #[error(
+        "durable log {} is in use: another process holds {} (a running broker, or a `felix log` command); stop it first",
+        dir.display(),
+        lock_file.display()
+    )]
+    Locked { dir: PathBuf, lock_file: PathBuf },
     /// A configuration value out of range; the message names the field or variable.
     #[error("invalid storage configuration: {0}")]
     Config(String),
@@ -68,6 +85,87 @@ pub enum StorageError {
         #[source]
         source: Arc<io::Error>,
     },
+}
+
+/// Where committed data of a log is damaged, what it held, and how to proceed
+/// ([`StorageError::CorruptLog`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CorruptLog {
+    /// The log directory (one data-plane core's log).
+    pub dir: PathBuf,
+    /// The segment's sequence number and file.
+    pub segment: u64,
+    pub file: PathBuf,
+    /// Byte position of the first damaged byte found (0 for a damaged header).
+    pub position: u64,
+    /// What is wrong there.
+    pub reason: String,
+    /// Shard offset ranges the damaged bytes held, as far as they can be attributed (the
+    /// damaged record's own header, and offsets missing before the next valid records).
+    pub attributed: Vec<ShardRange>,
+    /// The command that quarantines the damage so the log can open again.
+    pub repair_command: String,
+}
+
+/// Most attributed ranges listed in a message (the rest are counted).
+const ATTRIBUTED_SHOWN_MAX: usize = 8;
+
+impl std::fmt::Display for CorruptLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "durable log {}: committed data is corrupt in segment file {} at byte {}: {}; ",
+            self.dir.display(),
+            self.file.display(),
+            self.position,
+            self.reason
+        )?;
+        if self.attributed.is_empty() {
+            write!(f, "the damaged bytes cannot be attributed to a shard")?;
+        } else {
+            write!(f, "damaged records: ")?;
+            for (i, r) in self
+                .attributed
+                .iter()
+                .take(ATTRIBUTED_SHOWN_MAX)
+                .enumerate()
+            {
+                let sep = if i == 0 { "" } else { ", " };
+                write!(f, "{sep}shard {} offsets {}..{}", r.shard, r.first, r.end)?;
+            }
+            if self.attributed.len() > ATTRIBUTED_SHOWN_MAX {
+                write!(
+                    f,
+                    " and {} more ranges",
+                    self.attributed.len() - ATTRIBUTED_SHOWN_MAX
+                )?;
+            }
+        }
+        write!(
+            f,
+            ". Recovery stops here: acknowledged records may follow, and cutting would lose them \
+             and hand their offsets out again. Stop the broker and run `{}` to quarantine the \
+             damaged range (docs/storage-format.md, Corruption and repair)",
+            self.repair_command
+        )
+    }
+}
+
+/// The `felix log repair` command for a log directory: a broker's logs live in
+/// `<data_dir>/log/core-<i>`, so the data directory is two levels up; any other directory is
+/// named as it is.
+pub fn repair_command(dir: &Path) -> String {
+    let data_dir = dir
+        .parent()
+        .filter(|log| log.file_name().is_some_and(|n| n == "log"))
+        .filter(|_| {
+            dir.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("core-"))
+        })
+        .and_then(Path::parent)
+        .unwrap_or(dir);
+    format!("felix log repair --data-dir {}", data_dir.display())
 }
 
 /// Displays an error and then each of its sources, `: `-separated (what `{:#}` does for an

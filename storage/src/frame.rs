@@ -33,6 +33,13 @@ const _: () = assert!(BODY_BYTES_MAX > KEY_BYTES_MAX);
 
 const CRC_AT: usize = 24;
 
+/// Key-length value of a commit mark. A record's key length never exceeds its body, so an
+/// empty body with this key length (which `decode` used to reject as `KeyLength`) is free to
+/// mean "commit mark" without changing any record's encoding.
+const MARK_KEY_LEN: u16 = u16::MAX;
+/// Bytes of a commit mark: a bare header (no body).
+pub const MARK_BYTES: usize = HEADER_BYTES;
+
 /// A decoded record borrowing its key and payload from the buffer it was decoded from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RecordRef<'a> {
@@ -91,6 +98,10 @@ pub enum Decoded<'a> {
         record: RecordRef<'a>,
         frame_bytes: usize,
     },
+    /// A commit mark (a 28-byte frame with no body, see `docs/storage-format.md`, Commit
+    /// marks): when it was written, a completed fdatasync covered every byte of its segment
+    /// before `synced_end`. Its frame length is [`MARK_BYTES`].
+    Mark { synced_end: u64, timestamp_us: u64 },
     /// The slice ends before the frame does; `frame_bytes` is how many bytes are needed
     /// (at least the header, and the whole frame once the header is readable and sane).
     Incomplete { frame_bytes: usize },
@@ -174,6 +185,33 @@ fn u64_at(bytes: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(raw)
 }
 
+/// Appends one commit mark claiming that every byte of its segment before `synced_end` is
+/// covered by a completed fdatasync. `synced_end` is a file position (below 2^48: segments
+/// are at most 64 GiB).
+pub fn encode_mark(buf: &mut Vec<u8>, synced_end: u64, timestamp_us: u64) {
+    assert!(
+        synced_end <= OFFSET_MAX,
+        "a segment position fits the 48-bit field"
+    );
+    let start = buf.len();
+    let offset_key = synced_end | u64::from(MARK_KEY_LEN) << OFFSET_BITS;
+    buf.extend_from_slice(&0u32.to_le_bytes());
+    buf.extend_from_slice(&0u32.to_le_bytes());
+    buf.extend_from_slice(&offset_key.to_le_bytes());
+    buf.extend_from_slice(&timestamp_us.to_le_bytes());
+    let crc = crc_of(&buf[start..start + CRC_AT], &[]);
+    buf.extend_from_slice(&crc.to_le_bytes());
+    debug_assert_eq!(buf.len() - start, MARK_BYTES);
+}
+
+/// Whether the header bytes at the start of `bytes` have the shape of a commit mark (empty
+/// body, mark key length), before any CRC check: the cheap filter of a search for marks.
+pub fn looks_like_mark(bytes: &[u8]) -> bool {
+    bytes.len() >= HEADER_BYTES
+        && bytes[..4] == [0, 0, 0, 0]
+        && bytes[14..16] == MARK_KEY_LEN.to_le_bytes()
+}
+
 /// Reads the header fields at the start of `bytes`, or `None` if fewer than 28 bytes.
 pub fn decode_header(bytes: &[u8]) -> Option<Header> {
     if bytes.len() < HEADER_BYTES {
@@ -219,6 +257,12 @@ pub fn decode(bytes: &[u8]) -> Decoded<'_> {
     }
     let key_end = usize::from(header.key_len);
     if key_end > body {
+        if body == 0 && header.key_len == MARK_KEY_LEN {
+            return Decoded::Mark {
+                synced_end: header.offset,
+                timestamp_us: header.timestamp_us,
+            };
+        }
         return Decoded::Invalid(Invalid::KeyLength(header.key_len));
     }
     Decoded::Record {
@@ -285,6 +329,36 @@ mod tests {
         assert_eq!(buf.len(), HEADER_BYTES);
         assert!(buf.iter().any(|b| *b != 0));
         assert!(matches!(decode(&buf), Decoded::Record { .. }));
+    }
+
+    #[test]
+    fn marks_round_trip_and_flips_are_detected() {
+        // A commit mark decodes as a mark with its claim, is 28 bytes, matches the cheap
+        // filter, and any flipped bit makes it invalid (never a record or another mark).
+        let mut buf = Vec::new();
+        encode_mark(&mut buf, 123_456, 77);
+        assert_eq!(buf.len(), MARK_BYTES);
+        assert!(looks_like_mark(&buf));
+        assert_eq!(
+            decode(&buf),
+            Decoded::Mark {
+                synced_end: 123_456,
+                timestamp_us: 77
+            }
+        );
+        for at in 0..buf.len() {
+            for bit in 0..8 {
+                let mut bad = buf.clone();
+                bad[at] ^= 1 << bit;
+                assert!(
+                    !matches!(decode(&bad), Decoded::Record { .. } | Decoded::Mark { .. }),
+                    "flip at {at} bit {bit}"
+                );
+            }
+        }
+        let mut record = Vec::new();
+        encode(&mut record, 0, 0, 0, b"", b"");
+        assert!(!looks_like_mark(&record), "an empty record is not a mark");
     }
 
     #[test]

@@ -49,6 +49,28 @@ impl ShardIndex {
         }
     }
 
+    /// Appends an entry read from a sidecar index, which the writer built with the same rule.
+    /// Panics if it does not follow the last entry (the sidecar decoder checked the order
+    /// within a segment, and segments are loaded in sequence order).
+    pub fn push(&mut self, entry: IndexEntry) {
+        if let Some(last) = self.entries.back() {
+            assert!(last.offset < entry.offset, "index offsets increase");
+            assert!(
+                (last.segment, last.position) < (entry.segment, entry.position),
+                "index positions increase"
+            );
+        }
+        self.entries.push_back(entry);
+    }
+
+    /// The entries of segment `seq`, in order.
+    pub fn entries_in_segment(&self, seq: u64) -> impl Iterator<Item = &IndexEntry> {
+        let start = self.entries.partition_point(|e| e.segment < seq);
+        self.entries
+            .range(start..)
+            .take_while(move |e| e.segment == seq)
+    }
+
     /// Drops the entries of segments older than `first_kept_segment`.
     pub fn drop_segments_before(&mut self, first_kept_segment: u64) {
         while self

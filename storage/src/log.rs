@@ -1,7 +1,11 @@
-//! The per-core log: group commit over a [`Backend`], segments, the index, reads and
-//! retention. Recovery (`Log::open`) lives in `recovery.rs`.
+//! The per-core log: group commit over a [`Backend`], commit marks, segments (and their
+//! sidecar indexes), the index, reads (skipping quarantined ranges), retention and the release
+//! of deleted streams' segments. Recovery (`Log::open`) lives in `recovery.rs`, the offline
+//! commands in `offline.rs`.
+//!
+//! Threads: the core's event-loop thread (see [`Log`]).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fs::File;
 use std::os::fd::BorrowedFd;
 use std::os::unix::fs::FileExt;
@@ -13,10 +17,12 @@ use bytes::Bytes;
 
 use crate::backend::{Backend, RoundCompletion, RoundFailure, RoundRequest, wait_readable};
 use crate::counters::Counters;
-use crate::frame::{self, Decoded, HEADER_BYTES};
+use crate::frame::{self, Decoded, HEADER_BYTES, MARK_BYTES};
 use crate::index::{IndexEntry, ShardIndex};
-use crate::segment;
-use crate::{FsyncMode, LogConfig, StorageError};
+use crate::lock::DirLock;
+use crate::quarantine::{Quarantine, Released};
+use crate::sidecar::{self, Sidecar, SidecarShard};
+use crate::{FsyncMode, LogConfig, StorageError, segment};
 
 /// Bytes read per pread when a subscriber catches up: 256 KiB amortises the syscall over
 /// many records while one read of a 48-shard interleaved log still stays cache-sized.
@@ -26,6 +32,14 @@ pub const READ_CHUNK_BYTES: u64 = 256 << 10;
 const DRIVE_REAPS_MAX: usize = 4;
 /// Spare round buffers kept for reuse: one being filled, one in flight, one spare.
 const SPARE_BUFFERS_MAX: usize = 3;
+/// How long an on_commit log waits, idle, after a completed fdatasync before it writes a
+/// commit mark of its own (one 28-byte write + fdatasync). While records keep coming, each
+/// round carries the mark for the previous ones at no cost; after a burst the last round's
+/// records stay unproven (recovery would treat damage in them as a torn write) for at most
+/// this long. 20 ms: a publisher sending more often than 50 times a second never pays for a
+/// mark round, and the window stays far below any restart. Periodic logs wait one fsync
+/// interval instead (their power-loss window).
+pub const MARK_DELAY: Duration = Duration::from_millis(20);
 
 /// Offsets `first..end` (end exclusive) of one shard.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,20 +106,90 @@ pub struct RetentionReport {
     pub bytes_deleted: u64,
 }
 
+/// What [`Log::release_shards`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReleaseReport {
+    /// Shards released now (their records are no longer indexed or read).
+    pub shards: Vec<u32>,
+    /// Closed segments that held only released records: deleted (at the front of the log)
+    /// or cut down to their header (elsewhere, so the sequence stays contiguous).
+    pub segments: Vec<u64>,
+    /// File bytes freed.
+    pub bytes_freed: u64,
+}
+
+/// One shard's records in one segment (what its sidecar lists).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SegShard {
+    pub(crate) first: u64,
+    pub(crate) end: u64,
+    pub(crate) records: u64,
+}
+
 #[derive(Debug)]
 pub(crate) struct Segment {
     pub(crate) seq: u64,
     pub(crate) file: Arc<File>,
     pub(crate) path: PathBuf,
     pub(crate) size: u64,
-    /// End of the last written record.
+    /// Where the first frame starts (the header's size).
+    pub(crate) data_start: u64,
+    /// The header's CRC, named by the sidecar.
+    pub(crate) header_crc: u32,
+    /// End of the last written frame (record or commit mark).
     pub(crate) tail: u64,
+    /// End of the last written record (commit marks excluded).
+    pub(crate) records_end: u64,
+    /// `tail` at the last completed fdatasync of this file.
+    pub(crate) synced_end: u64,
+    /// `records_end` at the last completed fdatasync of this file.
+    pub(crate) synced_records_end: u64,
+    /// Largest claim of a commit mark written to this segment, and of one covered by a
+    /// completed fdatasync (what a recovery is sure to find).
+    pub(crate) mark_claim_written: u64,
+    pub(crate) mark_claim_durable: u64,
+    /// Records per shard (released shards removed), their count and framed bytes.
+    pub(crate) stats: BTreeMap<u32, SegShard>,
+    pub(crate) records: u64,
+    pub(crate) record_bytes: u64,
+    /// Records of released shards still in the file (dropped by `felix log compact`).
+    pub(crate) released_records: u64,
     /// A failed write may have left bytes up to here; the next write covers them with zeros.
     pub(crate) scrub_until: u64,
     pub(crate) max_timestamp_us: Option<u64>,
     pub(crate) created_unix_us: u64,
     /// Written since the last completed fdatasync of this file.
     pub(crate) unsynced: bool,
+}
+
+impl Segment {
+    /// Synced records not yet covered by a durable commit mark.
+    fn mark_needed(&self) -> bool {
+        self.synced_records_end > self.mark_claim_durable
+    }
+
+    /// The claim a mark written now would make, when it would prove more than the marks
+    /// already written.
+    fn mark_claim(&self) -> Option<u64> {
+        (self.synced_end > self.data_start && self.synced_end > self.mark_claim_written)
+            .then_some(self.synced_end)
+    }
+
+    /// Notes that a record `shard` `first..end` was written.
+    pub(crate) fn note_records(&mut self, shard: u32, first: u64, end: u64, records: u64) {
+        self.stats
+            .entry(shard)
+            .and_modify(|s| {
+                s.end = s.end.max(end);
+                s.records += records;
+            })
+            .or_insert(SegShard {
+                first,
+                end,
+                records,
+            });
+        self.records += records;
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -163,6 +247,8 @@ enum RoundKind {
     PreRoll,
     /// An fdatasync alone (periodic mode).
     SyncOnly,
+    /// A commit mark alone + fdatasync (an idle log proving its last synced records).
+    Mark,
 }
 
 #[derive(Debug)]
@@ -172,6 +258,8 @@ struct InFlight {
     segment: u64,
     base: u64,
     record_bytes: u64,
+    /// The claim of the commit mark written right after the records, if any.
+    mark: Option<u64>,
     attempted_bytes: u64,
     sync: bool,
 }
@@ -200,6 +288,10 @@ struct Unsynced {
 pub struct Log<B: Backend> {
     pub(crate) config: LogConfig,
     pub(crate) backend: B,
+    /// The directory's lock, held for the log's life (see `lock.rs`).
+    pub(crate) lock: DirLock,
+    pub(crate) quarantine: Quarantine,
+    pub(crate) released: Released,
     pub(crate) segments: VecDeque<Segment>,
     /// The sequence number the next created segment takes when there is none (a fresh log
     /// makes its first segment only when something is appended or [`Log::ensure_segment`]
@@ -216,6 +308,9 @@ pub struct Log<B: Backend> {
     pub(crate) counters: Counters,
     sync_due_at: Option<Instant>,
     sync_requested: bool,
+    /// When an idle log writes a commit mark for its last synced records.
+    pub(crate) mark_due_at: Option<Instant>,
+    mark_requested: bool,
     unsynced: Unsynced,
     spare_buffers: Vec<Vec<u8>>,
     pub(crate) total_bytes: u64,
@@ -241,10 +336,13 @@ pub(crate) fn now_unix_us() -> u64 {
 }
 
 impl<B: Backend> Log<B> {
-    pub(crate) fn empty(config: LogConfig, backend: B) -> Self {
+    pub(crate) fn empty(config: LogConfig, backend: B, lock: DirLock) -> Self {
         Log {
             config,
             backend,
+            lock,
+            quarantine: Quarantine::default(),
+            released: Released::default(),
             segments: VecDeque::new(),
             first_seq: 0,
             shards: HashMap::new(),
@@ -258,6 +356,8 @@ impl<B: Backend> Log<B> {
             counters: Counters::default(),
             sync_due_at: None,
             sync_requested: false,
+            mark_due_at: None,
+            mark_requested: false,
             unsynced: Unsynced::default(),
             spare_buffers: Vec::new(),
             total_bytes: 0,
@@ -294,10 +394,50 @@ impl<B: Backend> Log<B> {
         if self.in_flight.is_some() {
             return None;
         }
-        if self.sync_requested {
+        if self.sync_requested || (self.mark_requested && self.mark_possible()) {
             return Some(Instant::now());
         }
-        self.sync_due_at
+        let mark = self.mark_due_at.filter(|_| self.mark_possible());
+        match (self.sync_due_at, mark) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// The active segment has synced records no durable commit mark covers, and a mark
+    /// round could prove them now (a claim to make, and room for the mark and any zero fill;
+    /// a full segment is closed before the next records, and closed segments need no mark).
+    fn mark_possible(&self) -> bool {
+        self.segments.back().is_some_and(|s| {
+            let leftovers = s.scrub_until.saturating_sub(s.tail);
+            s.mark_needed()
+                && s.mark_claim().is_some()
+                && s.tail + (MARK_BYTES as u64).max(leftovers) <= s.size
+        })
+    }
+
+    /// How long an idle log waits before writing a commit mark (see [`MARK_DELAY`]).
+    pub(crate) fn mark_delay(&self) -> Duration {
+        match self.config.fsync {
+            FsyncMode::OnCommit => MARK_DELAY,
+            FsyncMode::Periodic { interval } => interval,
+        }
+    }
+
+    /// Quarantined ranges of this log (see `quarantine.rs`).
+    pub fn quarantine(&self) -> &Quarantine {
+        &self.quarantine
+    }
+
+    /// Shards released because their streams were deleted.
+    pub fn released(&self) -> &Released {
+        &self.released
+    }
+
+    /// Gives the directory lock back (the log is closed), for an offline command that
+    /// reopens the log without letting anyone in between.
+    pub fn into_lock(self) -> DirLock {
+        self.lock
     }
 
     /// The level at which records count as committed in this log's mode: `Synced` on
@@ -469,9 +609,13 @@ impl<B: Backend> Log<B> {
         Ok(())
     }
 
-    /// Asks for an fdatasync as soon as possible (periodic mode: e.g. at shutdown).
+    /// Asks for an fdatasync as soon as possible (periodic mode: e.g. at shutdown), and,
+    /// once everything is synced, for a commit mark covering it without waiting for
+    /// [`MARK_DELAY`] (so the next recovery can tell damage in these records from a torn
+    /// write). A clean shutdown calls it before its `flush`.
     pub fn sync_now(&mut self) {
         self.sync_requested = true;
+        self.mark_requested = true;
     }
 
     /// Reaps a finished round, if any, and starts the next one when none is in flight.
@@ -501,12 +645,16 @@ impl<B: Backend> Log<B> {
     /// Blocks the calling thread until everything appended is written (and synced when the
     /// mode is on_commit or `sync_now` was called), or `timeout` passes. For shutdown and
     /// tests; an event loop uses `drive` instead. Events stay queued for `poll_event`.
+    /// After `sync_now`, it also waits for the commit mark covering everything synced.
     pub fn flush(&mut self, timeout: Duration) -> Result<(), StorageError> {
         let deadline = Instant::now() + timeout;
         loop {
             self.drive(Instant::now())?;
             let sync_wanted = self.sync_requested && self.unsynced.records > 0;
-            if self.is_idle() && !sync_wanted {
+            let mark_wanted =
+                self.mark_requested && self.unsynced.records == 0 && self.mark_possible();
+            if self.is_idle() && !sync_wanted && !mark_wanted {
+                self.mark_requested = false;
                 return Ok(());
             }
             let now = Instant::now();
@@ -544,13 +692,18 @@ impl<B: Backend> Log<B> {
         if let Some(front) = self.pending.front() {
             let record_bytes = front.buf.len() as u64;
             let leftovers = active.scrub_until.saturating_sub(active.tail);
-            let attempted = record_bytes.max(leftovers);
+            let mark_bytes = if active.mark_claim().is_some() {
+                MARK_BYTES as u64
+            } else {
+                0
+            };
+            let attempted = (record_bytes + mark_bytes).max(leftovers);
             if active.tail + attempted > active.size {
                 if active.unsynced || leftovers > 0 {
                     // Before the log moves on, the old segment must end in zeros and be synced:
                     // recovery trusts a non-last segment up to its first zero header.
                     let buf = vec![0u8; leftovers as usize];
-                    return self.submit(RoundKind::PreRoll, buf, 0, true);
+                    return self.submit(RoundKind::PreRoll, buf, 0, None, true);
                 }
                 if !self.roll_or_reject(record_bytes)? {
                     return Ok(());
@@ -568,17 +721,48 @@ impl<B: Backend> Log<B> {
             let Some(active) = self.segments.back() else {
                 unreachable!("at least one segment");
             };
+            // After a roll the new segment has nothing synced, so no mark.
+            let mark = active.mark_claim();
+            if let Some(claim) = mark {
+                frame::encode_mark(&mut buf, claim, now_unix_us());
+            }
             let leftovers = active.scrub_until.saturating_sub(active.tail);
-            if leftovers > record_bytes {
+            if leftovers > buf.len() as u64 {
                 buf.resize(leftovers as usize, 0);
             }
-            return self.submit(RoundKind::Records(round.meta), buf, record_bytes, sync);
+            return self.submit(
+                RoundKind::Records(round.meta),
+                buf,
+                record_bytes,
+                mark,
+                sync,
+            );
         }
         if self.unsynced.records > 0 && periodic_sync_due {
-            return self.submit(RoundKind::SyncOnly, Vec::new(), 0, true);
+            return self.submit(RoundKind::SyncOnly, Vec::new(), 0, None, true);
         }
         if self.sync_requested && self.unsynced.records == 0 {
             self.sync_requested = false;
+        }
+        let mark_due = self.mark_requested || self.mark_due_at.is_some_and(|t| now >= t);
+        if mark_due && self.mark_possible() {
+            let leftovers = active.scrub_until.saturating_sub(active.tail);
+            let Some(claim) = active.mark_claim() else {
+                unreachable!("mark_possible checked it");
+            };
+            let mut buf = Vec::with_capacity(MARK_BYTES.max(leftovers as usize));
+            frame::encode_mark(&mut buf, claim, now_unix_us());
+            if leftovers > buf.len() as u64 {
+                buf.resize(leftovers as usize, 0);
+            }
+            self.mark_requested = false;
+            return self.submit(RoundKind::Mark, buf, 0, Some(claim), true);
+        }
+        if mark_due {
+            // Nothing to prove, or no room: a full segment is closed before the next
+            // records, and closed segments need no mark.
+            self.mark_requested = false;
+            self.mark_due_at = None;
         }
         Ok(())
     }
@@ -588,6 +772,7 @@ impl<B: Backend> Log<B> {
         kind: RoundKind,
         buf: Vec<u8>,
         record_bytes: u64,
+        mark: Option<u64>,
         sync: bool,
     ) -> Result<(), StorageError> {
         assert!(self.in_flight.is_none(), "one round in flight");
@@ -615,6 +800,7 @@ impl<B: Backend> Log<B> {
             segment: active.seq,
             base: active.tail,
             record_bytes,
+            mark,
             attempted_bytes,
             sync,
         });
@@ -671,21 +857,79 @@ impl<B: Backend> Log<B> {
             .segment_bytes
             .max(segment::align_up(header_bytes + record_bytes));
         let created = now_unix_us();
+        if let Some(closing) = self.segments.back() {
+            // The closing segment is synced (the pre-roll round) and never written again:
+            // its sidecar lets the next recovery skip scanning it. Not fatal: without it,
+            // recovery scans the segment and writes one.
+            let sidecar = self.sidecar_of(closing);
+            if let Err(error) = sidecar::write(&self.config.dir, &sidecar) {
+                tracing::warn!(seq = closing.seq, error = %crate::ErrorChain(&error), "cannot write a sidecar index; recovery will scan the segment");
+            } else {
+                self.counters.sidecars_written += 1;
+            }
+        }
+        // The segment's creation fsyncs the directory, which also makes the sidecar's rename
+        // durable.
         let (file, header_bytes, path) =
             segment::create(&self.config.dir, seq, size, created, &checkpoint)?;
         tracing::debug!(seq, size, shards = checkpoint.len(), "log segment created");
-        self.push_segment(seq, file, path, size, header_bytes, created);
+        let header_crc = segment::read_header(&file, size)
+            .map(|h| h.crc)
+            .map_err(|why| {
+                StorageError::io(
+                    format!("re-read the header of new segment {seq}"),
+                    std::io::Error::other(why),
+                )
+            })?;
+        self.push_segment(seq, file, path, size, header_bytes, header_crc, created);
         self.counters.segments_created += 1;
         Ok(())
     }
 
+    /// The sidecar of a segment from the log's own state.
+    pub(crate) fn sidecar_of(&self, seg: &Segment) -> Sidecar {
+        let mut entries = Vec::new();
+        let shards = seg
+            .stats
+            .iter()
+            .map(|(shard, s)| {
+                if let Some(ix) = self.index.get(shard) {
+                    entries.extend(
+                        ix.entries_in_segment(seg.seq)
+                            .map(|e| (*shard, e.offset, e.position)),
+                    );
+                }
+                SidecarShard {
+                    shard: *shard,
+                    first: s.first,
+                    end: s.end,
+                    records: s.records,
+                }
+            })
+            .collect();
+        Sidecar {
+            seq: seg.seq,
+            header_crc: seg.header_crc,
+            index_interval_bytes: self.config.index_interval_bytes,
+            data_end: seg.tail,
+            records: seg.records,
+            record_bytes: seg.record_bytes,
+            max_timestamp_us: seg.max_timestamp_us,
+            shards,
+            entries,
+        }
+    }
+
+    /// Adds an empty segment whose frames start at `data_start` (its header's size).
+    #[allow(clippy::too_many_arguments)] // one call per field of a new segment, two callers
     pub(crate) fn push_segment(
         &mut self,
         seq: u64,
         file: File,
         path: PathBuf,
         size: u64,
-        tail: u64,
+        data_start: u64,
+        header_crc: u32,
         created_unix_us: u64,
     ) {
         if let Some(last) = self.segments.back() {
@@ -697,7 +941,18 @@ impl<B: Backend> Log<B> {
             file: Arc::new(file),
             path,
             size,
-            tail,
+            data_start,
+            header_crc,
+            tail: data_start,
+            records_end: data_start,
+            synced_end: data_start,
+            synced_records_end: data_start,
+            mark_claim_written: 0,
+            mark_claim_durable: 0,
+            stats: BTreeMap::new(),
+            records: 0,
+            record_bytes: 0,
+            released_records: 0,
             scrub_until: 0,
             max_timestamp_us: None,
             created_unix_us,
@@ -722,17 +977,27 @@ impl<B: Backend> Log<B> {
         let Some(seg_at) = self.segment_index(inf.segment) else {
             unreachable!("retention never deletes the segment a round is in");
         };
-        self.counters.rounds += 1;
-        self.counters.write_latency.record(c.write_latency);
+        let mark_bytes = if inf.mark.is_some() {
+            MARK_BYTES as u64
+        } else {
+            0
+        };
+        let is_mark_round = matches!(inf.kind, RoundKind::Mark);
+        if is_mark_round {
+            self.counters.mark_rounds += 1;
+        } else {
+            self.counters.rounds += 1;
+            self.counters.write_latency.record(c.write_latency);
+        }
         match c.result {
             Ok(()) => {}
             Err(RoundFailure::Write(errno)) if errno == libc::ENOSPC => {
-                self.counters.write_bytes += inf.attempted_bytes;
+                self.counters.write_bytes += inf.attempted_bytes - mark_bytes;
                 let seg = &mut self.segments[seg_at];
                 seg.scrub_until = seg.scrub_until.max(inf.base + inf.attempted_bytes);
                 let meta = match inf.kind {
                     RoundKind::Records(meta) => Some(meta),
-                    RoundKind::PreRoll | RoundKind::SyncOnly => None,
+                    RoundKind::PreRoll | RoundKind::SyncOnly | RoundKind::Mark => None,
                 };
                 self.reject(meta, StorageError::DiskFull);
                 self.recycle(c.buf);
@@ -751,7 +1016,8 @@ impl<B: Backend> Log<B> {
                 }));
             }
         }
-        self.counters.write_bytes += inf.attempted_bytes;
+        self.counters.write_bytes += inf.attempted_bytes - mark_bytes;
+        self.counters.mark_bytes += mark_bytes;
         let seg_seq = inf.segment;
         {
             let seg = &mut self.segments[seg_at];
@@ -768,8 +1034,14 @@ impl<B: Backend> Log<B> {
                 &meta,
             );
         }
+        if let Some(claim) = inf.mark {
+            let seg = &mut self.segments[seg_at];
+            seg.tail = inf.base + inf.record_bytes + mark_bytes;
+            seg.mark_claim_written = seg.mark_claim_written.max(claim);
+            seg.unsynced = true;
+        }
         if inf.sync {
-            self.apply_synced(seg_at, c.sync_latency);
+            self.apply_synced(seg_at, c.sync_latency, is_mark_round, now);
         } else if self.unsynced.records > 0
             && let FsyncMode::Periodic { interval } = self.config.fsync
         {
@@ -806,8 +1078,13 @@ impl<B: Backend> Log<B> {
         assert_eq!(at, records.len(), "frames tile the round");
         let seg = &mut self.segments[seg_at];
         seg.tail = base + records.len() as u64;
+        seg.records_end = seg.tail;
+        seg.record_bytes += records.len() as u64;
         seg.max_timestamp_us = seg.max_timestamp_us.max(max_ts);
         seg.unsynced = true;
+        for r in &meta.ranges {
+            seg.note_records(r.shard, r.first, r.end, r.len());
+        }
         let c = &mut self.counters;
         c.records += meta.records;
         c.body_bytes += meta.body_bytes;
@@ -836,12 +1113,22 @@ impl<B: Backend> Log<B> {
             .push_back(LogEvent::Written(meta.ranges.clone()));
     }
 
-    fn apply_synced(&mut self, seg_at: usize, latency: Option<std::time::Duration>) {
-        self.counters.fsyncs += 1;
-        self.counters.fsync_records += self.unsynced.records;
-        self.counters.fsync_bytes += self.unsynced.bytes;
-        if let Some(l) = latency {
-            self.counters.fsync_latency.record(l);
+    fn apply_synced(
+        &mut self,
+        seg_at: usize,
+        latency: Option<std::time::Duration>,
+        mark_round: bool,
+        now: Instant,
+    ) {
+        // A mark round's fdatasync counts as one of the log's fsyncs only when it also made
+        // written records durable (periodic mode); the fan-in counters stay about records.
+        if !mark_round || self.unsynced.records > 0 {
+            self.counters.fsyncs += 1;
+            self.counters.fsync_records += self.unsynced.records;
+            self.counters.fsync_bytes += self.unsynced.bytes;
+            if let Some(l) = latency {
+                self.counters.fsync_latency.record(l);
+            }
         }
         let mut ranges = Vec::with_capacity(self.unsynced.shards.len());
         for shard in self.unsynced.shards.drain(..) {
@@ -858,7 +1145,13 @@ impl<B: Backend> Log<B> {
             s.synced = s.written;
             s.dirty = false;
         }
-        self.segments[seg_at].unsynced = false;
+        let seg = &mut self.segments[seg_at];
+        seg.unsynced = false;
+        seg.synced_end = seg.tail;
+        seg.synced_records_end = seg.records_end;
+        seg.mark_claim_durable = seg.mark_claim_written;
+        let mark_needed = seg.mark_needed();
+        self.mark_due_at = mark_needed.then(|| now + self.mark_delay());
         self.unsynced.records = 0;
         self.unsynced.bytes = 0;
         self.sync_due_at = None;
@@ -904,9 +1197,31 @@ impl<B: Backend> Log<B> {
     /// Reads committed records of `shard` from offset `from`, in order: at most
     /// `max_records`, and at most `max_bytes` of key + payload (but always at least one
     /// record when one is available). Committed means synced on on_commit and written on
-    /// periodic (see [`Log::committed_offset`]). Does pread on the calling thread (v1), each
-    /// record's CRC checked; a bad committed record is `Corrupt`, which is fatal.
+    /// periodic (see [`Log::committed_offset`]). Quarantined offsets (`quarantine.rs`) are
+    /// skipped: the records returned then jump over them, and the skipped offsets are counted
+    /// in `Counters::quarantine_skipped_records`. Does pread on the calling thread (v1), each
+    /// record's CRC checked; a bad committed record is `Corrupt`, which is fatal (and removes
+    /// the segment's sidecar, so the next recovery scans the segment and names the damage).
     pub fn read(
+        &self,
+        shard: u32,
+        from: u64,
+        max_records: usize,
+        max_bytes: usize,
+    ) -> Result<Vec<Record>, StorageError> {
+        let result = self.read_inner(shard, from, max_records, max_bytes);
+        if let Err(StorageError::Corrupt { segment, .. }) = &result
+            && self
+                .segments
+                .back()
+                .is_some_and(|active| active.seq != *segment)
+        {
+            sidecar::remove(&self.config.dir, *segment);
+        }
+        result
+    }
+
+    fn read_inner(
         &self,
         shard: u32,
         from: u64,
@@ -924,6 +1239,18 @@ impl<B: Backend> Log<B> {
                 oldest: state.oldest,
             });
         }
+        let asked = from;
+        let from = self.quarantine.skip(shard, asked);
+        let skipped = &self.counters.quarantine_skipped_records;
+        skipped.set(skipped.get() + (from - asked));
+        // Moves past the quarantined offsets at `next`, counting those at or after `asked`.
+        let skip = |next: u64| {
+            let to = self.quarantine.skip(shard, next);
+            if to > next {
+                skipped.set(skipped.get() + to.saturating_sub(next.max(asked)));
+            }
+            to
+        };
         let end = self.commit_watermark(state);
         let mut out = Vec::new();
         if from >= end || max_records == 0 {
@@ -1020,7 +1347,7 @@ impl<B: Backend> Log<B> {
                                     ),
                                 ));
                             }
-                            expect += 1;
+                            expect = skip(record.offset + 1);
                             last_hit = here;
                             if record.offset >= from {
                                 let body = record.key.len() + record.payload.len();
@@ -1044,6 +1371,7 @@ impl<B: Backend> Log<B> {
                         }
                         at += frame_bytes;
                     }
+                    Decoded::Mark { .. } => at += frame::MARK_BYTES,
                     Decoded::Incomplete { frame_bytes } => {
                         if pos + at as u64 + frame_bytes as u64 > seg.tail {
                             return Err(corrupt(
@@ -1100,6 +1428,7 @@ impl<B: Backend> Log<B> {
             std::fs::remove_file(&seg.path).map_err(|e| {
                 StorageError::io(format!("delete segment {}", seg.path.display()), e)
             })?;
+            sidecar::remove(&self.config.dir, seg.seq);
             tracing::info!(
                 seq = seg.seq,
                 bytes = seg.size,
@@ -1113,16 +1442,157 @@ impl<B: Backend> Log<B> {
             report.segments_deleted.push(seg.seq);
             report.bytes_deleted += seg.size;
         }
-        if let Some(first) = self.segments.front().map(|s| s.seq)
-            && !report.segments_deleted.is_empty()
-        {
-            for (shard, s) in self.shards.iter_mut() {
-                let ix = self.index.entry(*shard).or_default();
-                ix.drop_segments_before(first);
-                s.oldest = ix.first().map_or(s.written, |e| e.offset);
-            }
-            self.index.retain(|_, ix| ix.first().is_some());
+        if !report.segments_deleted.is_empty() {
+            self.front_segments_deleted();
         }
+        Ok(report)
+    }
+
+    /// After the oldest segments were deleted: each shard's index loses their entries and
+    /// its oldest offset moves to its first remaining record.
+    fn front_segments_deleted(&mut self) {
+        let Some(first) = self.segments.front().map(|s| s.seq) else {
+            return;
+        };
+        for (shard, s) in self.shards.iter_mut() {
+            let ix = self.index.entry(*shard).or_default();
+            ix.drop_segments_before(first);
+            let oldest = ix.first().map_or(s.written, |e| e.offset);
+            s.oldest = self.quarantine.extend_down(*shard, oldest);
+        }
+        self.index.retain(|_, ix| ix.first().is_some());
+    }
+
+    // ----- deleted streams -----
+
+    /// Releases every shard for which `live` is false (log shards of deleted streams): the
+    /// shard is forgotten (offsets, index) and listed in the directory's `released` file, so
+    /// recovery ignores its records from then on; then every closed segment left without a
+    /// live record gives its space back at once (deleted when it is the oldest, else cut down
+    /// to its header so the segment sequence stays contiguous). The active segment is kept.
+    /// A shard with appends not yet written is left for a later call. Stream ids are never
+    /// reused, so a released shard id never names records again.
+    ///
+    /// Runs on the calling thread: one small atomic file write (two fsyncs) when something is
+    /// released, plus a truncate or unlink per freed segment.
+    pub fn release_shards(
+        &mut self,
+        live: impl Fn(u32) -> bool,
+    ) -> Result<ReleaseReport, StorageError> {
+        self.check_failed()?;
+        let in_flight: Vec<u32> = match &self.in_flight {
+            Some(InFlight {
+                kind: RoundKind::Records(meta),
+                ..
+            }) => meta.ranges.iter().map(|r| r.shard).collect(),
+            _ => Vec::new(),
+        };
+        let mut dead: Vec<u32> = self
+            .shards
+            .iter()
+            .filter(|(id, s)| !live(**id) && s.next == s.written && !in_flight.contains(id))
+            .map(|(id, _)| *id)
+            .collect();
+        // Shards only segments still mention (e.g. forgotten before, or never anchored here).
+        for seg in &self.segments {
+            dead.extend(
+                seg.stats
+                    .keys()
+                    .filter(|id| !live(**id) && !self.shards.contains_key(id)),
+            );
+        }
+        dead.sort_unstable();
+        dead.dedup();
+        let mut report = ReleaseReport::default();
+        if dead.is_empty() {
+            return Ok(report);
+        }
+        let mut released = self.released.clone();
+        released.extend(dead.iter().copied());
+        released.store(&self.config.dir)?;
+        self.released = released;
+        for shard in &dead {
+            self.shards.remove(shard);
+            self.index.remove(shard);
+            for seg in self.segments.iter_mut() {
+                if let Some(stats) = seg.stats.remove(shard) {
+                    seg.records -= stats.records;
+                    seg.released_records += stats.records;
+                }
+            }
+        }
+        report.shards = dead;
+        // Closed segments without a live record: the oldest ones are deleted, the others cut
+        // to their header. Bounded by the segment count; the active one is never touched.
+        let closed = self.segments.len().saturating_sub(1);
+        let mut freed_front = 0usize;
+        for at in 0..closed {
+            let seg = &mut self.segments[at];
+            if !seg.stats.is_empty() {
+                continue;
+            }
+            if at == freed_front {
+                freed_front += 1;
+                continue; // deleted below
+            }
+            if seg.size > seg.data_start {
+                seg.file.set_len(seg.data_start).map_err(|e| {
+                    StorageError::io(format!("release segment {}", seg.path.display()), e)
+                })?;
+                seg.file.sync_all().map_err(|e| {
+                    StorageError::io(format!("fsync segment {}", seg.path.display()), e)
+                })?;
+                report.bytes_freed += seg.size - seg.data_start;
+                self.total_bytes -= seg.size - seg.data_start;
+                seg.size = seg.data_start;
+                seg.tail = seg.data_start;
+                seg.records_end = seg.data_start;
+                seg.synced_end = seg.data_start;
+                seg.synced_records_end = seg.data_start;
+                seg.records = 0;
+                seg.record_bytes = 0;
+                seg.max_timestamp_us = None;
+                report.segments.push(seg.seq);
+                let seq = seg.seq;
+                let sidecar = self.sidecar_of(&self.segments[at]);
+                sidecar::write(&self.config.dir, &sidecar)?;
+                tracing::info!(
+                    seq,
+                    "released a segment of deleted streams (cut to its header)"
+                );
+            }
+        }
+        for _ in 0..freed_front {
+            let Some(seg) = self.segments.pop_front() else {
+                unreachable!("freed_front counts existing closed segments");
+            };
+            std::fs::remove_file(&seg.path).map_err(|e| {
+                StorageError::io(format!("delete segment {}", seg.path.display()), e)
+            })?;
+            sidecar::remove(&self.config.dir, seg.seq);
+            tracing::info!(
+                seq = seg.seq,
+                bytes = seg.size,
+                "released a segment of deleted streams (deleted)"
+            );
+            report.bytes_freed += seg.size;
+            self.total_bytes -= seg.size;
+            report.segments.push(seg.seq);
+        }
+        if freed_front > 0 {
+            self.front_segments_deleted();
+        }
+        if !report.segments.is_empty() {
+            segment::sync_dir(&self.config.dir)?;
+        }
+        self.counters.released_segments += report.segments.len() as u64;
+        self.counters.released_bytes += report.bytes_freed;
+        tracing::info!(
+            shards = report.shards.len(),
+            segments = report.segments.len(),
+            bytes = report.bytes_freed,
+            "released the log shards of deleted streams"
+        );
         Ok(report)
     }
 }

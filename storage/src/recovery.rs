@@ -1,32 +1,40 @@
-//! Recovery at open: scan every segment in order, verify every record, keep the longest
-//! valid prefix of the log, cut the rest, and rebuild the shard state and the index.
+//! Recovery at open: load each closed segment from its sidecar index (or scan it when the
+//! sidecar is missing or unusable, and write one), scan the active segment, verify every
+//! record scanned, cut a torn tail of the active segment silently, refuse to open on damage
+//! inside committed data ([`StorageError::CorruptLog`]), and rebuild the shard state and the
+//! index. The rules are in `docs/storage-format.md` (Recovery; Corruption and repair).
+//!
+//! Threads: the thread that opens the log (a core's thread at start-up, before it serves; or
+//! an offline command's).
 
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::FileExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::backend::Backend;
-use crate::frame::{self, Decoded, Invalid, RecordRef};
+use crate::error::{CorruptLog, repair_command};
+use crate::index::IndexEntry;
+use crate::lock::DirLock;
 use crate::log::{Log, ShardState};
+use crate::quarantine::{self, Quarantine, Released};
+use crate::scan::{
+    self, Frame, MARK_SEARCH_WINDOW_BYTES, RESYNC_WINDOW_BYTES, SCAN_CHUNK_BYTES, Stop,
+};
 use crate::segment::{self, SegmentHeader};
-use crate::{LogConfig, StorageError};
+use crate::sidecar::{self, Sidecar};
+use crate::{LogConfig, ShardRange, StorageError};
 
-/// Bytes read per pread while scanning. 4 MiB: large sequential reads run at the disk's
-/// rate, and the buffer is allocated once per recovery.
-pub const SCAN_CHUNK_BYTES: usize = 4 << 20;
-/// Bytes read per pread when looking for non-zero bytes after the cut point.
-const ZERO_CHECK_CHUNK_BYTES: usize = 1 << 20;
-/// How far past a cut point recovery reads to count the bytes it drops (for the report and
-/// the metrics). Beyond it the segment is cleared without being read (truncate + preallocate,
+/// How far past the end of the active segment's data recovery reads to count the non-zero
+/// bytes a cut drops (for the report and the metrics) and to notice data beyond a zeroed
+/// region. Beyond it the segment is cleared without being read (truncate + preallocate,
 /// metadata only): reading a whole preallocated 1 GiB tail took ~9 s per core at start-up,
 /// because ext4 reports unwritten extents as data once their zero pages sit in the page cache.
-/// 8 MiB covers a typical commit round; a larger torn region is still cleared, only under-counted.
+/// 8 MiB covers a typical commit round; a larger torn region is still cleared, only
+/// under-counted.
 pub const TAIL_COUNT_WINDOW_BYTES: u64 = 8 << 20;
 
-/// One cut made by recovery.
+/// One cut made by recovery (only ever at a torn tail of the active segment).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Truncation {
     pub segment: u64,
@@ -44,7 +52,8 @@ pub struct ShardRecovery {
     pub shard: u32,
     /// Oldest stored offset.
     pub oldest: u64,
-    /// The next offset to append (one past the last recovered record).
+    /// The next offset to append (one past the last recovered record, and past every
+    /// quarantined offset).
     pub next: u64,
 }
 
@@ -57,369 +66,146 @@ pub struct RecoveryReport {
     pub bytes: u64,
     /// Segments kept.
     pub segments: usize,
-    /// Cuts inside segments.
+    /// Cuts of a torn tail (the active segment only).
     pub truncations: Vec<Truncation>,
     /// Sum of `truncations[..].bytes`.
     pub truncated_bytes: u64,
-    /// Whole segments deleted because they followed a cut (or were invalid).
+    /// Whole segments deleted. Recovery no longer deletes segments (damage stops it
+    /// instead), so this stays empty; kept for the report's readers.
     pub deleted_segments: Vec<u64>,
-    /// Leftover `.tmp` files of interrupted segment creations, removed.
+    /// Leftover temporary files of interrupted writes (segment creation, sidecars, the
+    /// quarantine or released file), removed.
     pub removed_temp_files: usize,
+    /// Closed segments loaded from their sidecar index without a scan.
+    pub sidecar_segments: usize,
+    /// Sidecar indexes written by this recovery (closed segments that had none usable).
+    pub sidecars_written: usize,
+    /// Bytes of segment data scanned.
+    pub scanned_bytes: u64,
+    /// Quarantined offsets (see `quarantine.rs`) and released shards, as loaded.
+    pub quarantined_records: u64,
+    pub released_shards: usize,
     /// Every shard, ascending.
     pub shards: Vec<ShardRecovery>,
     pub duration: Duration,
 }
 
-/// Why a segment scan stopped.
-#[derive(Debug)]
-enum Stop {
-    /// A zero header or the end of the file: where every segment's data ends.
-    End,
-    /// A record that is invalid, partial or out of sequence.
-    Bad(String),
+/// The segments and sidecars of a directory, with temporary files removed.
+struct Listing {
+    segments: Vec<u64>,
+    sidecars: Vec<u64>,
 }
 
-/// Scans records from `start` up to `file_len`, calling `accept` for each valid record;
-/// `accept` returns an error text to stop at that record (an offset gap). Returns where the
-/// accepted data ends and why the scan stopped.
-fn scan(
-    file: &File,
-    start: u64,
-    file_len: u64,
-    buf: &mut Vec<u8>,
-    mut accept: impl FnMut(&RecordRef<'_>, u64, u64) -> Result<(), String>,
-) -> Result<(u64, Stop), StorageError> {
-    let mut pos = start;
-    // Bounded: every iteration consumes a frame, reads more, or returns.
-    loop {
-        let remaining = file_len.saturating_sub(pos);
-        if remaining == 0 {
-            return Ok((pos, Stop::End));
+fn list_dir(dir: &Path, report: &mut RecoveryReport) -> Result<Listing, StorageError> {
+    let mut listing = Listing {
+        segments: Vec::new(),
+        sidecars: Vec::new(),
+    };
+    for entry in
+        fs::read_dir(dir).map_err(|e| StorageError::io(format!("list {}", dir.display()), e))?
+    {
+        let entry = entry.map_err(|e| StorageError::io(format!("list {}", dir.display()), e))?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let temp = name.strip_suffix(".tmp").is_some_and(|stem| {
+            segment::parse_file_name(stem).is_some() || sidecar::parse_file_name(stem).is_some()
+        }) || quarantine::is_state_temp_file(name);
+        if temp {
+            fs::remove_file(entry.path())
+                .map_err(|e| StorageError::io(format!("remove {name}"), e))?;
+            report.removed_temp_files += 1;
+        } else if let Some(seq) = segment::parse_file_name(name) {
+            listing.segments.push(seq);
+        } else if let Some(seq) = sidecar::parse_file_name(name) {
+            listing.sidecars.push(seq);
         }
-        let want = (buf.capacity().max(SCAN_CHUNK_BYTES) as u64).min(remaining) as usize;
-        buf.clear();
-        buf.resize(want, 0);
-        file.read_exact_at(buf, pos)
-            .map_err(|e| StorageError::io("recovery read", e))?;
-        let mut at = 0usize;
-        loop {
-            match frame::decode(&buf[at..]) {
-                Decoded::Record {
-                    record,
-                    frame_bytes,
-                } => {
-                    let here = pos + at as u64;
-                    if let Err(reason) = accept(&record, here, frame_bytes as u64) {
-                        return Ok((here, Stop::Bad(reason)));
-                    }
-                    at += frame_bytes;
-                    if at == buf.len() {
-                        break;
-                    }
-                }
-                Decoded::Incomplete { frame_bytes } => {
-                    let here = pos + at as u64;
-                    if here + frame_bytes as u64 > file_len {
-                        let why = if buf[at..].iter().all(|b| *b == 0) {
-                            Stop::End
-                        } else {
-                            Stop::Bad("partial record at the end of the file".into())
-                        };
-                        return Ok((here, why));
-                    }
-                    if at == 0 {
-                        // One frame bigger than the buffer: grow to it (bounded by BODY_BYTES_MAX,
-                        // which decode enforces before reporting a frame length).
-                        buf.reserve(frame_bytes);
-                    }
-                    break;
-                }
-                Decoded::Invalid(Invalid::Zero) => return Ok((pos + at as u64, Stop::End)),
-                Decoded::Invalid(why) => return Ok((pos + at as u64, Stop::Bad(why.to_string()))),
-            }
-        }
-        pos += at as u64;
     }
-}
-
-/// End of the last non-zero byte in `[from, len)`, or `from` when all are zero. Skips holes
-/// (and unwritten preallocated extents) with SEEK_DATA where the filesystem supports it.
-fn nonzero_end(file: &File, from: u64, len: u64) -> Result<u64, StorageError> {
-    let mut last = from;
-    let mut pos = from;
-    let mut buf = vec![0u8; ZERO_CHECK_CHUNK_BYTES];
-    // Bounded by the file length: every pass moves `pos` forward.
-    while pos < len {
-        let Ok(at) = libc::off_t::try_from(pos) else {
-            break;
-        };
-        // SAFETY: lseek on a valid fd borrowed from `file`; no memory is passed. The file
-        // position it changes is unused (all IO here is positional).
-        let data = unsafe { libc::lseek(file.as_raw_fd(), at, libc::SEEK_DATA) };
-        let data_start = if data < 0 {
-            match std::io::Error::last_os_error().raw_os_error() {
-                Some(libc::ENXIO) => break,
-                _ => pos, // SEEK_DATA unsupported: read everything
-            }
-        } else {
-            (data as u64).max(pos)
-        };
-        if data_start >= len {
-            break;
-        }
-        let Ok(ds) = libc::off_t::try_from(data_start) else {
-            break;
-        };
-        // SAFETY: as above.
-        let hole = unsafe { libc::lseek(file.as_raw_fd(), ds, libc::SEEK_HOLE) };
-        let data_end = if hole < 0 {
-            len
-        } else {
-            (hole as u64).clamp(data_start + 1, len)
-        };
-        let mut p = data_start;
-        while p < data_end {
-            let n = ((data_end - p) as usize).min(buf.len());
-            file.read_exact_at(&mut buf[..n], p)
-                .map_err(|e| StorageError::io("recovery zero check", e))?;
-            if let Some(i) = buf[..n].iter().rposition(|b| *b != 0) {
-                last = p + i as u64 + 1;
-            }
-            p += n as u64;
-        }
-        pos = data_end;
-    }
-    Ok(last)
-}
-
-/// Zeroes a segment from `end` on, keeping its size: truncate, then preallocate again.
-fn cut_tail(file: &File, end: u64, size: u64) -> Result<(), StorageError> {
-    file.set_len(end)
-        .map_err(|e| StorageError::io("recovery truncate", e))?;
-    segment::preallocate(file, size)?;
-    file.sync_all()
-        .map_err(|e| StorageError::io("recovery fsync", e))
-}
-
-fn delete_segment(
-    dir: &Path,
-    seq: u64,
-    report: &mut RecoveryReport,
-    why: &str,
-) -> Result<(), StorageError> {
-    let path = dir.join(segment::file_name(seq));
-    tracing::warn!(segment = seq, reason = why, "recovery deletes log segment");
-    fs::remove_file(&path)
-        .map_err(|e| StorageError::io(format!("delete {}", path.display()), e))?;
-    report.deleted_segments.push(seq);
-    Ok(())
+    listing.segments.sort_unstable();
+    Ok(listing)
 }
 
 impl<B: Backend> Log<B> {
-    /// Opens (creating if needed) the log in `config.dir` and recovers it:
-    /// - segments are read in sequence order; a gap in the sequence, an invalid header, or a
-    ///   checkpoint that disagrees with the offsets recovered so far ends the log there;
-    /// - every record's CRC is verified and each shard's offsets must be dense; the scan of a
-    ///   segment stops at its first zero header (its end) or at the first bad or partial
-    ///   record or offset gap;
-    /// - at a bad record the segment is cut there (zeroed from there on) and every later
-    ///   segment is deleted; in the last segment, non-zero bytes after the end (a torn
-    ///   unsynced write) are zeroed too; each cut is logged with segment, position, bytes;
-    /// - the index and per-shard offsets are rebuilt, and every kept segment is fsynced so
-    ///   what recovery kept is durable before anything is appended after it.
+    /// Opens (creating if needed) the log in `config.dir`, taking the directory's lock
+    /// (`lock.rs`: a second opener, in this process or another, gets
+    /// [`StorageError::Locked`]), and recovers it:
+    /// - segments are taken in sequence order; a missing segment, an invalid header or a
+    ///   checkpoint that disagrees with the offsets recovered so far is damage;
+    /// - a closed segment with a valid sidecar index is loaded from it without a scan; one
+    ///   without is scanned, every record's CRC verified, and its sidecar written;
+    /// - the active segment is scanned; each shard's offsets must be dense (quarantined
+    ///   ranges excepted) and released shards' records are ignored;
+    /// - a bad frame in a closed segment, or in the active segment before the end a commit
+    ///   mark proves synced, stops recovery with [`StorageError::CorruptLog`] (nothing is cut);
+    /// - a bad frame (or data after a zero gap) in the active segment past every mark's
+    ///   claim is a torn write: the segment is cut there (zeroed from there on), logged and
+    ///   reported; bytes after the end of the active segment's data are cleared too;
+    /// - the index and per-shard offsets are rebuilt (each shard's next offset past every
+    ///   quarantined offset), and the active segment is fsynced so what recovery kept is
+    ///   durable before anything is appended after it.
     ///
     /// Blocks the calling thread (start-up only).
     pub fn open(config: LogConfig, backend: B) -> Result<(Self, RecoveryReport), StorageError> {
         config.validate()?;
+        let lock = DirLock::acquire(&config.dir)?;
+        Self::open_with_lock(config, backend, lock)
+    }
+
+    /// [`Log::open`] with the directory's lock already held (an offline command that
+    /// reopens a log without letting another process in between).
+    pub fn open_with_lock(
+        config: LogConfig,
+        backend: B,
+        lock: DirLock,
+    ) -> Result<(Self, RecoveryReport), StorageError> {
+        config.validate()?;
+        if lock.dir() != config.dir {
+            return Err(StorageError::Config(format!(
+                "the lock held is of {}, not of the log's directory {}",
+                lock.dir().display(),
+                config.dir.display()
+            )));
+        }
         let started = Instant::now();
         let dir = config.dir.clone();
-        fs::create_dir_all(&dir)
-            .map_err(|e| StorageError::io(format!("create {}", dir.display()), e))?;
         let mut report = RecoveryReport::default();
-        let mut seqs = Vec::new();
-        for entry in fs::read_dir(&dir)
-            .map_err(|e| StorageError::io(format!("list {}", dir.display()), e))?
+        let listing = list_dir(&dir, &mut report)?;
+        let quarantine = Quarantine::load(&dir)?;
+        let released = Released::load(&dir)?;
+        for orphan in listing
+            .sidecars
+            .iter()
+            .filter(|s| listing.segments.binary_search(s).is_err())
         {
-            let entry =
-                entry.map_err(|e| StorageError::io(format!("list {}", dir.display()), e))?;
-            let name = entry.file_name();
-            let Some(name) = name.to_str() else { continue };
-            if let Some(stem) = name.strip_suffix(".tmp")
-                && segment::parse_file_name(stem).is_some()
-            {
-                fs::remove_file(entry.path())
-                    .map_err(|e| StorageError::io(format!("remove {name}"), e))?;
-                report.removed_temp_files += 1;
-                continue;
-            }
-            if let Some(seq) = segment::parse_file_name(name) {
-                seqs.push(seq);
-            }
+            sidecar::remove(&dir, *orphan);
         }
-        seqs.sort_unstable();
-
-        let mut log = Log::empty(config, backend);
-        let mut cut = false;
+        let mut log = Log::empty(config, backend, lock);
+        report.quarantined_records = quarantine.total_offsets();
+        report.released_shards = released.len();
+        log.quarantine = quarantine;
+        log.released = released;
         let mut buf = Vec::with_capacity(SCAN_CHUNK_BYTES);
-        for &seq in &seqs {
-            if cut {
-                delete_segment(&dir, seq, &mut report, "follows a cut")?;
-                continue;
-            }
-            if let Some(prev) = log.segments.back()
-                && prev.seq + 1 != seq
-            {
-                cut = true;
-                delete_segment(&dir, seq, &mut report, "gap in the segment sequence")?;
-                continue;
-            }
-            let path = dir.join(segment::file_name(seq));
-            let file = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(&path)
-                .map_err(|e| StorageError::io(format!("open {}", path.display()), e))?;
-            let file_len = file
-                .metadata()
-                .map_err(|e| StorageError::io(format!("stat {}", path.display()), e))?
-                .len();
-            let header = match segment::read_header(&file, file_len) {
-                Ok(h) if h.seq == seq => h,
-                Ok(h) => {
-                    cut = true;
-                    delete_segment(
-                        &dir,
-                        seq,
-                        &mut report,
-                        &format!("header names segment {}", h.seq),
-                    )?;
-                    continue;
-                }
-                Err(why) => {
-                    cut = true;
-                    delete_segment(&dir, seq, &mut report, &format!("invalid header: {why}"))?;
-                    continue;
-                }
-            };
-            if let Err(why) = apply_checkpoint(&mut log.shards, &header) {
-                cut = true;
-                delete_segment(&dir, seq, &mut report, &why)?;
-                continue;
-            }
-            let interval = log.config.index_interval_bytes;
-            let mut max_ts: Option<u64> = None;
-            let mut records = 0u64;
-            let (end, stop) = {
-                let shards = &mut log.shards;
-                let index = &mut log.index;
-                scan(
-                    &file,
-                    header.header_bytes,
-                    file_len,
-                    &mut buf,
-                    |r, pos, frame_bytes| {
-                        let state = shards
-                            .entry(r.shard)
-                            .or_insert_with(|| ShardState::anchored_at(r.offset));
-                        if r.offset != state.written {
-                            return Err(format!(
-                                "shard {}: offset {} where {} was expected",
-                                r.shard, r.offset, state.written
-                            ));
-                        }
-                        if r.offset == u64::MAX {
-                            return Err(format!("shard {}: offset u64::MAX", r.shard));
-                        }
-                        state.written = r.offset + 1;
-                        state.synced = state.written;
-                        state.next = state.written;
-                        index
-                            .entry(r.shard)
-                            .or_default()
-                            .add(r.offset, seq, pos, interval);
-                        max_ts = max_ts.max(Some(r.timestamp_us));
-                        records += 1;
-                        report.bytes += frame_bytes;
-                        Ok(())
-                    },
-                )?
-            };
-            report.records += records;
-            let mut size = file_len;
-            if let Stop::Bad(reason) = stop {
-                cut = true;
-                let window_end = file_len.min(end.saturating_add(TAIL_COUNT_WINDOW_BYTES));
-                let bytes = nonzero_end(&file, end, window_end)? - end;
-                // A file shortened below the configured size gets its preallocation back.
-                size = file_len.max(log.config.segment_bytes);
-                tracing::warn!(segment = seq, position = end, bytes, reason = %reason, "recovery truncates the log");
-                cut_tail(&file, end, size)?;
-                report.truncated_bytes += bytes;
-                report.truncations.push(Truncation {
-                    segment: seq,
-                    position: end,
-                    bytes,
-                    reason,
-                });
-            }
-            log.push_segment(seq, file, path, size, end, header.created_unix_us);
-            if let Some(seg) = log.segments.back_mut() {
-                seg.max_timestamp_us = max_ts;
-            }
+        let count = listing.segments.len();
+        for (i, &seq) in listing.segments.iter().enumerate() {
+            recover_segment(&mut log, seq, i + 1 == count, &mut buf, &mut report)?;
         }
-
-        // Appends continue in the last segment: bytes after its end (a torn unsynced write,
-        // or leftovers of a failed one) must go, or new records could line up with stale
-        // ones and a later recovery would take those for real records.
-        if let Some(seg) = log.segments.back_mut() {
-            let window_end = seg
-                .size
-                .min(seg.tail.saturating_add(TAIL_COUNT_WINDOW_BYTES));
-            let garbage_end = nonzero_end(&seg.file, seg.tail, window_end)?;
-            if garbage_end > seg.tail {
-                let bytes = garbage_end - seg.tail;
-                let reason =
-                    "bytes after the end of the data (torn or failed unsynced write)".to_string();
-                tracing::warn!(segment = seg.seq, position = seg.tail, bytes, reason = %reason, "recovery truncates the log");
-                cut_tail(&seg.file, seg.tail, seg.size)?;
-                report.truncated_bytes += bytes;
-                report.truncations.push(Truncation {
-                    segment: seg.seq,
-                    position: seg.tail,
-                    bytes,
-                    reason,
-                });
-            } else if seg.tail < seg.size {
-                // Nothing within the counted window; clear the rest unread (it may still hold a
-                // torn write further out in periodic mode).
-                cut_tail(&seg.file, seg.tail, seg.size)?;
-            }
+        if let Some(active) = log.segments.back() {
+            active
+                .file
+                .sync_all()
+                .map_err(|e| StorageError::io("recovery fsync", e))?;
         }
-
-        if log.segments.is_empty() {
-            // Fresh directory, or everything was cut: the first segment (after any deleted
-            // one) is made when records first arrive, so an idle log takes no disk.
-            log.first_seq = seqs.last().map_or(0, |s| s + 1);
-            if !report.deleted_segments.is_empty() {
-                segment::sync_dir(&dir)?;
-            }
-        } else {
-            for seg in &log.segments {
-                seg.file
-                    .sync_all()
-                    .map_err(|e| StorageError::io("recovery fsync", e))?;
-            }
-            if !report.deleted_segments.is_empty() {
-                segment::sync_dir(&dir)?;
-            }
+        if report.sidecars_written > 0 || report.removed_temp_files > 0 {
+            segment::sync_dir(&dir)?;
         }
-
-        for (shard, state) in log.shards.iter_mut() {
-            state.oldest = log
-                .index
-                .get(shard)
-                .and_then(|ix| ix.first())
-                .map_or(state.written, |e| e.offset);
+        finish_shards(&mut log);
+        let mark_delay = log.mark_delay();
+        if let Some(active) = log.segments.back_mut() {
+            active.synced_end = active.tail;
+            active.synced_records_end = active.records_end;
+            active.mark_claim_durable = active.mark_claim_written;
+            if active.synced_records_end > active.mark_claim_durable {
+                log.mark_due_at = Some(Instant::now() + mark_delay);
+            }
         }
         let mut shards: Vec<ShardRecovery> = log
             .shards
@@ -439,13 +225,19 @@ impl<B: Backend> Log<B> {
         c.recovery_bytes = report.bytes;
         c.recovery_truncated_bytes = report.truncated_bytes;
         c.recovery_us = u64::try_from(report.duration.as_micros()).unwrap_or(u64::MAX);
+        c.recovery_sidecar_segments = report.sidecar_segments as u64;
+        c.recovery_scanned_bytes = report.scanned_bytes;
+        c.sidecars_written = report.sidecars_written as u64;
+        c.quarantined_records = report.quarantined_records;
         tracing::info!(
             dir = %dir.display(),
             records = report.records,
             bytes = report.bytes,
             segments = report.segments,
+            sidecar_segments = report.sidecar_segments,
+            scanned_bytes = report.scanned_bytes,
             truncated_bytes = report.truncated_bytes,
-            deleted_segments = report.deleted_segments.len(),
+            quarantined_records = report.quarantined_records,
             duration_us = c.recovery_us,
             backend = log.backend.name(),
             "durable log recovered"
@@ -454,71 +246,504 @@ impl<B: Backend> Log<B> {
     }
 }
 
-/// Checks a segment's checkpoint against the offsets recovered from earlier segments, then
-/// adds the shards it introduces. A disagreement means records are missing before this
-/// segment: the log must end before it.
-fn apply_checkpoint(
-    shards: &mut HashMap<u32, ShardState>,
-    header: &SegmentHeader,
-) -> Result<(), String> {
-    for (shard, next) in &header.checkpoint {
-        if let Some(s) = shards.get(shard)
-            && s.written != *next
-        {
-            return Err(format!(
-                "checkpoint says shard {shard} continues at {next}, recovered up to {}",
-                s.written
-            ));
+/// Each shard's next offset goes past every quarantined offset, shards known only from the
+/// quarantine are anchored past it, and each shard's oldest offset is its first record (or
+/// the start of a quarantined range right before it).
+fn finish_shards<B: Backend>(log: &mut Log<B>) {
+    let quarantined: Vec<u32> = log
+        .quarantine
+        .shards()
+        .filter(|s| !log.released.contains(*s))
+        .collect();
+    for shard in quarantined {
+        let Some(end) = log.quarantine.end_of(shard) else {
+            continue;
+        };
+        let state = log
+            .shards
+            .entry(shard)
+            .or_insert_with(|| ShardState::anchored_at(end));
+        let next = log.quarantine.skip(shard, state.written).max(end);
+        state.written = next;
+        state.synced = next;
+        state.next = next;
+    }
+    for (shard, state) in log.shards.iter_mut() {
+        let first = log
+            .index
+            .get(shard)
+            .and_then(|ix| ix.first())
+            .map_or(state.written, |e| e.offset);
+        state.oldest = log.quarantine.extend_down(*shard, first);
+    }
+}
+
+/// Recovers one segment into `log`: from its sidecar when it is closed and has a usable
+/// one, else by scanning it.
+fn recover_segment<B: Backend>(
+    log: &mut Log<B>,
+    seq: u64,
+    newest: bool,
+    buf: &mut Vec<u8>,
+    report: &mut RecoveryReport,
+) -> Result<(), StorageError> {
+    let dir = log.config.dir.clone();
+    let path = dir.join(segment::file_name(seq));
+    if let Some(prev) = log.segments.back()
+        && prev.seq + 1 != seq
+    {
+        let missing = prev.seq + 1;
+        return Err(corrupt(
+            log,
+            missing,
+            dir.join(segment::file_name(missing)),
+            0,
+            format!(
+                "segment file missing (the sequence jumps from {} to {seq})",
+                prev.seq
+            ),
+            Vec::new(),
+        ));
+    }
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .map_err(|e| StorageError::io(format!("open {}", path.display()), e))?;
+    let file_len = file
+        .metadata()
+        .map_err(|e| StorageError::io(format!("stat {}", path.display()), e))?
+        .len();
+    let header = match segment::read_header(&file, file_len) {
+        Ok(h) if h.seq == seq => h,
+        Ok(h) => {
+            let why = format!("the header names segment {}", h.seq);
+            return Err(corrupt(log, seq, path, 0, why, Vec::new()));
+        }
+        Err(why) => {
+            let why = format!("invalid segment header: {why}");
+            return Err(corrupt(log, seq, path, 0, why, Vec::new()));
+        }
+    };
+    if let Err((why, ranges)) = apply_checkpoint(log, &header) {
+        return Err(corrupt(log, seq, path, 0, why, ranges));
+    }
+    if !newest {
+        match sidecar::read(&dir, seq) {
+            Ok(Some(sc)) => match sidecar_fits(log, &sc, &header, file_len) {
+                Ok(()) => {
+                    load_sidecar(log, file, path, file_len, &header, &sc, report);
+                    return Ok(());
+                }
+                Err(why) => {
+                    tracing::info!(segment = seq, reason = %why, "sidecar index not used; scanning the segment")
+                }
+            },
+            Ok(None) => {}
+            Err(why) => {
+                tracing::warn!(segment = seq, reason = %why, "bad sidecar index; scanning the segment")
+            }
         }
     }
-    for (shard, next) in &header.checkpoint {
-        shards
-            .entry(*shard)
-            .or_insert_with(|| ShardState::anchored_at(*next));
+    log.push_segment(
+        seq,
+        file,
+        path.clone(),
+        file_len,
+        header.header_bytes,
+        header.crc,
+        header.created_unix_us,
+    );
+    let (end, stop) = scan_segment(log, seq, file_len, buf, report)?;
+    let Some(seg) = log.segments.back() else {
+        unreachable!("pushed above");
+    };
+    let file = std::sync::Arc::clone(&seg.file);
+    if !newest {
+        if let Stop::Bad(reason) = stop {
+            return Err(corrupt_at(log, seq, path, &file, file_len, end, reason));
+        }
+        let sc = log.sidecar_of(seg);
+        match sidecar::write(&dir, &sc) {
+            Ok(()) => report.sidecars_written += 1,
+            Err(error) => {
+                tracing::warn!(segment = seq, error = %crate::ErrorChain(&error), "cannot write a sidecar index")
+            }
+        }
+        return Ok(());
+    }
+    // The active segment: what follows the end of its data is either nothing (zeros), a
+    // torn write (cut silently) or damage inside synced data (a commit mark proves it).
+    let size = file_len.max(log.config.segment_bytes);
+    let window_end = file_len.min(end.saturating_add(TAIL_COUNT_WINDOW_BYTES));
+    let garbage_end = scan::nonzero_end(&file, end, window_end)?;
+    let bad = match stop {
+        Stop::Bad(reason) => Some(reason),
+        Stop::End if garbage_end > end => {
+            Some("data after a zero gap (torn or failed unsynced write)".to_string())
+        }
+        Stop::End => None,
+    };
+    if let Some(reason) = bad {
+        let proven_before = seg.mark_claim_written;
+        let search_end = file_len.min(end.saturating_add(MARK_SEARCH_WINDOW_BYTES));
+        let claim = proven_before.max(scan::max_mark_claim(&file, end, search_end)?);
+        if claim > end {
+            let reason =
+                format!("{reason}; a commit mark proves the segment was synced up to byte {claim}");
+            return Err(corrupt_at(log, seq, path, &file, file_len, end, reason));
+        }
+        let bytes = garbage_end - end;
+        let reason = format!("{reason} after the last commit mark's claim: a torn write");
+        tracing::warn!(segment = seq, position = end, bytes, reason = %reason, "recovery truncates the log");
+        scan::cut_tail(&file, end, size)?;
+        report.truncated_bytes += bytes;
+        report.truncations.push(Truncation {
+            segment: seq,
+            position: end,
+            bytes,
+            reason,
+        });
+    } else if end < file_len || size > file_len {
+        // Nothing within the counted window; clear the rest unread (it may still hold a torn
+        // write further out in periodic mode).
+        scan::cut_tail(&file, end, size)?;
+    }
+    if size > file_len {
+        // A file shortened below the configured size got its preallocation back.
+        log.total_bytes += size - file_len;
+        if let Some(seg) = log.segments.back_mut() {
+            seg.size = size;
+        }
     }
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::frame::HEADER_BYTES;
+/// Scans the frames of the segment just pushed, filling the shard state, the index and the
+/// segment's stats and marks.
+fn scan_segment<B: Backend>(
+    log: &mut Log<B>,
+    seq: u64,
+    file_len: u64,
+    buf: &mut Vec<u8>,
+    report: &mut RecoveryReport,
+) -> Result<(u64, Stop), StorageError> {
+    let interval = log.config.index_interval_bytes;
+    let shards = &mut log.shards;
+    let index = &mut log.index;
+    let quarantine = &log.quarantine;
+    let released = &log.released;
+    let Some(seg) = log.segments.back_mut() else {
+        unreachable!("the caller pushed the segment");
+    };
+    let file = std::sync::Arc::clone(&seg.file);
+    let start = seg.data_start;
+    let mut records = 0u64;
+    let mut bytes = 0u64;
+    let (end, stop) = scan::scan(&file, start, file_len, buf, |frame| {
+        match frame {
+            Frame::Record {
+                record: r,
+                pos,
+                len,
+            } => {
+                if released.contains(r.shard) {
+                    seg.released_records += 1;
+                    return Ok(());
+                }
+                let state = shards
+                    .entry(r.shard)
+                    .or_insert_with(|| ShardState::anchored_at(r.offset));
+                let want = quarantine.skip(r.shard, state.written);
+                if r.offset != want {
+                    return Err(format!(
+                        "shard {}: offset {} where {want} was expected",
+                        r.shard, r.offset
+                    ));
+                }
+                if r.offset == u64::MAX {
+                    return Err(format!("shard {}: offset u64::MAX", r.shard));
+                }
+                state.written = r.offset + 1;
+                state.synced = state.written;
+                state.next = state.written;
+                index
+                    .entry(r.shard)
+                    .or_default()
+                    .add(r.offset, seq, pos, interval);
+                seg.note_records(r.shard, r.offset, r.offset + 1, 1);
+                seg.record_bytes += len;
+                seg.records_end = pos + len;
+                seg.max_timestamp_us = seg.max_timestamp_us.max(Some(r.timestamp_us));
+                records += 1;
+                bytes += len;
+            }
+            Frame::Mark { synced_end } => {
+                seg.mark_claim_written = seg.mark_claim_written.max(synced_end);
+            }
+        }
+        Ok(())
+    })?;
+    seg.tail = end;
+    report.records += records;
+    report.bytes += bytes;
+    report.scanned_bytes += end - start;
+    Ok((end, stop))
+}
 
-    #[test]
-    fn scan_stops_at_zero_and_at_garbage() {
-        // A scan ends cleanly at a zero header and reports a bad record at garbage.
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("f");
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .expect("open");
-        let mut data = Vec::new();
-        frame::encode(&mut data, 1, 0, 5, b"k", b"v1");
-        frame::encode(&mut data, 1, 1, 6, b"k", b"v2");
-        let first_len = data.len() as u64;
-        file.write_all_at(&data, 0).expect("write");
-        file.set_len(4096).expect("len");
-        let mut buf = Vec::new();
-        let mut seen = Vec::new();
-        let (end, stop) = scan(&file, 0, 4096, &mut buf, |r, _, _| {
-            seen.push(r.offset);
-            Ok(())
-        })
-        .expect("scan");
-        assert_eq!((end, seen.len()), (first_len, 2));
-        assert!(matches!(stop, Stop::End));
-        file.write_all_at(&[7u8; HEADER_BYTES], first_len)
-            .expect("garbage");
-        let (end, stop) = scan(&file, 0, 4096, &mut buf, |_, _, _| Ok(())).expect("scan");
-        assert_eq!(end, first_len);
-        assert!(matches!(stop, Stop::Bad(_)));
-        assert_eq!(
-            nonzero_end(&file, end, 4096).expect("zero check"),
-            first_len + HEADER_BYTES as u64
-        );
+/// Whether a sidecar describes this segment and continues the offsets recovered so far.
+fn sidecar_fits<B: Backend>(
+    log: &Log<B>,
+    sc: &Sidecar,
+    header: &SegmentHeader,
+    file_len: u64,
+) -> Result<(), String> {
+    if sc.seq != header.seq || sc.header_crc != header.crc {
+        return Err("written for another incarnation of the segment".into());
     }
+    if sc.index_interval_bytes != log.config.index_interval_bytes {
+        return Err(format!(
+            "built with index interval {}, the log uses {}",
+            sc.index_interval_bytes, log.config.index_interval_bytes
+        ));
+    }
+    if sc.data_end < header.header_bytes || sc.data_end > file_len {
+        return Err(format!(
+            "data end {} outside the file ({file_len} bytes)",
+            sc.data_end
+        ));
+    }
+    let mut firsts: HashMap<u32, (u64, u64)> = HashMap::new();
+    for (shard, offset, position) in &sc.entries {
+        if *position < header.header_bytes {
+            return Err("an index entry points into the header".into());
+        }
+        firsts.entry(*shard).or_insert((*offset, *position));
+    }
+    for s in &sc.shards {
+        if log.released.contains(s.shard) {
+            continue;
+        }
+        if firsts.get(&s.shard).map(|f| f.0) != Some(s.first) {
+            return Err(format!(
+                "shard {} has no entry for its first record",
+                s.shard
+            ));
+        }
+        if let Some(state) = log.shards.get(&s.shard) {
+            let want = log.quarantine.skip(s.shard, state.written);
+            if s.first != want {
+                return Err(format!(
+                    "shard {} starts at {} where {want} was expected",
+                    s.shard, s.first
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn load_sidecar<B: Backend>(
+    log: &mut Log<B>,
+    file: File,
+    path: PathBuf,
+    file_len: u64,
+    header: &SegmentHeader,
+    sc: &Sidecar,
+    report: &mut RecoveryReport,
+) {
+    let seq = header.seq;
+    log.push_segment(
+        seq,
+        file,
+        path,
+        file_len,
+        header.header_bytes,
+        header.crc,
+        header.created_unix_us,
+    );
+    let mut records = 0;
+    for s in sc.shards.iter().filter(|s| !log.released.contains(s.shard)) {
+        let state = log
+            .shards
+            .entry(s.shard)
+            .or_insert_with(|| ShardState::anchored_at(s.first));
+        state.written = s.end;
+        state.synced = s.end;
+        state.next = s.end;
+        records += s.records;
+    }
+    for (shard, offset, position) in &sc.entries {
+        if log.released.contains(*shard) {
+            continue;
+        }
+        log.index.entry(*shard).or_default().push(IndexEntry {
+            offset: *offset,
+            segment: seq,
+            position: *position,
+        });
+    }
+    let Some(seg) = log.segments.back_mut() else {
+        unreachable!("pushed above");
+    };
+    for s in &sc.shards {
+        if log.released.contains(s.shard) {
+            seg.released_records += s.records;
+        } else {
+            seg.note_records(s.shard, s.first, s.end, s.records);
+        }
+    }
+    seg.tail = sc.data_end;
+    seg.records_end = sc.data_end;
+    seg.synced_end = sc.data_end;
+    seg.synced_records_end = sc.data_end;
+    seg.record_bytes = sc.record_bytes;
+    seg.max_timestamp_us = sc.max_timestamp_us;
+    report.records += records;
+    report.bytes += sc.record_bytes;
+    report.sidecar_segments += 1;
+}
+
+/// Checks a segment's checkpoint against the offsets recovered from earlier segments
+/// (a quarantined range may lie between: the checkpoint may name any offset from the shard's
+/// end to the range's end; released shards are ignored), then adds the shards
+/// it introduces. A disagreement means records are missing before this segment.
+fn apply_checkpoint<B: Backend>(
+    log: &mut Log<B>,
+    header: &SegmentHeader,
+) -> Result<(), (String, Vec<ShardRange>)> {
+    for (shard, next) in &header.checkpoint {
+        if log.released.contains(*shard) {
+            continue;
+        }
+        if let Some(s) = log.shards.get(shard) {
+            // The checkpoint may point anywhere in a quarantined range that starts at the
+            // shard's end (quarantined offsets after it belong to this segment or later).
+            let want = log.quarantine.skip(*shard, s.written);
+            if *next < s.written || *next > want {
+                return Err((
+                    format!(
+                        "the checkpoint says shard {shard} continues at offset {next}, earlier segments hold it up to {want}"
+                    ),
+                    vec![ShardRange {
+                        shard: *shard,
+                        first: want.min(*next),
+                        end: want.max(*next),
+                    }],
+                ));
+            }
+        }
+    }
+    for (shard, next) in &header.checkpoint {
+        if !log.released.contains(*shard) {
+            log.shards
+                .entry(*shard)
+                .or_insert_with(|| ShardState::anchored_at(*next));
+        }
+    }
+    Ok(())
+}
+
+fn corrupt<B: Backend>(
+    log: &Log<B>,
+    segment: u64,
+    file: PathBuf,
+    position: u64,
+    reason: String,
+    attributed: Vec<ShardRange>,
+) -> StorageError {
+    let detail = CorruptLog {
+        dir: log.config.dir.clone(),
+        segment,
+        file,
+        position,
+        reason,
+        attributed,
+        repair_command: repair_command(&log.config.dir),
+    };
+    tracing::error!(error = %detail, "durable log recovery stopped");
+    StorageError::CorruptLog(Box::new(detail))
+}
+
+/// The error for damage at `position` of a segment, attributing what it can: the damaged
+/// records' own headers, and offsets missing before the next valid records.
+fn corrupt_at<B: Backend>(
+    log: &Log<B>,
+    seq: u64,
+    path: PathBuf,
+    file: &File,
+    file_len: u64,
+    position: u64,
+    reason: String,
+) -> StorageError {
+    let expected: HashMap<u32, u64> = log
+        .shards
+        .iter()
+        .map(|(id, s)| (*id, log.quarantine.skip(*id, s.written)))
+        .collect();
+    // A later segment's checkpoint tells where every shard continued.
+    let next_path = log.config.dir.join(segment::file_name(seq + 1));
+    let next_checkpoint = File::open(&next_path)
+        .ok()
+        .and_then(|f| {
+            let len = f.metadata().ok()?.len();
+            segment::read_header(&f, len).ok()
+        })
+        .map(|h| h.checkpoint)
+        .unwrap_or_default();
+    let attributed =
+        attribute(file, file_len, position, &expected, &next_checkpoint).unwrap_or_default();
+    corrupt(log, seq, path, position, reason, attributed)
+}
+
+/// Best effort (IO errors give up): see [`corrupt_at`].
+fn attribute(
+    file: &File,
+    file_len: u64,
+    position: u64,
+    expected: &HashMap<u32, u64>,
+    next_checkpoint: &[(u32, u64)],
+) -> Result<Vec<ShardRange>, StorageError> {
+    let limit = file_len.min(position.saturating_add(RESYNC_WINDOW_BYTES));
+    let known = |s: u32| expected.contains_key(&s);
+    let next = scan::resync(file, position + 1, limit, file_len, &known)?;
+    let span_end = match next {
+        Some(q) => q,
+        None => scan::nonzero_end(file, position, limit)?,
+    };
+    let (pairs, _) = scan::attribute_span(file, position, span_end, expected)?;
+    let mut ranges: HashMap<u32, ShardRange> = scan::attributed_ranges(&pairs, expected)
+        .into_iter()
+        .map(|r| (r.shard, r))
+        .collect();
+    let mut seen: HashMap<u32, u64> = HashMap::new();
+    if let Some(q) = next {
+        // The first record of each shard after the damage shows the offsets it held.
+        let mut buf = Vec::with_capacity(SCAN_CHUNK_BYTES);
+        let scan_end = file_len.min(q + SCAN_CHUNK_BYTES as u64);
+        scan::scan(file, q, scan_end, &mut buf, |frame| {
+            if let Frame::Record { record, .. } = frame {
+                seen.entry(record.shard).or_insert(record.offset);
+            }
+            Ok(())
+        })?;
+    }
+    let later = next_checkpoint
+        .iter()
+        .filter(|(shard, _)| !seen.contains_key(shard));
+    for (shard, first_after) in seen.iter().map(|(s, o)| (*s, *o)).chain(later.copied()) {
+        if let Some(e) = expected.get(&shard)
+            && first_after > *e
+        {
+            let r = ranges.entry(shard).or_insert(ShardRange {
+                shard,
+                first: *e,
+                end: first_after,
+            });
+            r.end = r.end.max(first_after);
+        }
+    }
+    let mut out: Vec<ShardRange> = ranges.into_values().collect();
+    out.sort_unstable_by_key(|r| r.shard);
+    Ok(out)
 }

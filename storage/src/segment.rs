@@ -3,7 +3,7 @@
 //! ```text
 //! offset size field
 //!  0      8   magic            b"FELIXSEG"
-//!  8      4   version          u32 LE, 1
+//!  8      4   version          u32 LE, 2 (1: written before commit marks existed; read alike)
 //! 12      4   header_bytes     u32 LE: where the first record starts (multiple of 4096)
 //! 16      8   seq              u64 LE: the segment's sequence number (also its file name)
 //! 24      8   created_unix_us  u64 LE
@@ -22,8 +22,11 @@ use crate::StorageError;
 
 /// File magic of a segment.
 pub const SEGMENT_MAGIC: [u8; 8] = *b"FELIXSEG";
-/// Segment format version written by this crate.
-pub const SEGMENT_VERSION: u32 = 1;
+/// Segment format version written by this crate: 2, whose records may be interleaved with
+/// commit marks (`frame::encode_mark`). Version 1 segments (no marks) are read the same way.
+pub const SEGMENT_VERSION: u32 = 2;
+/// The first version, still readable.
+pub const SEGMENT_VERSION_V1: u32 = 1;
 /// Fixed part of the segment header.
 pub const SEGMENT_FIXED_HEADER_BYTES: usize = 40;
 /// One checkpoint entry: u32 shard + u64 next offset.
@@ -46,6 +49,9 @@ pub struct SegmentHeader {
     pub header_bytes: u64,
     /// Every shard the log knew when the segment was created, with its next offset then.
     pub checkpoint: Vec<(u32, u64)>,
+    /// The header's stored CRC32C: identifies this incarnation of the segment (a sidecar
+    /// index names it, so a sidecar never describes another file of the same sequence).
+    pub crc: u32,
 }
 
 /// Rounds `n` up to the next multiple of [`SEGMENT_ALIGN_BYTES`].
@@ -122,7 +128,7 @@ pub fn read_header(file: &File, file_len: u64) -> Result<SegmentHeader, String> 
         return Err("bad magic".into());
     }
     let version = le_u32(&fixed[8..]);
-    if version != SEGMENT_VERSION {
+    if version != SEGMENT_VERSION && version != SEGMENT_VERSION_V1 {
         return Err(format!("unsupported version {version}"));
     }
     let header_bytes = le_u32(&fixed[12..]) as usize;
@@ -158,6 +164,7 @@ pub fn read_header(file: &File, file_len: u64) -> Result<SegmentHeader, String> 
         created_unix_us: le_u64(&fixed[24..]),
         header_bytes: header_bytes as u64,
         checkpoint,
+        crc: stored,
     })
 }
 
@@ -276,9 +283,11 @@ mod tests {
                 seq: 3,
                 created_unix_us: 77,
                 header_bytes: 4096,
-                checkpoint: cp
+                checkpoint: cp,
+                crc: h.crc,
             }
         );
+        assert_ne!(h.crc, 0);
         for at in [0u64, 9, 13, 20, 30, 33, 38, 45, 4000] {
             let mut b = [0u8; 1];
             file.read_exact_at(&mut b, at).expect("read");

@@ -221,6 +221,21 @@ fn periodic_mode_writes_then_syncs_at_the_deadline<B: Backend>(mk: &dyn Fn() -> 
     assert_eq!(s.get(&0), Some(&24));
     assert_eq!(s.get(&1), Some(&16));
     assert_eq!(log.counters().fsync_records, 40);
+    // The synced records are proven by a commit mark one interval later (an idle periodic
+    // log); that mark round is not one of the log's fsyncs.
+    let mark_at = log.next_deadline().expect("a commit mark is due");
+    assert!(mark_at >= due + Duration::from_millis(50));
+    drive_until(
+        &mut log,
+        || mark_at,
+        |l| l.counters().mark_rounds == 1 && l.is_idle(),
+    );
+    assert_eq!(log.counters().fsyncs, 1);
+    assert_eq!(log.counters().mark_bytes, 28);
+    assert!(
+        drain(&mut log).is_empty(),
+        "a mark round reports no records"
+    );
     assert_eq!(log.next_deadline(), None);
     // sync_now forces an fsync without waiting for the interval.
     model.append(&mut log, &mut rng, 0, 4, 200);

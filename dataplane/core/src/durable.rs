@@ -19,8 +19,15 @@
 //!
 //! Any error a pump returns is fatal (a failed fdatasync or write, a corrupt committed
 //! record): the shell must send no further ack and stop the process; recovery at the next
-//! start takes over.
+//! start takes over (and stops with `StorageError::CorruptLog`, naming `felix log repair`,
+//! when committed data is damaged).
+//!
+//! Housekeeping ([`Core::apply_retention`], every few seconds from the shell's timer)
+//! releases the log shards of deleted durable streams (`Log::release_shards`: closed segments
+//! holding only their records give their space back at once) and applies retention. The
+//! offline `felix log` commands use [`log_dirs`] and [`catalogued_shards`].
 
+use std::collections::HashSet;
 use std::os::fd::BorrowedFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -28,10 +35,10 @@ use std::time::{Duration, Instant};
 use felix_engine::{AppendRequest, Engine, EngineError, LogRecord, LogShardId, StreamDescription};
 use felix_storage::{
     Backend, BackendChoice, Counters, FsyncMode, Log, LogConfig, LogEvent, RecoveryReport,
-    RetentionReport, StorageError, SystemBackend,
+    ReleaseReport, RetentionReport, StorageError, SystemBackend,
 };
 
-use crate::catalog::CatalogEntry;
+use crate::catalog::{Catalog, CatalogEntry};
 use crate::config::Now;
 use crate::core::Core;
 
@@ -80,6 +87,54 @@ pub fn log_dir(data_dir: &Path, core: usize) -> PathBuf {
     data_dir.join("log").join(format!("core-{core}"))
 }
 
+/// Every core log directory of a data directory (`<data_dir>/log/core-<i>`), by core index;
+/// none when the broker never made one.
+pub fn log_dirs(data_dir: &Path) -> std::io::Result<Vec<(usize, PathBuf)>> {
+    let root = data_dir.join("log");
+    let entries = match std::fs::read_dir(&root) {
+        Ok(entries) => entries,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(error) => return Err(error),
+    };
+    let mut dirs = Vec::new();
+    for entry in entries {
+        let entry = entry?;
+        let core = entry
+            .file_name()
+            .to_str()
+            .and_then(|name| name.strip_prefix("core-"))
+            .and_then(|index| index.parse::<usize>().ok());
+        if let Some(core) = core
+            && entry.file_type()?.is_dir()
+        {
+            dirs.push((core, entry.path()));
+        }
+    }
+    dirs.sort_unstable();
+    Ok(dirs)
+}
+
+/// A log shard id as an operator reads it: `stream id S shard N` (`LogShardId`).
+#[must_use]
+pub fn describe_log_shard(shard: u32) -> String {
+    let id = LogShardId(shard);
+    format!("stream id {} shard {}", id.stream_id(), id.shard())
+}
+
+/// For `felix log compact`: whether log shard `shard` may hold records someone can still
+/// read. A stream the catalogue lists is live; a stream id below the catalogue's next id that
+/// it does not list was deleted (ids are never reused); an id at or past the next id is not
+/// one the catalogue ever gave out (a catalogue replaced or lost), so it is kept rather than
+/// guessed away.
+pub fn catalogued_shards(catalog: &Catalog) -> impl Fn(u32) -> bool + use<> {
+    let live: HashSet<u32> = catalog.entries().map(|entry| entry.stream_id).collect();
+    let next = catalog.next_stream_id();
+    move |shard| {
+        let stream_id = LogShardId(shard).stream_id();
+        stream_id >= next || live.contains(&stream_id)
+    }
+}
+
 /// What one `pump` did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PumpReport {
@@ -105,6 +160,9 @@ pub struct DurableLog<B: Backend = SystemBackend> {
     core: usize,
     log: Log<B>,
     recovery: RecoverySummary,
+    /// Durable stream ids seen live in the engine since start: once gone from the engine
+    /// they were deleted, so their log shards may be released.
+    seen_live: HashSet<u32>,
 }
 
 impl DurableLog<SystemBackend> {
@@ -150,6 +208,7 @@ impl<B: Backend> DurableLog<B> {
             core,
             log,
             recovery,
+            seen_live: HashSet::new(),
         })
     }
 
@@ -255,16 +314,32 @@ impl<B: Backend> DurableLog<B> {
                 read.max_bytes,
             ) {
                 Ok(records) => {
-                    let records = records
-                        .into_iter()
-                        .map(|record| LogRecord {
+                    // The log skips quarantined offsets (records lost to damage, see
+                    // `felix log repair`); the engine takes only dense records, so the answer
+                    // stops at the first jump. A read that starts with a jump is answered
+                    // empty, which ends a subscription that needs those offsets with
+                    // `storage_failed` (no silent gap).
+                    let mut dense = Vec::with_capacity(records.len());
+                    for (expect, record) in (read.from_offset..).zip(records) {
+                        if record.offset != expect {
+                            tracing::warn!(
+                                core = self.core,
+                                shard = read.log_shard.shard(),
+                                stream_id = read.log_shard.stream_id(),
+                                from = expect,
+                                to = record.offset,
+                                "a catch-up read crosses quarantined offsets"
+                            );
+                            break;
+                        }
+                        dense.push(LogRecord {
                             offset: record.offset,
                             timestamp_us: record.timestamp_us,
                             key: record.key,
                             payload: record.payload,
-                        })
-                        .collect();
-                    engine.handle_log_records(read.subscription, read.log_shard, records);
+                        });
+                    }
+                    engine.handle_log_records(read.subscription, read.log_shard, dense);
                 }
                 Err(StorageError::OffsetTooOld { oldest, .. }) => {
                     engine.handle_log_read_too_old(read.subscription, read.log_shard, oldest);
@@ -329,11 +404,58 @@ impl<B: Backend> DurableLog<B> {
         Ok(report)
     }
 
-    /// Whether retention bounds are configured (else `apply_retention` never deletes).
+    /// Whether the shell's timer must call `Core::apply_retention` every few seconds:
+    /// always, since besides retention (when FELIX_DURABLE_RETENTION_* bounds are set, see
+    /// [`DurableLog::retention_bounds_set`]) it releases the segments of deleted streams.
     #[must_use]
     pub fn retention_configured(&self) -> bool {
+        true
+    }
+
+    /// Whether retention bounds are configured (else retention never deletes).
+    #[must_use]
+    pub fn retention_bounds_set(&self) -> bool {
         let config = self.log.config();
         config.retention_bytes.is_some() || config.retention_age.is_some()
+    }
+
+    /// Releases the log shards of durable streams `engine` no longer has (deleted), so the
+    /// closed segments holding only their records give their space back at once
+    /// (`Log::release_shards`). A stream counts as deleted only when its id is below
+    /// `catalogued_below` (ids the catalogue had given out at start-up) or it was seen live
+    /// earlier in this process: a log shard of an unknown stream is never released on a guess
+    /// (e.g. a lost catalogue). Nothing is released while durable streams are disabled.
+    pub fn release_deleted(
+        &mut self,
+        engine: &Engine,
+        catalogued_below: u32,
+    ) -> Result<ReleaseReport, StorageError> {
+        if !engine.durable_enabled() {
+            return Ok(ReleaseReport::default());
+        }
+        let live: HashSet<u32> = engine
+            .list_streams()
+            .into_iter()
+            .filter_map(|(name, _, _)| engine.log_shard(&name, 0))
+            .map(LogShardId::stream_id)
+            .collect();
+        self.seen_live.extend(live.iter().copied());
+        let seen = &self.seen_live;
+        let report = self.log.release_shards(|shard| {
+            let stream_id = LogShardId(shard).stream_id();
+            live.contains(&stream_id)
+                || !(stream_id < catalogued_below || seen.contains(&stream_id))
+        })?;
+        if !report.shards.is_empty() {
+            tracing::info!(
+                core = self.core,
+                shards = report.shards.len(),
+                segments = report.segments.len(),
+                bytes = report.bytes_freed,
+                "released the log shards of deleted durable streams"
+            );
+        }
+        Ok(report)
     }
 
     /// The eventfd that becomes readable when the log has a completion to reap: wrap it in
@@ -427,13 +549,18 @@ impl Core {
         Ok(report)
     }
 
-    /// Deletes `log`'s segments past the retention bounds (every few seconds, from the
-    /// shell's timer).
+    /// Housekeeping of `log`, every few seconds from the shell's timer: releases the log
+    /// shards of deleted durable streams (their segments' space comes back at once), then
+    /// deletes segments past the retention bounds, if set.
     pub fn apply_retention<B: Backend>(
         &mut self,
         log: &mut DurableLog<B>,
         now: Now,
     ) -> Result<RetentionReport, StorageError> {
+        log.release_deleted(&self.engine, self.next_stream_id)?;
+        if !log.retention_bounds_set() {
+            return Ok(RetentionReport::default());
+        }
         log.apply_retention(&mut self.engine, now.unix_us)
     }
 
@@ -805,5 +932,252 @@ mod tests {
         let want: Vec<u64> = (5..600).collect();
         assert_eq!(offsets, want);
         assert!(engine.durable_counters().log_records_read > 0);
+    }
+
+    fn pwrite_settings(segment_bytes: u64) -> DurableSettings {
+        DurableSettings {
+            fsync: FsyncMode::OnCommit,
+            backend: BackendChoice::Pwrite,
+            segment_bytes,
+            retention_bytes: None,
+            retention_age: None,
+        }
+    }
+
+    /// Publishes `batches` tracked batches of `per_batch` records of `payload` bytes to
+    /// `stream` and waits until all are durable.
+    fn publish_to(
+        log: &mut DurableLog<SystemBackend>,
+        engine: &mut Engine,
+        stream: &str,
+        batches: u64,
+        per_batch: usize,
+        payload: usize,
+    ) {
+        for tag in 0..batches {
+            engine
+                .publish_tracked(
+                    tag,
+                    stream,
+                    batch(tag, per_batch, payload),
+                    PublishToken(tag),
+                )
+                .expect("published");
+        }
+        let done = pump_until(log, engine, batches as usize);
+        assert!(done.iter().all(|c| c.result.is_ok()));
+    }
+
+    #[test]
+    fn deleting_a_durable_stream_releases_its_segments() {
+        // Once a durable stream is deleted, housekeeping gives back at once the closed
+        // segments that held only its records; the live stream is untouched and keeps its
+        // offsets across a restart, and a stream of an id the catalogue never gave out is not
+        // released.
+        let dir = tempfile::tempdir().expect("temp dir");
+        let settings = pwrite_settings(64 << 10);
+        let mut log = DurableLog::open_system(dir.path(), 0, &settings).expect("opens");
+        let mut engine = engine(1024);
+        engine.create_durable_stream("kept", 1, 1).expect("created");
+        engine.create_durable_stream("gone", 1, 2).expect("created");
+        publish_to(&mut log, &mut engine, "kept", 4, 8, 100);
+        publish_to(&mut log, &mut engine, "gone", 60, 8, 900);
+        let nothing = log.release_deleted(&engine, 3).expect("release");
+        assert!(nothing.shards.is_empty(), "every stream is live");
+        // A stream created (and deleted) between two housekeeping passes, with an id past
+        // what the catalogue had given out at start-up: never seen live, so never released.
+        engine
+            .create_durable_stream("unknown", 1, 9)
+            .expect("created");
+        publish_to(&mut log, &mut engine, "unknown", 2, 8, 100);
+        publish_to(&mut log, &mut engine, "kept", 4, 8, 100);
+        let segments = log.log().segment_seqs().len();
+        assert!(segments >= 5, "{segments} segments");
+        engine.delete_stream("gone").expect("deleted");
+        engine.delete_stream("unknown").expect("deleted");
+        let before = log.log().total_bytes();
+        let report = log.release_deleted(&engine, 3).expect("release");
+        let gone = LogShardId::new(2, 0).expect("id").0;
+        assert_eq!(
+            report.shards,
+            vec![gone],
+            "id 9 was never seen live nor catalogued"
+        );
+        assert!(report.segments.len() >= 3, "{report:?}");
+        assert_eq!(log.log().total_bytes(), before - report.bytes_freed);
+        assert!(log.counters().released_bytes >= report.bytes_freed);
+        let kept = LogShardId::new(1, 0).expect("id").0;
+        assert_eq!(log.log().shard_offsets(kept).map(|o| o.next), Some(64));
+        assert_eq!(
+            log.log()
+                .read(kept, 0, 100, usize::MAX)
+                .expect("read")
+                .len(),
+            64
+        );
+        log.shutdown(&mut engine, DEADLINE).expect("shutdown");
+        drop(log);
+        let log = DurableLog::open_system(dir.path(), 0, &settings).expect("reopens");
+        assert_eq!(log.log().shard_offsets(gone), None);
+        assert_eq!(
+            log.log()
+                .read(kept, 0, 100, usize::MAX)
+                .expect("read")
+                .len(),
+            64
+        );
+        assert!(
+            log.log()
+                .shard_offsets(LogShardId::new(9, 0).expect("id").0)
+                .is_some()
+        );
+    }
+
+    #[test]
+    fn catalogue_decides_which_shards_compaction_keeps() {
+        // Listed streams are kept, deleted ones (ids below the next id) are not, and ids the
+        // catalogue never gave out are kept rather than guessed away.
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut catalog = Catalog::load(dir.path()).expect("loads");
+        catalog.add("a", 2).expect("added");
+        catalog.add("b", 2).expect("added");
+        catalog.remove("a").expect("removed");
+        let live = catalogued_shards(&catalog);
+        let id = |stream: u32, shard: u32| LogShardId::new(stream, shard).expect("id").0;
+        assert!(!live(id(0, 1)), "deleted stream a");
+        assert!(live(id(1, 0)) && live(id(1, 1)), "listed stream b");
+        assert!(live(id(7, 0)), "never given out");
+        assert!(log_dirs(dir.path()).expect("list").is_empty());
+        std::fs::create_dir_all(log_dir(dir.path(), 1)).expect("dir");
+        std::fs::create_dir_all(dir.path().join("log").join("other")).expect("dir");
+        assert_eq!(
+            log_dirs(dir.path()).expect("list"),
+            vec![(1, log_dir(dir.path(), 1))]
+        );
+    }
+
+    #[test]
+    fn corruption_stops_start_up_and_a_repaired_gap_is_never_delivered_silently() {
+        // A flipped byte in committed records stops the core's log from opening with the
+        // repair command; after `repair`, a catch-up subscription gets every record before
+        // the quarantined one and then ends with storage_failed instead of skipping it
+        // unannounced; new publishes get offsets past every offset handed out.
+        let dir = tempfile::tempdir().expect("temp dir");
+        let settings = pwrite_settings(1 << 20);
+        let entry = CatalogEntry {
+            name: STREAM.to_owned(),
+            shards: 1,
+            stream_id: STREAM_ID,
+        };
+        {
+            let mut log = DurableLog::open_system(dir.path(), 0, &settings).expect("opens");
+            let mut engine = engine(1024);
+            engine
+                .create_durable_stream(STREAM, 1, STREAM_ID)
+                .expect("created");
+            publish_to(&mut log, &mut engine, STREAM, 4, 10, 64);
+            log.shutdown(&mut engine, DEADLINE).expect("shutdown");
+        }
+        let core_dir = log_dir(dir.path(), 0);
+        let segment_path = core_dir.join(felix_storage::segment::file_name(0));
+        let bytes = std::fs::read(&segment_path).expect("read");
+        let header = felix_storage::segment::read_header(
+            &std::fs::File::open(&segment_path).expect("open"),
+            bytes.len() as u64,
+        )
+        .expect("header");
+        let mut at = header.header_bytes as usize;
+        let damaged_at = loop {
+            match felix_storage::frame::decode(&bytes[at..]) {
+                felix_storage::frame::Decoded::Record {
+                    record,
+                    frame_bytes,
+                } => {
+                    if record.offset == 25 {
+                        break at;
+                    }
+                    at += frame_bytes;
+                }
+                felix_storage::frame::Decoded::Mark { .. } => {
+                    at += felix_storage::frame::MARK_BYTES
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        };
+        let mut damaged = bytes;
+        damaged[damaged_at + 40] ^= 0x20;
+        std::fs::write(&segment_path, &damaged).expect("write");
+        let error = DurableLog::open_system(dir.path(), 0, &settings).expect_err("refused");
+        let message = error.to_string();
+        assert!(matches!(error, StorageError::CorruptLog(_)), "{message}");
+        assert!(
+            message.contains(&format!(
+                "felix log repair --data-dir {}",
+                dir.path().display()
+            )),
+            "{message}"
+        );
+        assert!(message.contains(&format!("byte {damaged_at}")), "{message}");
+        let lock = felix_storage::DirLock::acquire(&core_dir).expect("lock");
+        let (report, lock) = felix_storage::offline::repair(lock).expect("repaired");
+        drop(lock);
+        assert_eq!(report.quarantined.len(), 1);
+        assert_eq!(
+            (report.quarantined[0].first, report.quarantined[0].end),
+            (25, 26)
+        );
+
+        let mut log = DurableLog::open_system(dir.path(), 0, &settings).expect("reopens");
+        assert_eq!(log.counters().quarantined_records, 1);
+        let mut engine = engine(1024);
+        let description = log.restore(&mut engine, &entry).expect("restored");
+        assert_eq!(description.shards[0].next_offset, 40);
+        let sub = engine
+            .subscribe(STREAM, &ShardSelection::All, &StartPosition::Earliest)
+            .expect("subscribed");
+        let mut offsets = Vec::new();
+        let mut ended = None;
+        let deadline = Instant::now() + DEADLINE;
+        while ended.is_none() {
+            assert!(
+                Instant::now() < deadline,
+                "the subscription neither ends nor delivers"
+            );
+            pump(&mut log, &mut engine);
+            offsets.extend(drain(&mut engine, sub.id).iter().map(|r| r.offset));
+            while let Some(event) = engine.poll_event() {
+                if let felix_engine::EngineEvent::SubscriptionEnded(id, error) = event
+                    && id == sub.id
+                {
+                    ended = Some(error);
+                }
+            }
+        }
+        // Whatever was delivered before the end is a dense prefix below the quarantined
+        // offset: nothing after the gap is ever delivered as if it followed offset 24.
+        let prefix: Vec<u64> = (0..offsets.len() as u64).collect();
+        assert_eq!(offsets, prefix);
+        assert!(offsets.len() <= 25);
+        assert_eq!(
+            ended.map(|e| e.code),
+            Some(ErrorCode::StorageFailed),
+            "the gap is announced, not skipped"
+        );
+        engine
+            .publish_tracked(9, STREAM, batch(9, 1, 8), PublishToken(9))
+            .expect("published");
+        let acks = engine.poll_completed_publish();
+        assert!(acks.is_none());
+        let mut log_engine_done = Vec::new();
+        let deadline = Instant::now() + DEADLINE;
+        while log_engine_done.is_empty() {
+            assert!(Instant::now() < deadline, "publish not durable");
+            log_engine_done.extend(pump(&mut log, &mut engine));
+            if log_engine_done.is_empty() && !log.is_idle() {
+                wait_readable(log.wake_fd(), Duration::from_millis(100)).expect("wait");
+            }
+        }
+        let kept = LogShardId::new(STREAM_ID, 0).expect("id").0;
+        assert_eq!(log.log().shard_offsets(kept).map(|o| o.next), Some(41));
     }
 }

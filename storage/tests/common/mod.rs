@@ -149,3 +149,126 @@ pub fn drive_until<B: Backend>(
             .expect("wait");
     }
 }
+
+/// One frame as found in the files by the test's own parser.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placed {
+    pub seq: u64,
+    pub start: u64,
+    pub end: u64,
+    /// `None` for a commit mark.
+    pub record: Option<(u32, u64)>,
+}
+
+/// Segment seq -> (header bytes, end of data), and every frame (records and commit marks)
+/// in log order.
+pub fn parse_files(dir: &Path) -> (BTreeMap<u64, (u64, u64)>, Vec<Placed>) {
+    use felix_storage::frame::{self, Decoded};
+    use felix_storage::segment;
+    let mut segs = BTreeMap::new();
+    let mut placed = Vec::new();
+    for seq in segment_seqs(dir) {
+        let path = dir.join(segment::file_name(seq));
+        let bytes = std::fs::read(&path).expect("read segment");
+        let file = std::fs::File::open(&path).expect("open");
+        let header = segment::read_header(&file, bytes.len() as u64).expect("valid header");
+        let mut at = header.header_bytes as usize;
+        loop {
+            let (record, len) = match frame::decode(&bytes[at..]) {
+                Decoded::Record {
+                    record,
+                    frame_bytes,
+                } => (Some((record.shard, record.offset)), frame_bytes),
+                Decoded::Mark { .. } => (None, frame::MARK_BYTES),
+                _ => break,
+            };
+            placed.push(Placed {
+                seq,
+                start: at as u64,
+                end: (at + len) as u64,
+                record,
+            });
+            at += len;
+        }
+        segs.insert(seq, (header.header_bytes, at as u64));
+    }
+    (segs, placed)
+}
+
+/// Segment sequence numbers in `dir`, ascending.
+pub fn segment_seqs(dir: &Path) -> Vec<u64> {
+    let mut seqs: Vec<u64> = std::fs::read_dir(dir)
+        .expect("list")
+        .filter_map(|e| felix_storage::segment::parse_file_name(e.ok()?.file_name().to_str()?))
+        .collect();
+    seqs.sort_unstable();
+    seqs
+}
+
+/// XORs the byte at `pos` of a file with `x` (non-zero), in place.
+pub fn flip(path: &Path, pos: u64, x: u8) {
+    use std::os::unix::fs::FileExt;
+    assert_ne!(x, 0, "a flip changes the byte");
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .expect("open");
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, pos).expect("read");
+    f.write_all_at(&[b[0] ^ x], pos).expect("write");
+    f.sync_all().expect("fsync");
+}
+
+/// Removes every sidecar index of `dir` (recovery then scans every segment).
+pub fn remove_sidecars(dir: &Path) {
+    for entry in std::fs::read_dir(dir).expect("list") {
+        let path = entry.expect("entry").path();
+        if path.extension().is_some_and(|e| e == "idx") {
+            std::fs::remove_file(path).expect("remove sidecar");
+        }
+    }
+}
+
+/// Copies the regular files of `from` into the empty directory `to` (the lock file too).
+pub fn copy_dir(from: &Path, to: &Path) {
+    for entry in std::fs::read_dir(from).expect("list") {
+        let entry = entry.expect("entry");
+        std::fs::copy(entry.path(), to.join(entry.file_name())).expect("copy");
+    }
+}
+
+/// A log of `records` records over `shards` shards in small segments, flushed (so a final
+/// commit mark covers everything), returned closed with its model.
+pub fn build_log(dir: &Path, records: usize, shards: u32, seed: u64) -> Model {
+    let cfg = small_config(dir, FsyncMode::OnCommit);
+    let (backend, _) = felix_storage::FaultBackend::new(true).expect("backend");
+    let (mut log, _) = Log::open(cfg, backend).expect("open");
+    let mut model = Model::default();
+    let mut rng = Rng(seed);
+    for i in 0..records {
+        let shard = rng.below(u64::from(shards)) as u32;
+        model.append(&mut log, &mut rng, shard, 8, 500);
+        if i % 7 == 6 {
+            log.flush(DEADLINE).expect("flush");
+        }
+    }
+    // A clean stop: the final commit mark proves every record synced.
+    log.sync_now();
+    log.flush(DEADLINE).expect("flush");
+    model
+}
+
+/// Opens `dir` with the fault backend (auto-complete) and the small test config.
+pub fn open_fault(
+    dir: &Path,
+) -> Result<
+    (
+        Log<felix_storage::FaultBackend>,
+        felix_storage::RecoveryReport,
+    ),
+    felix_storage::StorageError,
+> {
+    let (backend, _) = felix_storage::FaultBackend::new(true).expect("backend");
+    Log::open(small_config(dir, FsyncMode::OnCommit), backend)
+}
