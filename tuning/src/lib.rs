@@ -311,6 +311,22 @@ pub enum ConfigError {
         frame: u32,
         frame_origin: Source,
     },
+    /// FELIX_MAX_SHARDS_PER_STREAM too large for FELIX_MAX_FRAME_BYTES: the description of
+    /// such a stream (22 bytes per shard) would not fit in one frame.
+    #[error(
+        "FELIX_MAX_SHARDS_PER_STREAM={shards} (from {shards_origin}) does not fit \
+         FELIX_MAX_FRAME_BYTES={} (from {frame_origin}): describing a stream of {shards} shards \
+         takes {needed} bytes in one frame; raise FELIX_MAX_FRAME_BYTES or lower \
+         FELIX_MAX_SHARDS_PER_STREAM",
+        values::format_size(u64::from(*frame))
+    )]
+    ShardsExceedFrame {
+        shards: u32,
+        shards_origin: Source,
+        frame: u32,
+        frame_origin: Source,
+        needed: u64,
+    },
     #[error("environment variable {name} is not valid UTF-8")]
     NotUnicode { name: String },
 }
@@ -368,6 +384,7 @@ impl Config {
         config.check_tls_pair()?;
         config.check_client_cert_pair()?;
         config.check_payload_fits_frame()?;
+        config.check_shards_fit_frame()?;
         Ok(config)
     }
 
@@ -515,6 +532,22 @@ impl Config {
             set,
             missing,
             origin: self.sources.of(set),
+        })
+    }
+
+    fn check_shards_fit_frame(&self) -> Result<(), ConfigError> {
+        let needed = stream_info_bytes_max(self.max_shards_per_stream);
+        if needed <= u64::from(self.max_frame_bytes) {
+            return Ok(());
+        }
+        Err(ConfigError::ShardsExceedFrame {
+            shards: self.max_shards_per_stream,
+            shards_origin: self
+                .sources
+                .of(settings::by_field::max_shards_per_stream.env),
+            frame: self.max_frame_bytes,
+            frame_origin: self.sources.of(settings::by_field::max_frame_bytes.env),
+            needed,
         })
     }
 
@@ -757,3 +790,11 @@ impl Layers<'_> {
 
 #[cfg(test)]
 mod tests;
+
+/// The largest `StreamInfo` body of a stream of `shards` shards (docs/wire-protocol.md 4.6):
+/// 16 fixed bytes, a name of at most 255 bytes, 22 bytes per shard. The frame carrying the
+/// most per-shard bytes, so every per-shard answer fits when it does.
+#[must_use]
+pub fn stream_info_bytes_max(shards: u32) -> u64 {
+    16 + 255 + 22 * u64::from(shards)
+}

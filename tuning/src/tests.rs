@@ -955,3 +955,44 @@ fn tokens_file_reloads_on_sighup_in_the_reference() {
         .expect("tokens file row");
     assert!(row.contains("| no: re-read on SIGHUP |"), "{row}");
 }
+
+#[test]
+fn shards_that_do_not_fit_a_frame_are_refused_naming_both() {
+    // A shard bound whose stream description could not fit a frame is refused naming both
+    // settings, their sources and the bytes needed; the largest fitting count is accepted.
+    let frame = "64KiB";
+    let error = load_env(&[
+        ("FELIX_MAX_FRAME_BYTES", frame),
+        ("FELIX_MAX_PAYLOAD_BYTES", frame),
+        ("FELIX_MAX_SHARDS_PER_STREAM", "4096"),
+    ])
+    .expect_err("4096 shards in 64 KiB frames");
+    assert!(
+        matches!(
+            &error,
+            ConfigError::ShardsExceedFrame {
+                shards: 4096,
+                frame: 65_536,
+                needed: 90_383,
+                shards_origin: Source::Env(_),
+                frame_origin: Source::Env(_),
+            }
+        ),
+        "{error:?}"
+    );
+    assert!(
+        error.to_string().starts_with(
+            "FELIX_MAX_SHARDS_PER_STREAM=4096 (from environment) does not fit \
+             FELIX_MAX_FRAME_BYTES=64KiB (from environment)"
+        ),
+        "{error}"
+    );
+    let fitting = (65_536 - 16 - 255) / 22;
+    let config = load_env(&[
+        ("FELIX_MAX_FRAME_BYTES", frame),
+        ("FELIX_MAX_PAYLOAD_BYTES", frame),
+        ("FELIX_MAX_SHARDS_PER_STREAM", &fitting.to_string()),
+    ])
+    .expect("the largest count that fits");
+    assert!(crate::stream_info_bytes_max(config.max_shards_per_stream) <= 65_536);
+}

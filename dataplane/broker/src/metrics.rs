@@ -120,6 +120,12 @@ pub struct DurableMetrics {
     total_fsync_bytes: Counter,
     total_records_pending: Gauge,
     total_recovery_truncated_bytes: Gauge,
+    /// Offsets `felix log repair` quarantined, all cores (`felix_quarantined_records`).
+    total_quarantined_records: Gauge,
+    /// Quarantined offsets catch-up reads skipped (`felix_quarantine_skipped_records_total`).
+    total_quarantine_skipped: Counter,
+    /// Log bytes given back after streams were deleted (`felix_released_bytes_total`).
+    total_released_bytes: Counter,
     fsync_seconds: Histogram,
 }
 
@@ -131,12 +137,16 @@ pub struct DurableExported {
     fsync_records: u64,
     fsync_bytes: u64,
     records_pending: i64,
+    quarantine_skipped: u64,
+    released_bytes: u64,
     latency_buckets: [u64; felix_storage::LATENCY_BUCKETS],
 }
 
 impl DurableMetrics {
     /// Sets the recovery gauges (once, after the core's log opened).
-    pub fn set_recovery(&self, seconds: f64, truncated_bytes: u64) {
+    pub fn set_recovery(&self, seconds: f64, truncated_bytes: u64, quarantined_records: u64) {
+        self.total_quarantined_records
+            .inc_by(i64::try_from(quarantined_records).unwrap_or(i64::MAX));
         self.recovery_seconds.set(seconds);
         let truncated = i64::try_from(truncated_bytes).unwrap_or(i64::MAX);
         self.recovery_truncated_bytes.set(truncated);
@@ -148,8 +158,26 @@ impl DurableMetrics {
         &self,
         counters: &felix_storage::Counters,
         records_pending: u64,
+        quarantine_skipped: u64,
         exported: &mut DurableExported,
     ) {
+        for (counter, now, seen) in [
+            (
+                &self.total_quarantine_skipped,
+                quarantine_skipped,
+                &mut exported.quarantine_skipped,
+            ),
+            (
+                &self.total_released_bytes,
+                counters.released_bytes,
+                &mut exported.released_bytes,
+            ),
+        ] {
+            if now > *seen {
+                counter.inc_by(now - *seen);
+                *seen = now;
+            }
+        }
         let add = |counter: &Counter, total: &Counter, now: u64, seen: &mut u64| {
             let delta = now.saturating_sub(*seen);
             if delta > 0 {
@@ -672,7 +700,7 @@ fn register_cores(
     let recovery_truncated = gauge(
         registry,
         "felix_core_recovery_truncated_bytes",
-        "Bytes the core's log recovery truncated at start-up (torn or corrupt tail)",
+        "Bytes the core's log recovery truncated at start-up (a torn tail)",
     );
     let recovery_seconds = Family::<CoreLabel, CpuGauge>::default();
     registry.register(
@@ -715,6 +743,25 @@ fn register_cores(
         "felix_recovery_truncated_bytes",
         "Bytes log recovery truncated at start-up (all cores)",
         total_truncated.clone(),
+    );
+    let total_quarantined = Gauge::default();
+    registry.register(
+        "felix_quarantined_records",
+        "Durable log offsets quarantined by felix log repair: records lost to damage, never \
+         handed out again (all cores)",
+        total_quarantined.clone(),
+    );
+    let total_quarantine_skipped = Counter::default();
+    registry.register(
+        "felix_quarantine_skipped_records",
+        "Quarantined offsets subscriptions skipped while catching up from the log (all cores)",
+        total_quarantine_skipped.clone(),
+    );
+    let total_released = Counter::default();
+    registry.register(
+        "felix_released_bytes",
+        "Durable log bytes given back after their streams were deleted (all cores)",
+        total_released.clone(),
     );
     let fsync_seconds = Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
         FSYNC_SECONDS_FIRST_BUCKET,
@@ -771,6 +818,9 @@ fn register_cores(
                 total_fsync_bytes: total_fsync_bytes.clone(),
                 total_records_pending: total_pending.clone(),
                 total_recovery_truncated_bytes: total_truncated.clone(),
+                total_quarantined_records: total_quarantined.clone(),
+                total_quarantine_skipped: total_quarantine_skipped.clone(),
+                total_released_bytes: total_released.clone(),
                 fsync_seconds: fsync_seconds.clone(),
             },
             wire_bytes: wire.get_or_create_owned(&label),

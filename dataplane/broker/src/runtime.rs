@@ -187,9 +187,11 @@ fn run_thread(
         let log =
             DurableLog::open_system(&settings.data_dir, usize::from(index), &settings.durable)?;
         let recovery = log.recovery();
-        core_metrics
-            .durable
-            .set_recovery(recovery.seconds, recovery.truncated_bytes);
+        core_metrics.durable.set_recovery(
+            recovery.seconds,
+            recovery.truncated_bytes,
+            log.counters().quarantined_records,
+        );
         let log_wake = register(log.wake_fd().try_clone_to_owned())
             .map_err(|error| core_error("cannot watch the log's eventfd", &error))?;
         let mesh_wake = register(mesh.eventfd_of(index))

@@ -245,6 +245,7 @@ impl Shell {
         self.core_metrics.durable.observe(
             log.counters(),
             core.engine().durable_counters().records_pending,
+            core.engine().durable_counters().quarantine_skipped,
             &mut self.durable_exported.borrow_mut(),
         );
     }

@@ -155,6 +155,22 @@ impl Core {
                 kind,
                 ..
             } => {
+                // Its description must fit in one frame (docs/wire-protocol.md 4.6): 16 fixed
+                // bytes, the name, 22 bytes per shard. The broker's settings are checked for
+                // this at start-up; this keeps any configuration from answering a frame the
+                // client cannot decode.
+                let info_bytes = 16 + name.len() as u64 + 22 * u64::from(*shard_count);
+                if info_bytes > u64::from(self.limits.max_frame_bytes) {
+                    self.counters.limit(crate::Limit::ShardsPerStream);
+                    return Err(core_error(
+                        ErrorCode::LimitExceeded,
+                        format!(
+                            "a stream of {shard_count} shards takes {info_bytes} bytes to \
+                             describe, over the frame limit of {} bytes (FELIX_MAX_FRAME_BYTES)",
+                            self.limits.max_frame_bytes
+                        ),
+                    ));
+                }
                 if let Err(error) = self.engine.check_create(name, *shard_count, *kind) {
                     if error.code == ErrorCode::LimitExceeded {
                         let limit = if *shard_count > self.engine.config().max_shards {

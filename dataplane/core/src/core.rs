@@ -672,6 +672,13 @@ impl Core {
         token_id: Option<String>,
         features: u64,
     ) {
+        let connection = self.stream_mut(stream).connection;
+        if !self.connections.contains_key(&connection) {
+            // The connection closed while its token was checked: nothing to admit (its
+            // streams are closing too).
+            self.stream_mut(stream).finishing = true;
+            return;
+        }
         if let Err(max) = self.security.acquire(&principal) {
             self.counters.limit(Limit::ConnectionsPerPrincipal);
             let mut refusal = error_frame(

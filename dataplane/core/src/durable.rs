@@ -315,23 +315,31 @@ impl<B: Backend> DurableLog<B> {
             ) {
                 Ok(records) => {
                     // The log skips quarantined offsets (records lost to damage, see
-                    // `felix log repair`); the engine takes only dense records, so the answer
-                    // stops at the first jump. A read that starts with a jump is answered
-                    // empty, which ends a subscription that needs those offsets with
-                    // `storage_failed` (no silent gap).
+                    // `felix log repair`). A read that starts past its offset crossed such a
+                    // range: the subscription skips exactly those offsets (a gap its client
+                    // sees, counted). The answer then stops at the next jump; the next read
+                    // goes on from there.
+                    let mut expect = read.from_offset;
+                    if let Some(first) = records.first()
+                        && first.offset > expect
+                    {
+                        tracing::warn!(
+                            core = self.core,
+                            shard = read.log_shard.shard(),
+                            stream_id = read.log_shard.stream_id(),
+                            from = expect,
+                            to = first.offset,
+                            "a catch-up read skips quarantined offsets"
+                        );
+                        engine.handle_log_skip(read.subscription, read.log_shard, first.offset);
+                        expect = first.offset;
+                    }
                     let mut dense = Vec::with_capacity(records.len());
-                    for (expect, record) in (read.from_offset..).zip(records) {
+                    for record in records {
                         if record.offset != expect {
-                            tracing::warn!(
-                                core = self.core,
-                                shard = read.log_shard.shard(),
-                                stream_id = read.log_shard.stream_id(),
-                                from = expect,
-                                to = record.offset,
-                                "a catch-up read crosses quarantined offsets"
-                            );
                             break;
                         }
+                        expect += 1;
                         dense.push(LogRecord {
                             offset: record.offset,
                             timestamp_us: record.timestamp_us,
@@ -1057,11 +1065,11 @@ mod tests {
     }
 
     #[test]
-    fn corruption_stops_start_up_and_a_repaired_gap_is_never_delivered_silently() {
+    fn corruption_stops_start_up_and_a_repaired_gap_is_skipped_and_counted() {
         // A flipped byte in committed records stops the core's log from opening with the
-        // repair command; after `repair`, a catch-up subscription gets every record before
-        // the quarantined one and then ends with storage_failed instead of skipping it
-        // unannounced; new publishes get offsets past every offset handed out.
+        // repair command; after `repair`, a catch-up subscription gets every record but the
+        // quarantined one, in order (the skip counted); new publishes get offsets past every
+        // offset handed out.
         let dir = tempfile::tempdir().expect("temp dir");
         let settings = pwrite_settings(1 << 20);
         let entry = CatalogEntry {
@@ -1136,33 +1144,25 @@ mod tests {
             .subscribe(STREAM, &ShardSelection::All, &StartPosition::Earliest)
             .expect("subscribed");
         let mut offsets = Vec::new();
-        let mut ended = None;
         let deadline = Instant::now() + DEADLINE;
-        while ended.is_none() {
+        while offsets.len() < 39 {
             assert!(
                 Instant::now() < deadline,
-                "the subscription neither ends nor delivers"
+                "the catch-up did not deliver the records around the gap: {offsets:?}"
             );
             pump(&mut log, &mut engine);
             offsets.extend(drain(&mut engine, sub.id).iter().map(|r| r.offset));
             while let Some(event) = engine.poll_event() {
-                if let felix_engine::EngineEvent::SubscriptionEnded(id, error) = event
-                    && id == sub.id
-                {
-                    ended = Some(error);
+                if let felix_engine::EngineEvent::SubscriptionEnded(id, error) = event {
+                    assert_ne!(id, sub.id, "the subscription ended: {error}");
                 }
             }
         }
-        // Whatever was delivered before the end is a dense prefix below the quarantined
-        // offset: nothing after the gap is ever delivered as if it followed offset 24.
-        let prefix: Vec<u64> = (0..offsets.len() as u64).collect();
-        assert_eq!(offsets, prefix);
-        assert!(offsets.len() <= 25);
-        assert_eq!(
-            ended.map(|e| e.code),
-            Some(ErrorCode::StorageFailed),
-            "the gap is announced, not skipped"
-        );
+        // Every record but the quarantined one, in order: exactly offset 25 is skipped, and
+        // counted.
+        let expected: Vec<u64> = (0..40).filter(|&offset| offset != 25).collect();
+        assert_eq!(offsets, expected);
+        assert_eq!(engine.durable_counters().quarantine_skipped, 1);
         engine
             .publish_tracked(9, STREAM, batch(9, 1, 8), PublishToken(9))
             .expect("published");

@@ -132,6 +132,9 @@ pub struct DurableCounters {
     pub log_reads: u64,
     /// Records read from the log and queued for catch-up.
     pub log_records_read: u64,
+    /// Quarantined offsets catch-up reads skipped (records lost to damage,
+    /// [`crate::Engine::handle_log_skip`]).
+    pub quarantine_skipped: u64,
 }
 
 /// The engine-side state of one durable shard.

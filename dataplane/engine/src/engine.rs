@@ -975,6 +975,36 @@ impl Engine {
         }
     }
 
+    /// Part of the answer to a [`LogRead`]: the log holds no record from the read's offset up
+    /// to `to_offset`, offsets `felix log repair` quarantined (records lost to damage: never
+    /// reused). The subscription's cursor on that shard moves to `to_offset` (counted in
+    /// `DurableCounters::quarantine_skipped`); the records from there, if any, are answered
+    /// next with [`Engine::handle_log_records`]. The subscriber sees a gap of exactly those
+    /// offsets. Ignored like [`Engine::handle_log_records`], and when `to_offset` is not past
+    /// the cursor or reaches past the released records.
+    pub fn handle_log_skip(
+        &mut self,
+        subscription: SubscriptionId,
+        log_shard: LogShardId,
+        to_offset: u64,
+    ) {
+        let Some((slot, position)) = self.outstanding_read(subscription, log_shard) else {
+            return;
+        };
+        let target = self.streams.get(self.durable_ids[&log_shard.stream_id()]);
+        let released = target.shards[log_shard.shard() as usize].released_offset();
+        let state = self
+            .subscriptions
+            .get_mut(slot)
+            .expect("outstanding_read found it");
+        let cursor = &mut state.cursors[position];
+        if to_offset <= cursor.next || to_offset > released {
+            return;
+        }
+        self.durable_counters.quarantine_skipped += to_offset - cursor.next;
+        cursor.next = to_offset;
+    }
+
     /// The answer to a [`LogRead`] that the log refused because retention deleted the
     /// records (`OffsetTooOld { oldest }`): the subscription ends with `TooOld` (detail =
     /// `oldest_offset`), and the shard's oldest offset moves up as by

@@ -263,19 +263,17 @@ impl SubState {
                     "queued catch-up lies below the cursor"
                 );
             }
+            // Dense but for offsets quarantined by `felix log repair` (records lost to
+            // damage), which a catch-up skips (`Engine::handle_log_skip`); the simulation's
+            // clients check density end to end where nothing is quarantined.
             if let Some(previous) = last.insert(record.shard, record.offset) {
-                assert_eq!(
-                    previous + 1,
-                    record.offset,
-                    "per-shard offsets dense, in order"
-                );
+                assert!(previous < record.offset, "per-shard offsets in order");
             }
         }
         for cursor in &self.cursors {
             if let Some(&newest) = last.get(&cursor.shard) {
-                assert_eq!(
-                    newest + 1,
-                    cursor.next,
+                assert!(
+                    newest < cursor.next,
                     "the cursor follows its queued records"
                 );
             }

@@ -9,6 +9,7 @@
 mod client_commands;
 mod host_commands;
 mod listener_sweep;
+mod log_commands;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -203,6 +204,17 @@ enum Command {
         #[command(flatten)]
         args: host_commands::PreflightArgs,
     },
+    /// Offline maintenance of the durable logs (stop the broker first): check, repair,
+    /// compact.
+    Log {
+        #[command(flatten)]
+        common: CommonArgs,
+        /// Data directory (FELIX_DATA_DIR).
+        #[arg(long, global = true, value_name = "DIR")]
+        data_dir: Option<String>,
+        #[command(subcommand)]
+        command: log_commands::LogCommand,
+    },
     /// Manage the bearer tokens of FELIX_TOKENS_FILE (the broker re-reads it on SIGHUP).
     Token {
         #[command(flatten)]
@@ -311,6 +323,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         | Command::Pub { client, .. }
         | Command::Sub { client, .. } => flags.client(client),
         Command::Token { common, .. } => flags.common(common),
+        Command::Log {
+            common, data_dir, ..
+        } => {
+            flags.push("FELIX_DATA_DIR", data_dir.as_ref());
+            flags.common(common)
+        }
         Command::Cert { .. } | Command::Completions { .. } | Command::Man => None,
     };
     match cli.command {
@@ -349,6 +367,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Cert { out, names, force } => run_cert(&out, names, force),
         Command::Token { file, command, .. } => run_token(&config, file, command),
+        Command::Log { command, .. } => log_commands::run(&config, command),
         Command::Tune {
             command: Some(TuneCommand::Listeners { args, .. }),
             ..

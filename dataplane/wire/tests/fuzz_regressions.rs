@@ -1,0 +1,52 @@
+//! Replays the inputs of the `decode` fuzz target under `cargo test`: every file of
+//! `fuzz/regressions/decode/` (inputs that once crashed it, kept so the bug stays fixed) and of
+//! its seed corpus `fuzz/corpus/decode/`, through the very harness the fuzzer runs
+//! (`fuzz/src/decode.rs`, included as it is). See docs/design/fuzzing.md.
+
+#[allow(dead_code)]
+#[path = "../../../fuzz/src/decode.rs"]
+mod decode;
+
+use std::path::{Path, PathBuf};
+
+/// Runs `run` on every file of `fuzz/<dir>` (none if the folder does not exist and
+/// `required` is false) and fails naming each input that panicked.
+fn replay(dir: &str, required: bool, run: fn(&[u8])) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fuzz")
+        .join(dir);
+    let mut files: Vec<PathBuf> = match std::fs::read_dir(&dir) {
+        Ok(entries) => entries
+            .map(|entry| entry.expect("a directory entry").path())
+            .filter(|path| {
+                path.is_file()
+                    && !path
+                        .file_name()
+                        .is_some_and(|name| name.to_string_lossy().starts_with('.'))
+            })
+            .collect(),
+        Err(_) if !required => return,
+        Err(error) => panic!("{}: {error}", dir.display()),
+    };
+    files.sort();
+    assert!(!required || !files.is_empty(), "{} is empty", dir.display());
+    let failed: Vec<String> = files
+        .iter()
+        .filter(|path| {
+            let data = std::fs::read(path).expect("read an input");
+            std::panic::catch_unwind(|| run(&data)).is_err()
+        })
+        .map(|path| path.display().to_string())
+        .collect();
+    assert!(failed.is_empty(), "inputs that fail: {failed:#?}");
+}
+
+#[test]
+fn decode_regressions_stay_fixed() {
+    replay("regressions/decode", false, decode::run);
+}
+
+#[test]
+fn decode_seed_corpus_passes() {
+    replay("corpus/decode", true, decode::run);
+}
