@@ -152,3 +152,44 @@ soak: deps
 	$(CARGO) build --release -p felix -p felix-campaign
 	t=$${CARGO_TARGET_DIR:-target}/release; $$t/felix-soak --felix $$t/felix \
 		--seconds $(SOAK_SECONDS) $(if $(SEED),--seed $(SEED))
+
+# Coverage-guided fuzzing (fuzz/, docs/design/fuzzing.md): cargo-fuzz + libFuzzer on the stable
+# toolchain (--sanitizer none). `make fuzz` runs each target for FUZZ_SECONDS (TARGET=decode,
+# or several) from the committed seeds fuzz/corpus/<target>/ (read only; what the fuzzer adds
+# goes to $(FUZZ_OUT)/corpus/<target>/); a crash does not stop the other targets, the run fails
+# at the end naming them with the tail of their logs. Installs cargo-fuzz (pinned) once.
+FUZZ_SECONDS ?= 60
+TARGET ?= decode core recovery
+FUZZ_ARGS ?=
+CARGO_FUZZ_VERSION := 0.13.2
+FUZZ_OUT = $${CARGO_TARGET_DIR:-$(CURDIR)/target}/fuzz
+FUZZ_FLAGS_decode := -max_len=4096 -timeout=10
+FUZZ_FLAGS_core := -max_len=8192 -timeout=30
+FUZZ_FLAGS_recovery := -max_len=40960 -timeout=30
+.PHONY: fuzz fuzz-build fuzz-corpus fuzz-tool
+fuzz-tool:
+	@cargo fuzz --version 2>/dev/null | grep -q ' $(CARGO_FUZZ_VERSION)$$' \
+		|| $(CARGO) install cargo-fuzz --locked --version $(CARGO_FUZZ_VERSION)
+
+fuzz-build: deps fuzz-tool
+	for t in $(TARGET); do CARGO_TARGET_DIR=$(FUZZ_OUT) cargo fuzz build --sanitizer none $$t || exit 1; done
+
+fuzz: fuzz-build
+	@out=$(FUZZ_OUT); failed=""; \
+	for t in $(TARGET); do \
+		case $$t in decode) flags="$(FUZZ_FLAGS_decode)";; core) flags="$(FUZZ_FLAGS_core)";; \
+			recovery) flags="$(FUZZ_FLAGS_recovery)";; *) echo "fuzz: unknown target $$t" >&2; exit 2;; esac; \
+		mkdir -p $$out/corpus/$$t; \
+		echo "fuzz: $$t for $(FUZZ_SECONDS) s (log: $$out/$$t.log)"; \
+		if CARGO_TARGET_DIR=$$out cargo fuzz run --sanitizer none $$t $$out/corpus/$$t fuzz/corpus/$$t -- \
+			-max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 $$flags $(FUZZ_ARGS) > $$out/$$t.log 2>&1; then \
+			grep -E '(INITED|DONE) |^Done [0-9]+ runs' $$out/$$t.log | tail -3; \
+		else \
+			failed="$$failed $$t"; echo "fuzz: $$t FAILED; the end of $$out/$$t.log:"; tail -n 60 $$out/$$t.log; \
+		fi; \
+	done; \
+	if [ -n "$$failed" ]; then echo "fuzz: crashes in:$$failed (inputs under fuzz/artifacts/; docs/design/fuzzing.md says how to keep them)" >&2; exit 1; fi
+
+# Rewrites the committed seed corpus fuzz/corpus/<target>/ (deterministic; checks each seed).
+fuzz-corpus: deps
+	$(CARGO) run --manifest-path fuzz/Cargo.toml --example gen_corpus

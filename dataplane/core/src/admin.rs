@@ -171,6 +171,28 @@ impl Core {
                         ),
                     ));
                 }
+                // So must the list of every stream (docs/wire-protocol.md 4.7, no paging in
+                // v1): 12 fixed bytes, 7 per stream plus its name. O(streams), per create.
+                let list_bytes = 12
+                    + 7
+                    + name.len() as u64
+                    + self
+                        .engine
+                        .list_streams()
+                        .iter()
+                        .map(|(listed, _, _)| 7 + listed.len() as u64)
+                        .sum::<u64>();
+                if list_bytes > u64::from(self.limits.max_frame_bytes) {
+                    self.counters.limit(crate::Limit::Streams);
+                    return Err(core_error(
+                        ErrorCode::LimitExceeded,
+                        format!(
+                            "listing every stream would take {list_bytes} bytes, over the frame \
+                             limit of {} bytes (FELIX_MAX_FRAME_BYTES)",
+                            self.limits.max_frame_bytes
+                        ),
+                    ));
+                }
                 if let Err(error) = self.engine.check_create(name, *shard_count, *kind) {
                     if error.code == ErrorCode::LimitExceeded {
                         let limit = if *shard_count > self.engine.config().max_shards {
