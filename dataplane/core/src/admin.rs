@@ -155,6 +155,19 @@ impl Core {
                 kind,
                 ..
             } => {
+                // The engine's own limits first: their messages name the settings
+                // (FELIX_MAX_SHARDS_PER_STREAM, FELIX_MAX_STREAMS).
+                if let Err(error) = self.engine.check_create(name, *shard_count, *kind) {
+                    if error.code == ErrorCode::LimitExceeded {
+                        let limit = if *shard_count > self.engine.config().max_shards {
+                            crate::Limit::ShardsPerStream
+                        } else {
+                            crate::Limit::Streams
+                        };
+                        self.counters.limit(limit);
+                    }
+                    return Err(error);
+                }
                 // Its description must fit in one frame (docs/wire-protocol.md 4.6): 16 fixed
                 // bytes, the name, 22 bytes per shard. The broker's settings are checked for
                 // this at start-up; this keeps any configuration from answering a frame the
@@ -192,17 +205,6 @@ impl Core {
                             self.limits.max_frame_bytes
                         ),
                     ));
-                }
-                if let Err(error) = self.engine.check_create(name, *shard_count, *kind) {
-                    if error.code == ErrorCode::LimitExceeded {
-                        let limit = if *shard_count > self.engine.config().max_shards {
-                            crate::Limit::ShardsPerStream
-                        } else {
-                            crate::Limit::Streams
-                        };
-                        self.counters.limit(limit);
-                    }
-                    return Err(error);
                 }
                 if *kind == StreamKind::Durable {
                     let stream_id = self.next_stream_id;
