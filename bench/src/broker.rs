@@ -96,8 +96,14 @@ pub fn effective_config(
     bin: &Path,
     arm_env: &BTreeMap<String, String>,
     data_dir: &Path,
+    server_cpus: Option<&[usize]>,
 ) -> Result<String, BenchError> {
-    let output = felix_command(bin, &broker_env(arm_env, data_dir))
+    let mut command = felix_command(bin, &broker_env(arm_env, data_dir));
+    // The core plan `felix config` prints follows the mask, as the broker's will.
+    if let Some(cpus) = server_cpus {
+        crate::pin::pin_command(&mut command, cpus)?;
+    }
+    let output = command
         .arg("config")
         .stdin(Stdio::null())
         .output()
@@ -152,13 +158,15 @@ pub fn wipe_dir(dir: &Path) -> Result<(), BenchError> {
 }
 
 impl SpawnedBroker {
-    /// Wipes `data_dir`, starts `bin broker` with the arm's environment, and waits (up to
-    /// [`STARTUP_TIMEOUT`]) for both listening lines. Stderr is appended to `log`.
+    /// Wipes `data_dir`, starts `bin broker` with the arm's environment (on `server_cpus` when
+    /// given: the pinned method, src/pin.rs), and waits (up to [`STARTUP_TIMEOUT`]) for both
+    /// listening lines. Stderr is appended to `log`.
     pub fn start(
         bin: &Path,
         arm_env: &BTreeMap<String, String>,
         data_dir: &Path,
         log: &Path,
+        server_cpus: Option<&[usize]>,
     ) -> Result<SpawnedBroker, BenchError> {
         wipe_dir(data_dir)?;
         let stderr = File::options()
@@ -166,7 +174,11 @@ impl SpawnedBroker {
             .append(true)
             .open(log)
             .map_err(|e| BenchError::io(log, e))?;
-        let mut child = felix_command(bin, &broker_env(arm_env, data_dir))
+        let mut command = felix_command(bin, &broker_env(arm_env, data_dir));
+        if let Some(cpus) = server_cpus {
+            crate::pin::pin_command(&mut command, cpus)?;
+        }
+        let mut child = command
             .arg("broker")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -182,6 +182,50 @@ pub struct CellOutputs {
     pub udp_rcvbuf_errors: u64,
     pub ack_latency: Option<LatencySummary>,
     pub delivery_latency: Option<LatencySummary>,
+    /// What the server used of its CPUs (absent in records made before the pinned method).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server: Option<ServerUse>,
+}
+
+/// The server's share of the cell: its CPUs, how many it used, and what a GB and a million
+/// records cost it (src/pin.rs).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ServerUse {
+    /// CPUs the server could run on: the pinned `server_cpus`, else every CPU the bench
+    /// process could use (server and generator then share them).
+    pub cpus: usize,
+    /// Whether the server had CPUs of its own (the pinned method).
+    pub pinned: bool,
+    /// Median cores in use over the steady window (the throughput's `cpu_cores`).
+    pub cores_used: f64,
+    /// Cores used >= SERVER_BOUND_FRACTION of `cpus`: the server was the limit; otherwise the
+    /// generator (or the disk, or pacing) was.
+    pub server_bound: bool,
+    /// Server CPU-seconds per 10^9 payload bytes accepted.
+    pub cpu_seconds_per_gb: Option<f64>,
+    /// Server CPU-seconds per million records accepted.
+    pub cpu_seconds_per_million_records: Option<f64>,
+}
+
+impl ServerUse {
+    /// From a cell's throughput and its server's CPU count.
+    pub fn new(throughput: &Throughput, cpus: usize, pinned: bool) -> ServerUse {
+        let cores_used = throughput.cpu_cores;
+        ServerUse {
+            cpus,
+            pinned,
+            cores_used,
+            server_bound: crate::pin::server_bound(cores_used, cpus),
+            cpu_seconds_per_gb: crate::pin::cpu_seconds_per_gb(
+                cores_used,
+                throughput.payload_bytes_per_s,
+            ),
+            cpu_seconds_per_million_records: crate::pin::cpu_seconds_per_million_records(
+                cores_used,
+                throughput.records_per_s,
+            ),
+        }
+    }
 }
 
 /// One line of a results file: one cell x arm x trial with all inputs and outputs.
@@ -202,8 +246,13 @@ pub struct CellRecord {
 }
 
 impl CellOutputs {
-    /// Takes a cell's numbers from what a run recorded.
-    pub fn compute(cell: &Cell, run: &CellRun) -> Result<CellOutputs, BenchError> {
+    /// Takes a cell's numbers from what a run recorded; `server_cpus` is how many CPUs the
+    /// server could use and whether they were its own (pinned).
+    pub fn compute(
+        cell: &Cell,
+        run: &CellRun,
+        server_cpus: (usize, bool),
+    ) -> Result<CellOutputs, BenchError> {
         let label = cell.label();
         let spans: Vec<Span> = run.generators.iter().map(|g| g.span).collect();
         let throughput = stats::cell_throughput(&label, &run.samples, &spans)?;
@@ -265,6 +314,7 @@ impl CellOutputs {
                 .saturating_sub(first.udp_rcvbuf_errors),
             ack_latency: summary(&run.ack_latency_ns),
             delivery_latency: summary(&run.delivery_latency_ns),
+            server: Some(ServerUse::new(&throughput, server_cpus.0, server_cpus.1)),
         })
     }
 }
@@ -279,7 +329,11 @@ impl CellRecord {
         facts: Facts,
         run: CellRun,
     ) -> CellRecord {
-        let (outputs, error) = match CellOutputs::compute(cell, &run) {
+        let server_cpus = match &settings.server_cpus {
+            Some(cpus) => (cpus.len(), true),
+            None => (crate::pin::allowed_cpu_count(), false),
+        };
+        let (outputs, error) = match CellOutputs::compute(cell, &run, server_cpus) {
             Ok(o) => (Some(o), None),
             Err(e) => (None, Some(felix_storage::ErrorChain(&e).to_string())),
         };
@@ -397,6 +451,8 @@ pub(crate) mod tests {
             trials: 2,
             warmup_s: 0,
             shards: crate::plan::DEFAULT_SHARDS,
+            server_cpus: None,
+            generator_cpus: None,
         }
     }
 
@@ -409,9 +465,27 @@ pub(crate) mod tests {
         // Proves a run's record carries throughput, shed, Little's law, drops and latency taken from its samples.
         let c = cell(1, StreamKind::InMemory, Mode::Acked, 16);
         let run = fixed_run(409_600_000, 4096 * 10);
-        let o = CellOutputs::compute(&c, &run).unwrap();
+        let o = CellOutputs::compute(&c, &run, (2, false)).unwrap();
         assert_eq!(o.throughput.payload_bytes_per_s, 409_600_000.0);
         assert_eq!(o.throughput.cpu_cores, 1.25);
+        let server = o.server.unwrap();
+        assert_eq!(
+            (server.cpus, server.pinned, server.cores_used),
+            (2, false, 1.25)
+        );
+        assert!(!server.server_bound, "1.25 of 2 cores is not server-bound");
+        let per_gb = server.cpu_seconds_per_gb.unwrap();
+        assert!((per_gb - 1.25 / 0.4096).abs() < 1e-9, "{per_gb}");
+        let per_million = server.cpu_seconds_per_million_records.unwrap();
+        assert!((per_million - 1.25 / 0.1).abs() < 1e-9, "{per_million}");
+        let pinned = CellOutputs::compute(&c, &run, (1, true))
+            .unwrap()
+            .server
+            .unwrap();
+        assert!(
+            pinned.server_bound,
+            "1.25 cores of 1 pinned CPU is server-bound"
+        );
         assert_eq!(o.shed.shed.bytes, 40960);
         assert_eq!(o.shed.shed.records, 10);
         assert_eq!(o.udp_rcvbuf_errors, 2);
@@ -423,7 +497,7 @@ pub(crate) mod tests {
         assert!((ack.p50_us - 500.0).abs() <= 1.0, "{}", ack.p50_us);
         let ff = cell(2, StreamKind::InMemory, Mode::FireAndForget, 1);
         assert!(
-            CellOutputs::compute(&ff, &run)
+            CellOutputs::compute(&ff, &run, (2, false))
                 .unwrap()
                 .littles_law
                 .is_none()
@@ -464,7 +538,7 @@ pub(crate) mod tests {
         let mut run = fixed_run(1_000_000, 0);
         run.samples.truncate(21); // last sample at 20 s, generator ends at 21 s
         assert!(matches!(
-            CellOutputs::compute(&c, &run),
+            CellOutputs::compute(&c, &run, (2, false)),
             Err(BenchError::SamplesDoNotCover { .. })
         ));
     }

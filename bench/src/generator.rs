@@ -163,7 +163,13 @@ impl CellDriver for FelixDriver {
             Target::Spawn { felix, work_dir } => {
                 let data_dir = work_dir.join("data");
                 let log = work_dir.join("broker.log");
-                let b = SpawnedBroker::start(felix, &arm.env, &data_dir, &log)?;
+                let b = SpawnedBroker::start(
+                    felix,
+                    &arm.env,
+                    &data_dir,
+                    &log,
+                    settings.server_cpus.as_deref(),
+                )?;
                 let e = b.endpoint().clone();
                 (Some(b), e)
             }

@@ -22,6 +22,8 @@
 //!   [`nats::SystemDriver`], which sends each arm to its system's driver.
 //! - [`pairs`]: Felix-versus-NATS pair matching, ratios and the "what still differs" text.
 //! - [`instructions`]: instructions per published record under callgrind (in-process broker).
+//! - [`pin`]: the pinned method: the server on one CPU set, the generator on another, and the
+//!   per-server-CPU figures (CPU-seconds per GB and per million records, server-bound or not).
 //!
 //! Threads: the runner, disk probe and broker supervision run on the calling thread of the
 //! `felix-bench` process (a load-generator or operator machine, never a broker data-plane
@@ -36,6 +38,7 @@ pub mod generator;
 pub mod instructions;
 pub mod nats;
 pub mod pairs;
+pub mod pin;
 pub mod plan;
 pub mod progress;
 pub mod report;

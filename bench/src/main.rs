@@ -7,8 +7,9 @@
 //! - `felix-bench run --plan FILE --out DIR [--felix BIN]`: runs a campaign (records the
 //!   session in `run.json`, every run in `cells.jsonl`, then renders the report).
 //! - `felix-bench cell [shape flags] [--out DIR]`: runs one cell quickly.
-//! - `felix-bench instructions [--valgrind BIN]`: instructions per published record under
-//!   callgrind (runs `felix-bench instructions-workload` with N and 2N publishes per shape).
+//! - `felix-bench instructions [--valgrind BIN] [--scale F] [--shape LABEL]`: instructions per
+//!   published record under callgrind, broker and client apart, with the broker's top functions
+//!   (runs `felix-bench instructions-workload` with N and 2N publishes per shape).
 //!
 //! Arms with `system = "nats"` start `--nats BIN` (default target/nats/.../nats-server) per cell.
 //!
@@ -29,6 +30,7 @@ use felix_bench::disk::{self, DiskBaseline};
 use felix_bench::generator::{FelixDriver, LatencyCounts, Target, external_endpoint};
 use felix_bench::instructions;
 use felix_bench::nats::{DEFAULT_NATS_SERVER, SystemDriver};
+use felix_bench::pin;
 use felix_bench::plan::{BROKER_SPAWN, Plan, System, trial_order};
 use felix_bench::progress::Progress;
 use felix_bench::report::{self, DEFAULT_FONT_PATH, ReportOptions};
@@ -90,19 +92,20 @@ enum Command {
         #[command(subcommand)]
         command: PlanCommand,
     },
-    /// Instructions per published record under callgrind: 256 B batch 1 and 4 KiB batch 64,
-    /// each run with N and 2N publishes; prints one line per shape.
+    /// Instructions per published record under callgrind, the broker's threads apart from the
+    /// client's, with the broker's top functions: five shapes, each run with N and 2N
+    /// publishes; prints one line per shape and writes summary.md into --out.
     Instructions {
         /// valgrind binary.
         #[arg(long, default_value = "valgrind")]
         valgrind: PathBuf,
-        /// Publishes (N) of the 256 B batch 1 shape.
-        #[arg(long, default_value_t = instructions::DEFAULT_SHAPES[0].1)]
-        small_publishes: u64,
-        /// Publishes (N) of the 4 KiB batch 64 shape.
-        #[arg(long, default_value_t = instructions::DEFAULT_SHAPES[1].1)]
-        large_publishes: u64,
-        /// Where callgrind's output files go.
+        /// Multiplies every shape's default N (publishes); 0.1 for a quick look.
+        #[arg(long, default_value_t = 1.0)]
+        scale: f64,
+        /// Only the shapes whose label contains this (repeatable), e.g. "256 B batch 1".
+        #[arg(long)]
+        shape: Vec<String>,
+        /// Where callgrind's output files and summary.md go.
         #[arg(long, default_value = "target/bench-instructions")]
         out: PathBuf,
     },
@@ -113,6 +116,12 @@ enum Command {
         payload: u32,
         #[arg(long)]
         batch: u32,
+        /// acked | fire-and-forget
+        #[arg(long, default_value = "acked")]
+        mode: String,
+        /// in-memory | durable
+        #[arg(long, default_value = "in-memory")]
+        kind: String,
         #[arg(long)]
         publishes: u64,
     },
@@ -158,6 +167,14 @@ struct BrokerArgs {
     /// Measured publishes of a latency cell.
     #[arg(long, default_value_t = LatencyCounts::default().measured)]
     latency_measured: u64,
+    /// The pinned method: CPUs for every broker started (a kernel CPU list, e.g. 0), over the
+    /// plan's `server_cpus`. Needs --generator-cpus.
+    #[arg(long, value_name = "CPU_LIST")]
+    server_cpus: Option<String>,
+    /// The pinned method: CPUs for this process, the load generator (e.g. 1), over the plan's
+    /// `generator_cpus`.
+    #[arg(long, value_name = "CPU_LIST")]
+    generator_cpus: Option<String>,
 }
 
 impl BrokerArgs {
@@ -183,6 +200,24 @@ impl BrokerArgs {
             }
             _ => bail!("--broker-addr needs --metrics-addr and --ca"),
         })
+    }
+
+    /// Applies the pinning flags over the plan's settings, then moves this process (the load
+    /// generator) onto its CPUs. Call before any driver starts its runtime.
+    fn pin(&self, plan: &mut Plan) -> Result<()> {
+        plan.settings
+            .set_pinning(self.server_cpus.as_deref(), self.generator_cpus.as_deref())?;
+        if let (Some(server), Some(generator)) =
+            (&plan.settings.server_cpus, &plan.settings.generator_cpus)
+        {
+            pin::pin_this_process(generator)?;
+            eprintln!(
+                "pinned: servers on CPUs {}, this load generator on CPUs {}",
+                felix_affinity::format_cpu_list(server),
+                felix_affinity::format_cpu_list(generator)
+            );
+        }
+        Ok(())
     }
 
     fn latency(&self) -> Result<LatencyCounts> {
@@ -334,7 +369,9 @@ fn run_campaign(
     broker: &BrokerArgs,
     session: &SessionArgs,
 ) -> Result<()> {
-    let plan = Plan::load(plan_path).with_context(|| format!("plan {}", plan_path.display()))?;
+    let mut plan =
+        Plan::load(plan_path).with_context(|| format!("plan {}", plan_path.display()))?;
+    broker.pin(&mut plan)?;
     std::fs::create_dir_all(out).with_context(|| format!("create {}", out.display()))?;
     if plan.settings.broker != BROKER_SPAWN && broker.broker_addr.is_none() {
         bail!(
@@ -361,8 +398,13 @@ fn run_campaign(
                     );
                     continue;
                 }
-                let text = effective_config(felix, &arm.env, &work_dir.join("data"))
-                    .unwrap_or_else(|e| format!("(felix config failed: {e})"));
+                let text = effective_config(
+                    felix,
+                    &arm.env,
+                    &work_dir.join("data"),
+                    plan.settings.server_cpus.as_deref(),
+                )
+                .unwrap_or_else(|e| format!("(felix config failed: {e})"));
                 configs.insert(arm.name.clone(), text);
             }
             (format!("spawn {}", felix.display()), configs)
@@ -441,7 +483,8 @@ fn render(dir: &Path, font: &Path) -> Result<()> {
 }
 
 fn run_one_cell(shape: &CellArgs, out: Option<&Path>, broker: &BrokerArgs) -> Result<()> {
-    let plan = shape.plan()?;
+    let mut plan = shape.plan()?;
+    broker.pin(&mut plan)?;
     let temp;
     let dir = match out {
         Some(d) => d.to_path_buf(),
@@ -468,6 +511,48 @@ fn run_one_cell(shape: &CellArgs, out: Option<&Path>, broker: &BrokerArgs) -> Re
     if summary.failed > 0 {
         bail!("the cell failed");
     }
+    Ok(())
+}
+
+/// `felix-bench instructions`: every selected shape under callgrind, one line each, and
+/// `summary.md` (lines plus the broker's top functions) in `out`.
+fn run_instructions(valgrind: &Path, scale: f64, only: &[String], out: &Path) -> Result<()> {
+    if !(scale > 0.0 && scale.is_finite()) {
+        bail!("--scale must be a positive number, got {scale}");
+    }
+    let me = std::env::current_exe().context("path of this felix-bench binary")?;
+    let shapes: Vec<_> = instructions::DEFAULT_SHAPES
+        .iter()
+        .filter(|(shape, _)| only.is_empty() || only.iter().any(|o| shape.label().contains(o)))
+        .collect();
+    if shapes.is_empty() {
+        bail!("no shape matches --shape {only:?}");
+    }
+    let mut summary = format!(
+        "# Instructions per record (callgrind)\n\nCommit: {}. `felix-bench instructions \
+         --scale {scale}`; broker = every thread but the client's (thread 1).\n\n",
+        git_commit().unwrap_or_else(|| "unknown".to_string())
+    );
+    let mut lines = Vec::new();
+    let mut tables = Vec::new();
+    for (shape, default_n) in shapes {
+        let publishes = ((*default_n as f64) * scale).round().max(1.0) as u64;
+        eprintln!(
+            "callgrind: {} with {publishes} and {} publishes ...",
+            shape.label(),
+            publishes * 2
+        );
+        let m = instructions::measure(valgrind, &me, out, *shape, publishes)?;
+        println!("{}", m.line());
+        lines.push(format!("- {}", m.line()));
+        tables.push(m.top_markdown());
+    }
+    summary.push_str(&lines.join("\n"));
+    summary.push_str("\n\n");
+    summary.push_str(&tables.join("\n"));
+    let path = out.join("summary.md");
+    std::fs::write(&path, summary).with_context(|| format!("write {}", path.display()))?;
+    println!("top functions per shape: {}", path.display());
     Ok(())
 }
 
@@ -507,36 +592,30 @@ fn main() -> Result<()> {
         }
         Command::Instructions {
             valgrind,
-            small_publishes,
-            large_publishes,
+            scale,
+            shape,
             out,
-        } => {
-            let me = std::env::current_exe().context("path of this felix-bench binary")?;
-            let shapes = [
-                (instructions::DEFAULT_SHAPES[0].0, small_publishes),
-                (instructions::DEFAULT_SHAPES[1].0, large_publishes),
-            ];
-            for (shape, publishes) in shapes {
-                if publishes == 0 {
-                    bail!("publishes must be at least 1");
-                }
-                eprintln!(
-                    "callgrind: {} with {publishes} and {} publishes ...",
-                    shape.label(),
-                    publishes * 2
-                );
-                let m = instructions::measure(&valgrind, &me, &out, shape, publishes)?;
-                println!("{}", m.line());
-            }
-        }
+        } => run_instructions(&valgrind, scale, &shape, &out)?,
         Command::InstructionsWorkload {
             payload,
             batch,
+            mode,
+            kind,
             publishes,
         } => {
             let shape = instructions::Shape {
                 payload_bytes: payload,
                 batch,
+                acked: match mode.as_str() {
+                    "acked" => true,
+                    "fire-and-forget" => false,
+                    other => bail!("--mode {other:?}: expected acked or fire-and-forget"),
+                },
+                durable: match kind.as_str() {
+                    "in-memory" => false,
+                    "durable" => true,
+                    other => bail!("--kind {other:?}: expected in-memory or durable"),
+                },
             };
             let records = instructions::run_workload(shape, publishes)?;
             eprintln!("{}: {records} records published", shape.label());
@@ -571,6 +650,13 @@ fn print_plan(plan: &Plan) {
         "broker {}  duration {} s  warm-up {} s  trials {}  shards {}",
         s.broker, s.duration_s, s.warmup_s, s.trials, s.shards
     );
+    if let (Some(server), Some(generator)) = (&s.server_cpus, &s.generator_cpus) {
+        println!(
+            "pinned: server on CPUs {}, generator on CPUs {}",
+            felix_affinity::format_cpu_list(server),
+            felix_affinity::format_cpu_list(generator)
+        );
+    }
     println!("arms:");
     for (i, arm) in plan.arms.iter().enumerate() {
         let mut line = format!("  {} {}", letter(i), arm.name);

@@ -147,7 +147,14 @@ impl std::fmt::Debug for NatsServer {
 impl NatsServer {
     /// Starts `bin` for `arm` with a wiped `work_dir/nats` (store, config, certificate); its
     /// log is appended to `work_dir/nats-server.log`.
-    pub fn start(bin: &Path, arm: &Arm, work_dir: &Path) -> Result<NatsServer, BenchError> {
+    /// On `server_cpus` when given (the pinned method, src/pin.rs); Go sizes GOMAXPROCS from
+    /// the mask.
+    pub fn start(
+        bin: &Path,
+        arm: &Arm,
+        work_dir: &Path,
+        server_cpus: Option<&[usize]>,
+    ) -> Result<NatsServer, BenchError> {
         let nats = arm
             .nats
             .ok_or_else(|| BenchError::Broker(format!("arm {:?} is not a NATS arm", arm.name)))?;
@@ -171,7 +178,11 @@ impl NatsServer {
             .append(true)
             .open(&log)
             .map_err(|e| BenchError::io(&log, e))?;
-        let mut child = Command::new(bin)
+        let mut command = Command::new(bin);
+        if let Some(cpus) = server_cpus {
+            crate::pin::pin_command(&mut command, cpus)?;
+        }
+        let mut child = command
             .arg("-c")
             .arg(&config_path)
             .envs(arm.env.iter())
@@ -336,7 +347,12 @@ impl CellDriver for NatsDriver {
             });
         }
         std::fs::create_dir_all(&self.work_dir).map_err(|e| BenchError::io(&self.work_dir, e))?;
-        let server = NatsServer::start(&self.server_bin, arm, &self.work_dir)?;
+        let server = NatsServer::start(
+            &self.server_bin,
+            arm,
+            &self.work_dir,
+            settings.server_cpus.as_deref(),
+        )?;
         let job = NatsJob {
             client_addr: server.client_addr,
             source: SampleSource {

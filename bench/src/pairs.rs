@@ -50,6 +50,11 @@ pub struct PairSide {
     pub trials_finished: usize,
     pub payload_bytes_per_s: Option<f64>,
     pub cpu_cores: Option<f64>,
+    /// Payload bytes per second per server core in use (the median of each trial's ratio).
+    pub payload_bytes_per_core_s: Option<f64>,
+    /// `server`, `generator` or `mixed` (src/pin.rs), with the server's CPU count and whether
+    /// they were its own.
+    pub limit: Option<(&'static str, usize, bool)>,
     pub ctx_switches_per_s: Option<f64>,
     pub ctx_switches_per_record: Option<f64>,
     /// Ack p50, p99, p999 in microseconds.
@@ -131,6 +136,14 @@ impl Pair {
         compare(
             self.felix.payload_bytes_per_s,
             self.nats.payload_bytes_per_s,
+        )
+    }
+
+    /// The same comparison per server core in use: payload bytes per CPU-second.
+    pub fn per_core_verdict(&self) -> Option<Verdict> {
+        compare(
+            self.felix.payload_bytes_per_core_s,
+            self.nats.payload_bytes_per_core_s,
         )
     }
 
@@ -224,6 +237,29 @@ pub fn side(arm: &str, records: &[&CellRecord]) -> PairSide {
         cpu_cores: side_median(records, |r| {
             r.outputs.as_ref().map(|o| o.throughput.cpu_cores)
         }),
+        payload_bytes_per_core_s: side_median(records, |r| {
+            r.outputs
+                .as_ref()
+                .filter(|o| o.throughput.cpu_cores > 0.0)
+                .map(|o| o.throughput.payload_bytes_per_s / o.throughput.cpu_cores)
+        }),
+        limit: {
+            let uses: Vec<_> = records
+                .iter()
+                .filter_map(|r| r.outputs.as_ref().and_then(|o| o.server))
+                .collect();
+            uses.first().map(|first| {
+                let bound = uses.iter().filter(|u| u.server_bound).count();
+                let limit = if bound == uses.len() {
+                    "server"
+                } else if bound == 0 {
+                    "generator"
+                } else {
+                    "mixed"
+                };
+                (limit, first.cpus, first.pinned)
+            })
+        },
         ctx_switches_per_s: side_median(records, |r| {
             r.outputs.as_ref().map(|o| o.throughput.ctx_switches_per_s)
         }),
@@ -343,17 +379,21 @@ pub fn pairs_markdown(pairs: &[Pair]) -> String {
          its answer. Payload MB/s is counted at each server (Felix: accepted records x payload; \
          NATS JetStream: stored messages x payload from /jsz; core NATS: /varz in_msgs x payload), \
          the median of the finished trials. Cores are the server's CPU (/proc/<pid>/stat), \
-         ctx/rec its context switches per record (all threads, /proc/<pid>/task/*/status). Read \
-         every ratio with its row's \"what still differs\".\n"
+         ctx/rec its context switches per record (all threads, /proc/<pid>/task/*/status). \
+         MB/s/core is payload per server CPU-second (each trial's MB/s over its cores, the \
+         median), and \"Per core\" compares those: on a machine where the load generator shares \
+         or limits the server it is the fairer figure. Limit: \"server\" when the server used \
+         at least 95% of its CPUs (\"pinned\": its own; \"shared\": with the generator), else \
+         \"generator\". Read every ratio with its row's \"what still differs\".\n"
     );
     if !throughput.is_empty() {
         let _ = writeln!(
             s,
-            "| Pair | Cell | Payload | Felix arm | Felix MB/s | Felix cores | Felix ctx/rec | NATS arm | NATS MB/s | NATS cores | NATS ctx/rec | Faster |"
+            "| Pair | Cell | Payload | Felix arm | Felix MB/s | Felix cores | Felix MB/s/core | Felix limit | Felix ctx/rec | NATS arm | NATS MB/s | NATS cores | NATS MB/s/core | NATS limit | NATS ctx/rec | Faster | Per core |"
         );
         let _ = writeln!(
             s,
-            "|---|---:|---|---|---:|---:|---:|---|---:|---:|---:|---|"
+            "|---|---:|---|---|---:|---:|---:|---|---:|---|---:|---:|---:|---|---:|---|---|"
         );
         for p in &throughput {
             let faster = match p.verdict() {
@@ -380,21 +420,48 @@ pub fn pairs_markdown(pairs: &[Pair]) -> String {
                     }
                 }
             };
+            let per_core = p.per_core_verdict().map_or_else(
+                || "–".to_string(),
+                |v| {
+                    format!(
+                        "{}, {:.2}×",
+                        match v.faster {
+                            System::Felix => "Felix",
+                            System::Nats => "NATS",
+                        },
+                        v.ratio
+                    )
+                },
+            );
+            let limit = |side: &PairSide| match side.limit {
+                Some((limit, cpus, pinned)) => {
+                    format!(
+                        "{limit} ({cpus} {})",
+                        if pinned { "pinned" } else { "shared" }
+                    )
+                }
+                None => "–".to_string(),
+            };
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 p.title(),
                 p.cell_number,
                 payload_label(&p.shape),
                 p.felix.arm,
                 mb(p.felix.payload_bytes_per_s),
                 num(p.felix.cpu_cores, 2),
+                mb(p.felix.payload_bytes_per_core_s),
+                limit(&p.felix),
                 num(p.felix.ctx_switches_per_record, 3),
                 p.nats.arm,
                 mb(p.nats.payload_bytes_per_s),
                 num(p.nats.cpu_cores, 2),
+                mb(p.nats.payload_bytes_per_core_s),
+                limit(&p.nats),
                 num(p.nats.ctx_switches_per_record, 3),
                 faster,
+                per_core,
             );
         }
     }

@@ -6,6 +6,8 @@
 //! duration_s = 90      # per cell, unless a cell says otherwise
 //! trials = 3           # 1..=5
 //! warmup_s = 5         # load run before each cell's measured duration, not counted
+//! server_cpus = "0"    # the pinned method (src/pin.rs): every broker started on these CPUs,
+//! generator_cpus = "1" # the load generator on these; both or neither, disjoint
 //!
 //! [[arms]]             # a named set of broker environment variables
 //! name = "felix-default"
@@ -199,6 +201,58 @@ pub struct Settings {
     /// Shards of the benchmark stream, 1..=SHARDS_MAX (default [`DEFAULT_SHARDS`]).
     #[serde(default = "default_shards")]
     pub shards: u32,
+    /// The pinned method ([`crate::pin`]): the CPUs every broker the runner starts may use.
+    /// Set together with `generator_cpus`, disjoint from it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server_cpus: Option<Vec<usize>>,
+    /// The CPUs of the `felix-bench` process (the load generator) under the pinned method.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generator_cpus: Option<Vec<usize>>,
+}
+
+impl Settings {
+    /// Sets the pinned method's CPU sets (from flags, over the plan's), checked like a plan's.
+    pub fn set_pinning(
+        &mut self,
+        server: Option<&str>,
+        generator: Option<&str>,
+    ) -> Result<(), BenchError> {
+        if let Some(text) = server {
+            self.server_cpus = Some(crate::pin::parse_cpus("--server-cpus", text)?);
+        }
+        if let Some(text) = generator {
+            self.generator_cpus = Some(crate::pin::parse_cpus("--generator-cpus", text)?);
+        }
+        check_pinning(self)
+    }
+}
+
+/// Both pinned sets or neither; disjoint; only for brokers the runner starts.
+fn check_pinning(s: &Settings) -> Result<(), BenchError> {
+    match (&s.server_cpus, &s.generator_cpus) {
+        (None, None) => Ok(()),
+        (Some(server), Some(generator)) => {
+            if let Some(cpu) = server.iter().find(|cpu| generator.contains(cpu)) {
+                return Err(BenchError::Plan(format!(
+                    "settings: CPU {cpu} is in both server_cpus and generator_cpus; the pinned \
+                     method keeps the server and the generator apart"
+                )));
+            }
+            if s.broker != BROKER_SPAWN {
+                return Err(BenchError::Plan(
+                    "settings: server_cpus needs broker = \"spawn\" (a broker already running \
+                     is pinned by whoever started it, e.g. taskset)"
+                        .to_string(),
+                ));
+            }
+            Ok(())
+        }
+        _ => Err(BenchError::Plan(
+            "settings: server_cpus and generator_cpus go together (e.g. server_cpus = \"0\", \
+             generator_cpus = \"1\")"
+                .to_string(),
+        )),
+    }
 }
 
 fn default_shards() -> u32 {
@@ -539,6 +593,8 @@ struct RawSettings {
     #[serde(default)]
     warmup_s: i64,
     shards: Option<i64>,
+    server_cpus: Option<String>,
+    generator_cpus: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -650,7 +706,18 @@ impl RawPlan {
                 1,
                 SHARDS_MAX,
             )?,
+            server_cpus: s
+                .server_cpus
+                .as_deref()
+                .map(|text| crate::pin::parse_cpus("settings: server_cpus", text))
+                .transpose()?,
+            generator_cpus: s
+                .generator_cpus
+                .as_deref()
+                .map(|text| crate::pin::parse_cpus("settings: generator_cpus", text))
+                .transpose()?,
         };
+        check_pinning(&settings)?;
 
         if self.arms.is_empty() {
             return Err(BenchError::Plan(
@@ -1090,6 +1157,38 @@ keys = ["spread", "plain"]
 
     fn err(text: &str) -> String {
         felix_storage::ErrorChain(&Plan::parse(text).unwrap_err()).to_string()
+    }
+
+    #[test]
+    fn pinned_sets_go_together_apart_and_only_with_a_spawned_broker() {
+        // Proves the pinned method's settings parse as CPU lists, and that one set alone, an
+        // overlap, an empty list or an external broker is refused naming the setting.
+        let spawn = |extra: &str| with("broker = ", &format!("broker = \"spawn\"\n{extra}"));
+        let plan = Plan::parse(&spawn("server_cpus = \"0\"\ngenerator_cpus = \"1-2\"")).unwrap();
+        assert_eq!(plan.settings.server_cpus, Some(vec![0]));
+        assert_eq!(plan.settings.generator_cpus, Some(vec![1, 2]));
+        assert!(Plan::parse(GOOD).unwrap().settings.server_cpus.is_none());
+        assert!(err(&spawn("server_cpus = \"0\"")).contains("go together"));
+        assert!(
+            err(&spawn("server_cpus = \"0-1\"\ngenerator_cpus = \"1\""))
+                .contains("CPU 1 is in both")
+        );
+        assert!(
+            err(&spawn("server_cpus = \"\"\ngenerator_cpus = \"1\""))
+                .contains("server_cpus: names no CPU")
+        );
+        let external = with(
+            "broker = ",
+            "broker = \"127.0.0.1:5000\"\nserver_cpus = \"0\"\ngenerator_cpus = \"1\"",
+        );
+        assert!(err(&external).contains("spawn"));
+        // Flags over the plan's.
+        let mut settings = Plan::parse(&spawn("")).unwrap().settings;
+        settings.set_pinning(Some("0"), Some("1")).unwrap();
+        assert_eq!(
+            (settings.server_cpus, settings.generator_cpus),
+            (Some(vec![0]), Some(vec![1]))
+        );
     }
 
     #[test]

@@ -135,6 +135,14 @@ pub struct Aggregate {
     pub ctx_switches_per_record: Option<TrialSpread>,
     /// Little's-law wait (bytes terms), seconds.
     pub littles_wait_s: Option<TrialSpread>,
+    /// The server's CPUs (src/pin.rs) and whether they were its own, from the first finished
+    /// trial that recorded them.
+    pub server_cpus: Option<(usize, bool)>,
+    /// Server CPU-seconds per GB and per million records.
+    pub cpu_seconds_per_gb: Option<TrialSpread>,
+    pub cpu_seconds_per_million_records: Option<TrialSpread>,
+    /// Finished trials in which the server was the limit (used >= 95% of its CPUs).
+    pub server_bound_trials: usize,
     /// Errors of the trials that did not finish, as "trial N: message".
     pub errors: Vec<String>,
 }
@@ -143,6 +151,21 @@ impl Aggregate {
     /// Trials whose numbers were taken.
     pub fn trials_finished(&self) -> usize {
         self.trials_run - self.errors.len()
+    }
+
+    /// `server` when the broker used >= 95% of its CPUs in every finished trial, `generator`
+    /// when in none, `mixed` otherwise; `–` without CPU figures.
+    pub fn limit(&self) -> &'static str {
+        let finished = self.trials_finished();
+        if self.server_cpus.is_none() || finished == 0 {
+            "–"
+        } else if self.server_bound_trials == finished {
+            "server"
+        } else if self.server_bound_trials == 0 {
+            "generator"
+        } else {
+            "mixed"
+        }
     }
 }
 
@@ -187,6 +210,17 @@ pub fn aggregate(records: &[CellRecord]) -> Vec<Aggregate> {
                 ctx_switches_per_s: spread(&|o| Some(o.throughput.ctx_switches_per_s)),
                 ctx_switches_per_record: spread(&|o| Some(o.throughput.ctx_switches_per_record())),
                 littles_wait_s: spread(&|o| o.littles_law.map(|l| l.wait_s_from_bytes)),
+                server_cpus: outs
+                    .iter()
+                    .find_map(|o| o.server.map(|u| (u.cpus, u.pinned))),
+                cpu_seconds_per_gb: spread(&|o| o.server.and_then(|u| u.cpu_seconds_per_gb)),
+                cpu_seconds_per_million_records: spread(&|o| {
+                    o.server.and_then(|u| u.cpu_seconds_per_million_records)
+                }),
+                server_bound_trials: outs
+                    .iter()
+                    .filter(|o| o.server.is_some_and(|u| u.server_bound))
+                    .count(),
                 errors: recs
                     .iter()
                     .filter_map(|r| r.error.as_ref().map(|e| format!("trial {}: {e}", r.trial)))
@@ -226,7 +260,7 @@ pub fn write_report(
 
 // ---- CSV --------------------------------------------------------------------------------------
 
-const CSV_HEADER: [&str; 38] = [
+const CSV_HEADER: [&str; 43] = [
     "row",
     "cell",
     "shape",
@@ -259,6 +293,11 @@ const CSV_HEADER: [&str; 38] = [
     "littles_wait_ms",
     "ctx_switches_per_s",
     "ctx_switches_per_record",
+    "server_cpus",
+    "server_pinned",
+    "server_cpu_s_per_gb",
+    "server_cpu_s_per_million_records",
+    "limit",
     "steady_points",
     "commit",
     "kernel",
@@ -327,6 +366,27 @@ fn write_csv(
             ),
             opt(t.map(|t| t.ctx_switches_per_s), 1),
             opt(t.map(|t| t.ctx_switches_per_record()), 4),
+            o.and_then(|o| o.server)
+                .map_or_else(String::new, |u| u.cpus.to_string()),
+            o.and_then(|o| o.server)
+                .map_or_else(String::new, |u| u.pinned.to_string()),
+            opt(
+                o.and_then(|o| o.server).and_then(|u| u.cpu_seconds_per_gb),
+                4,
+            ),
+            opt(
+                o.and_then(|o| o.server)
+                    .and_then(|u| u.cpu_seconds_per_million_records),
+                4,
+            ),
+            o.and_then(|o| o.server).map_or_else(String::new, |u| {
+                if u.server_bound {
+                    "server"
+                } else {
+                    "generator"
+                }
+                .to_string()
+            }),
             t.map_or_else(String::new, |t| t.points.to_string()),
             r.facts.commit.clone().unwrap_or_default(),
             r.facts.kernel.clone().unwrap_or_default(),
@@ -369,6 +429,13 @@ fn write_csv(
             med(a.littles_wait_s, 1e-3, 3),
             med(a.ctx_switches_per_s, 1.0, 1),
             med(a.ctx_switches_per_record, 1.0, 4),
+            a.server_cpus
+                .map_or_else(String::new, |(n, _)| n.to_string()),
+            a.server_cpus
+                .map_or_else(String::new, |(_, pinned)| pinned.to_string()),
+            med(a.cpu_seconds_per_gb, 1.0, 4),
+            med(a.cpu_seconds_per_million_records, 1.0, 4),
+            a.limit().to_string(),
             String::new(),
             String::new(),
             String::new(),
@@ -463,14 +530,22 @@ fn summary_markdown(
          finished trials; where trials differ by more than 0.5% the min–max range follows in \
          parentheses. MB = 10^6 bytes. Payload excludes shed publishes; append is payload plus \
          log framing; CPU is broker cores in use; context switches (ctx sw) are the broker \
-         process's, all threads, from /proc/<pid>/task/*/status.\n"
+         process's, all threads, from /proc/<pid>/task/*/status. Server CPUs: the CPUs the broker \
+         could use (\"pinned\": its own, the load generator elsewhere; otherwise shared with the \
+         generator); CPU-s/GB and CPU-s/M rec: broker CPU-seconds per 10^9 payload bytes and per \
+         million records; Limit: \"server\" when the broker used at least 95% of its CPUs in \
+         every finished trial, else \"generator\" (the load generator, the disk or pacing held \
+         the rate; \"mixed\" when trials differ).\n"
     );
     let _ = writeln!(s, "## Throughput\n");
     let _ = writeln!(
         s,
-        "| Cell | Shape | Arm | Trials | Payload MB/s | Append MB/s | msg/s | CPU cores | Ctx sw/s | Ctx sw/rec | Shed |"
+        "| Cell | Shape | Arm | Trials | Payload MB/s | Append MB/s | msg/s | CPU cores | Server CPUs | CPU-s/GB | CPU-s/M rec | Limit | Ctx sw/s | Ctx sw/rec | Shed |"
     );
-    let _ = writeln!(s, "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(
+        s,
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"
+    );
     for a in aggregates {
         let shed = match (a.shed_fraction, a.shed_bytes) {
             (Some(f), Some(b)) if b.median > 0.0 => format!(
@@ -481,9 +556,14 @@ fn summary_markdown(
             (Some(_), Some(_)) => "0".to_string(),
             _ => "–".to_string(),
         };
+        let server_cpus = match a.server_cpus {
+            Some((n, true)) => format!("{n} pinned"),
+            Some((n, false)) => format!("{n} shared"),
+            None => "–".to_string(),
+        };
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {}/{} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {}/{} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             a.cell_number,
             a.shape,
             md_escape(&a.arm),
@@ -493,6 +573,10 @@ fn summary_markdown(
             cell_or_dash(a.append_bytes_per_s, BYTES_PER_MB, 1),
             cell_or_dash(a.records_per_s, 1.0, 0),
             cell_or_dash(a.cpu_cores, 1.0, 2),
+            server_cpus,
+            cell_or_dash(a.cpu_seconds_per_gb, 1.0, 2),
+            cell_or_dash(a.cpu_seconds_per_million_records, 1.0, 3),
+            a.limit(),
             cell_or_dash(a.ctx_switches_per_s, 1.0, 0),
             cell_or_dash(a.ctx_switches_per_record, 1.0, 3),
             shed,
