@@ -273,7 +273,7 @@ pub struct RunCounts {
 /// Exclusive (self) instructions per function of one callgrind output file.
 ///
 /// The format (valgrind's docs, "Callgrind Format Specification"): `fn=(id) name` starts a
-/// function (later `fn=(id)` alone); a cost line is a position and its events (`12 340`,
+/// function (later `fn=(id)` alone; an id may first be defined by a `cfn=` line); a cost line is a position and its events (`12 340`,
 /// `+2 5`, `* 7`); the cost line right after `calls=` is the callee's inclusive cost, not the
 /// caller's own, and is skipped. Only the first event (Ir) is read.
 pub fn self_costs(text: &str) -> HashMap<String, u64> {
@@ -284,6 +284,11 @@ pub fn self_costs(text: &str) -> HashMap<String, u64> {
     for line in text.lines() {
         if let Some(rest) = line.strip_prefix("fn=") {
             current = Some(resolve_name(&mut names, rest));
+            continue;
+        }
+        // A callee's name: the same id space as fn=, and may be where an id is defined.
+        if let Some(rest) = line.strip_prefix("cfn=") {
+            resolve_name(&mut names, rest);
             continue;
         }
         if line.starts_with("calls=") {
@@ -628,7 +633,7 @@ mod tests {
         // Proves exclusive costs per function: names compressed by id, the cost line after
         // calls= (a callee's inclusive cost) skipped, relative positions read.
         let text = "version: 1\nevents: Ir\nfl=(1) a.rs\nfn=(1) main\n10 5\n+1 3\ncfn=(2) work\ncalls=1 20\n* 100\n\
-                    fn=(2) work\n20 60\n-3 40\nfn=(1)\n12 2\nsummary: 210\n";
+                    fn=(2)\n20 60\n-3 40\nfn=(1)\n12 2\nsummary: 210\n";
         let costs = self_costs(text);
         assert_eq!(costs.get("main"), Some(&10));
         assert_eq!(costs.get("work"), Some(&100));
