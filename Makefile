@@ -74,9 +74,11 @@ bench-micro:
 # ~3-5 min) into bench-results/<UTC timestamp>/ (run.json, cells.jsonl, cells.csv, summary.md).
 BENCH_PLAN ?= bench/plans/quick.toml
 # The pinned method (docs/performance.md): the server on SERVER_CPUS, the load generator on
-# GENERATOR_CPUS (kernel CPU lists). On this 2-vCPU machine: 0 and 1. Empty both to share.
-SERVER_CPUS ?= 0
-GENERATOR_CPUS ?= 1
+# GENERATOR_CPUS (kernel CPU lists). By default the last CPU is the generator's and the others
+# the server's (a 2-CPU machine: 0 and 1); one CPU: nothing pinned. Empty both to share.
+NPROC := $(shell nproc 2>/dev/null || echo 1)
+SERVER_CPUS ?= $(if $(filter 1,$(NPROC)),,$(if $(filter 2,$(NPROC)),0,0-$(shell expr $(NPROC) - 2)))
+GENERATOR_CPUS ?= $(if $(filter 1,$(NPROC)),,$(shell expr $(NPROC) - 1))
 BENCH_PIN = $(if $(SERVER_CPUS),--server-cpus $(SERVER_CPUS)) \
 	$(if $(GENERATOR_CPUS),--generator-cpus $(GENERATOR_CPUS))
 bench: deps
