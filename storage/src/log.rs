@@ -585,6 +585,9 @@ impl<B: Backend> Log<B> {
             anchored: false,
             ..ShardState::anchored_at(offset)
         });
+        // Room for the frame and the commit mark that may close the round: the mark then never
+        // makes the round's buffer grow (a reallocation copies the whole round).
+        round.buf.reserve(frame_bytes + frame::MARK_BYTES);
         frame::encode(&mut round.buf, shard, offset, timestamp_us, key, payload);
         let meta = &mut round.meta;
         meta.records += 1;
@@ -1185,10 +1188,14 @@ impl<B: Backend> Log<B> {
         }
     }
 
+    /// Keeps a finished round's buffer for the next rounds, the largest last (`pop` takes it):
+    /// a mark round's small buffer must not be the one the next records round grows from.
     fn recycle(&mut self, mut buf: Vec<u8>) {
-        if self.spare_buffers.len() < SPARE_BUFFERS_MAX {
-            buf.clear();
-            self.spare_buffers.push(buf);
+        buf.clear();
+        self.spare_buffers.push(buf);
+        self.spare_buffers.sort_unstable_by_key(Vec::capacity);
+        if self.spare_buffers.len() > SPARE_BUFFERS_MAX {
+            self.spare_buffers.remove(0);
         }
     }
 
