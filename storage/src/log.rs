@@ -5,7 +5,9 @@
 //!
 //! Threads: the core's event-loop thread (see [`Log`]).
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
+
+use rustc_hash::FxHashMap;
 use std::fs::File;
 use std::os::fd::BorrowedFd;
 use std::os::unix::fs::FileExt;
@@ -297,8 +299,8 @@ pub struct Log<B: Backend> {
     /// makes its first segment only when something is appended or [`Log::ensure_segment`]
     /// asks: an idle broker takes no disk).
     pub(crate) first_seq: u64,
-    pub(crate) shards: HashMap<u32, ShardState>,
-    pub(crate) index: HashMap<u32, ShardIndex>,
+    pub(crate) shards: FxHashMap<u32, ShardState>,
+    pub(crate) index: FxHashMap<u32, ShardIndex>,
     pending: VecDeque<PendingRound>,
     pending_bytes: usize,
     in_flight: Option<InFlight>,
@@ -345,8 +347,8 @@ impl<B: Backend> Log<B> {
             released: Released::default(),
             segments: VecDeque::new(),
             first_seq: 0,
-            shards: HashMap::new(),
-            index: HashMap::new(),
+            shards: FxHashMap::default(),
+            index: FxHashMap::default(),
             pending: VecDeque::new(),
             pending_bytes: 0,
             in_flight: None,
