@@ -261,13 +261,13 @@ pub fn run_workload(shape: Shape, publishes: u64) -> Result<u64, BenchError> {
 }
 
 /// What one callgrind run counted: the client's thread (callgrind's thread 1, the main
-/// thread) and the broker's (every other thread), in total and per function (exclusive).
+/// thread) and the broker's (every other thread), in total, and the broker's per function
+/// (exclusive).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RunCounts {
     pub client: u64,
     pub broker: u64,
     pub broker_functions: HashMap<String, u64>,
-    pub client_functions: HashMap<String, u64>,
 }
 
 /// Exclusive (self) instructions per function of one callgrind output file.
@@ -406,14 +406,13 @@ fn callgrind_run(
         let text = std::fs::read_to_string(&path).map_err(|e| BenchError::io(&path, e))?;
         let total = parse_callgrind_total(&text)
             .ok_or_else(|| fail(format!("no summary line in {}", path.display())))?;
-        let (sum, functions) = if thread == 1 {
-            (&mut counts.client, &mut counts.client_functions)
+        if thread == 1 {
+            counts.client += total;
         } else {
-            (&mut counts.broker, &mut counts.broker_functions)
-        };
-        *sum += total;
-        for (name, cost) in self_costs(&text) {
-            *functions.entry(name).or_default() += cost;
+            counts.broker += total;
+            for (name, cost) in self_costs(&text) {
+                *counts.broker_functions.entry(name).or_default() += cost;
+            }
         }
         threads += 1;
     }
@@ -447,11 +446,9 @@ pub struct Measured {
     pub client_per_record: f64,
     /// The broker's functions with the largest exclusive cost per record, largest first.
     pub broker_top: Vec<FunctionCost>,
-    /// The same for the client's thread.
-    pub client_top: Vec<FunctionCost>,
 }
 
-/// Functions listed per side in [`Measured`].
+/// Broker functions listed per shape in [`Measured`].
 pub const TOP_FUNCTIONS: usize = 15;
 
 impl Measured {
@@ -543,12 +540,6 @@ pub fn measure(
         broker_top: top_functions(
             &n.broker_functions,
             &n2.broker_functions,
-            records,
-            TOP_FUNCTIONS,
-        ),
-        client_top: top_functions(
-            &n.client_functions,
-            &n2.client_functions,
             records,
             TOP_FUNCTIONS,
         ),

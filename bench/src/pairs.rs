@@ -83,6 +83,17 @@ pub struct Verdict {
     pub ratio: f64,
 }
 
+impl Verdict {
+    /// `Felix, 1.53×`.
+    pub fn label(&self) -> String {
+        let faster = match self.faster {
+            System::Felix => "Felix",
+            System::Nats => "NATS",
+        };
+        format!("{faster}, {:.2}×", self.ratio)
+    }
+}
+
 /// The faster of two payload rates and the ratio of faster to slower; `None` when either is
 /// missing or not positive (no meaningful ratio). Equal rates name Felix with ratio 1.
 pub fn compare(felix: Option<f64>, nats: Option<f64>) -> Option<Verdict> {
@@ -248,17 +259,10 @@ pub fn side(arm: &str, records: &[&CellRecord]) -> PairSide {
                 .iter()
                 .filter_map(|r| r.outputs.as_ref().and_then(|o| o.server))
                 .collect();
-            uses.first().map(|first| {
-                let bound = uses.iter().filter(|u| u.server_bound).count();
-                let limit = if bound == uses.len() {
-                    "server"
-                } else if bound == 0 {
-                    "generator"
-                } else {
-                    "mixed"
-                };
-                (limit, first.cpus, first.pinned)
-            })
+            let bound = uses.iter().filter(|u| u.server_bound).count();
+            uses.first()
+                .zip(crate::pin::limit_label(bound, uses.len()))
+                .map(|(first, limit)| (limit, first.cpus, first.pinned))
         },
         ctx_switches_per_s: side_median(records, |r| {
             r.outputs.as_ref().map(|o| o.throughput.ctx_switches_per_s)
@@ -397,14 +401,7 @@ pub fn pairs_markdown(pairs: &[Pair]) -> String {
         );
         for p in &throughput {
             let faster = match p.verdict() {
-                Some(v) => format!(
-                    "{}, {:.2}×",
-                    match v.faster {
-                        System::Felix => "Felix",
-                        System::Nats => "NATS",
-                    },
-                    v.ratio
-                ),
+                Some(v) => v.label(),
                 None => {
                     let mut why = Vec::new();
                     if let Some(e) = short_error(&p.felix) {
@@ -420,19 +417,9 @@ pub fn pairs_markdown(pairs: &[Pair]) -> String {
                     }
                 }
             };
-            let per_core = p.per_core_verdict().map_or_else(
-                || "–".to_string(),
-                |v| {
-                    format!(
-                        "{}, {:.2}×",
-                        match v.faster {
-                            System::Felix => "Felix",
-                            System::Nats => "NATS",
-                        },
-                        v.ratio
-                    )
-                },
-            );
+            let per_core = p
+                .per_core_verdict()
+                .map_or_else(|| "–".to_string(), |v| v.label());
             let limit = |side: &PairSide| match side.limit {
                 Some((limit, cpus, pinned)) => {
                     format!(

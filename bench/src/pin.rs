@@ -105,6 +105,17 @@ pub fn server_bound(cores_used: f64, server_cpus: usize) -> bool {
     server_cpus > 0 && cores_used >= SERVER_BOUND_FRACTION * server_cpus as f64
 }
 
+/// `server` when every finished trial was server-bound, `generator` when none was, `mixed`
+/// otherwise; `None` without trials.
+pub fn limit_label(server_bound_trials: usize, trials: usize) -> Option<&'static str> {
+    match server_bound_trials {
+        _ if trials == 0 => None,
+        n if n == trials => Some("server"),
+        0 => Some("generator"),
+        _ => Some("mixed"),
+    }
+}
+
 /// Server CPU-seconds per GB (10^9 payload bytes) at `cores_used` and `bytes_per_s`.
 pub fn cpu_seconds_per_gb(cores_used: f64, bytes_per_s: f64) -> Option<f64> {
     (bytes_per_s > 0.0).then(|| cores_used / (bytes_per_s / 1e9))

@@ -156,16 +156,10 @@ impl Aggregate {
     /// `server` when the broker used >= 95% of its CPUs in every finished trial, `generator`
     /// when in none, `mixed` otherwise; `–` without CPU figures.
     pub fn limit(&self) -> &'static str {
-        let finished = self.trials_finished();
-        if self.server_cpus.is_none() || finished == 0 {
-            "–"
-        } else if self.server_bound_trials == finished {
-            "server"
-        } else if self.server_bound_trials == 0 {
-            "generator"
-        } else {
-            "mixed"
+        if self.server_cpus.is_none() {
+            return "–";
         }
+        crate::pin::limit_label(self.server_bound_trials, self.trials_finished()).unwrap_or("–")
     }
 }
 

@@ -1169,11 +1169,10 @@ impl<B: Backend> Log<B> {
     /// Drops the failed round and every pending round; shards go back to their written offset.
     fn reject(&mut self, failed: Option<RoundMeta>, error: StorageError) {
         let mut ranges: Vec<ShardRange> = failed.map(|m| m.ranges).unwrap_or_default();
-        for round in self.pending.drain(..) {
+        let rounds: Vec<PendingRound> = self.pending.drain(..).collect();
+        for round in rounds {
             ranges.extend_from_slice(&round.meta.ranges);
-            if self.spare_buffers.len() < SPARE_BUFFERS_MAX {
-                self.spare_buffers.push(round.buf);
-            }
+            self.recycle(round.buf);
         }
         self.pending_bytes = 0;
         for r in &ranges {

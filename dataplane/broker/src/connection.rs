@@ -250,7 +250,7 @@ impl FrameBuffer {
         let header = self
             .buffer
             .first_chunk::<{ felix_wire::FRAME_HEADER_LEN }>()?;
-        let body = u32::from_le_bytes([header[0], header[1], header[2], header[3]]) as usize;
+        let body = felix_wire::header_body_len(header) as usize;
         (body <= self.max_body).then_some(felix_wire::FRAME_HEADER_LEN + body)
     }
 

@@ -584,6 +584,13 @@ fn malformed(frame: FrameType, reason: String) -> WireError {
 // Decoder
 // ---------------------------------------------------------------------------------------------
 
+/// The body length a frame header announces (its first four bytes, little-endian), before any
+/// check: [`Decoder::decode`] judges it against the limits.
+#[must_use]
+pub fn header_body_len(header: &[u8; FRAME_HEADER_LEN]) -> u32 {
+    u32::from_le_bytes([header[0], header[1], header[2], header[3]])
+}
+
 /// Streaming decoder: feed it bytes as they arrive, take whole frames out.
 #[derive(Debug, Clone)]
 pub struct Decoder {
@@ -614,7 +621,7 @@ impl Decoder {
         let Some(header) = buf.first_chunk::<FRAME_HEADER_LEN>() else {
             return Ok(None);
         };
-        let body_len = u32::from_le_bytes([header[0], header[1], header[2], header[3]]);
+        let body_len = header_body_len(header);
         let type_code = header[4];
         let flags = header[5];
         if body_len > self.limits.max_frame_bytes {
