@@ -268,6 +268,8 @@ pub struct RunCounts {
     pub client: u64,
     pub broker: u64,
     pub broker_functions: HashMap<String, u64>,
+    /// The client thread's exclusive cost per function.
+    pub client_functions: HashMap<String, u64>,
 }
 
 /// Exclusive (self) instructions per function of one callgrind output file.
@@ -408,6 +410,9 @@ fn callgrind_run(
             .ok_or_else(|| fail(format!("no summary line in {}", path.display())))?;
         if thread == 1 {
             counts.client += total;
+            for (name, cost) in self_costs(&text) {
+                *counts.client_functions.entry(name).or_default() += cost;
+            }
         } else {
             counts.broker += total;
             for (name, cost) in self_costs(&text) {
@@ -446,6 +451,8 @@ pub struct Measured {
     pub client_per_record: f64,
     /// The broker's functions with the largest exclusive cost per record, largest first.
     pub broker_top: Vec<FunctionCost>,
+    /// The client's, likewise (the load generator's cost, for the client work).
+    pub client_top: Vec<FunctionCost>,
 }
 
 /// Broker functions listed per shape in [`Measured`].
@@ -468,28 +475,48 @@ impl Measured {
         )
     }
 
-    /// The top functions as a Markdown table (broker side), for docs/performance.md.
+    /// The top functions as Markdown tables (broker side, then client side), for
+    /// docs/performance.md.
     pub fn top_markdown(&self) -> String {
         let mut s = format!(
-            "{}: broker {:.0} instructions per record (client {:.0})\n\n| broker function (exclusive) | instructions per record | share |\n|---|---:|---:|\n",
+            "{}: broker {:.0} instructions per record (client {:.0})\n\n",
             self.shape.label(),
             self.broker_per_record,
             self.client_per_record
         );
-        for f in &self.broker_top {
-            let share = if self.broker_per_record > 0.0 {
-                100.0 * f.per_record / self.broker_per_record
-            } else {
-                0.0
-            };
-            s.push_str(&format!(
-                "| `{}` | {:.0} | {share:.1}% |\n",
-                f.name.replace('|', "\\|"),
-                f.per_record
-            ));
-        }
+        s.push_str(&cost_table(
+            "broker",
+            &self.broker_top,
+            self.broker_per_record,
+        ));
+        s.push('\n');
+        s.push_str(&cost_table(
+            "client",
+            &self.client_top,
+            self.client_per_record,
+        ));
         s
     }
+}
+
+/// One side's top functions as a Markdown table with each one's share of `total`.
+fn cost_table(side: &str, top: &[FunctionCost], total: f64) -> String {
+    let mut s = format!(
+        "| {side} function (exclusive) | instructions per record | share |\n|---|---:|---:|\n"
+    );
+    for f in top {
+        let share = if total > 0.0 {
+            100.0 * f.per_record / total
+        } else {
+            0.0
+        };
+        s.push_str(&format!(
+            "| `{}` | {:.0} | {share:.1}% |\n",
+            f.name.replace('|', "\\|"),
+            f.per_record
+        ));
+    }
+    s
 }
 
 /// Per-record cost of each function from the N and 2N runs, the `top` largest.
@@ -540,6 +567,12 @@ pub fn measure(
         broker_top: top_functions(
             &n.broker_functions,
             &n2.broker_functions,
+            records,
+            TOP_FUNCTIONS,
+        ),
+        client_top: top_functions(
+            &n.client_functions,
+            &n2.client_functions,
             records,
             TOP_FUNCTIONS,
         ),

@@ -4,7 +4,8 @@
 //!
 //! Threads: it runs on the caller's tokio runtime (current-thread or multi-thread). Each
 //! [`Client`] spawns two tasks (`tokio::spawn`): a writer owning the send half of its request
-//! stream and a reader routing answers by request id; the s2n-quic client endpoint adds its own.
+//! stream and a reader routing answers by request id; the client's one s2n-quic endpoint (one
+//! UDP socket for every connection of the client) adds its own.
 //! A [`Subscription`] is polled by whoever holds it.
 //!
 //! Bounds: requests queue for the writer in a channel of [`WRITER_QUEUE_DEPTH`] frames and
@@ -39,7 +40,6 @@
 mod error;
 mod subscription;
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -51,6 +51,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use felix_wire::{AckMode, Decoder, Frame, Hello, HelloOk, Limits, StreamInfo, StreamSummary};
+use rustc_hash::FxHashMap;
 use s2n_quic::client::Connect;
 use s2n_quic::stream::{ReceiveStream, SendStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
@@ -77,6 +78,12 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 const CLOSE_FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 /// Time `close` waits for the connection to finish closing.
 const CLOSE_IDLE_TIMEOUT: Duration = Duration::from_secs(1);
+/// Default of [`ClientConfig::max_mtu`]: the broker's default FELIX_MTU_UPPER_BOUND.
+pub const DEFAULT_MAX_MTU: u16 = 4096;
+/// QUIC's minimum datagram size.
+const MTU_UPPER_BOUND_MIN: u16 = 1200;
+/// The broker's clamp of FELIX_MTU_UPPER_BOUND (s2n-quic misbehaves with GSO above 32768).
+const MTU_UPPER_BOUND_CLAMP: u16 = 16384;
 /// Largest semaphore acquisition tokio accepts in one call.
 const BUDGET_PERMITS_MAX: u64 = u32::MAX as u64;
 
@@ -124,6 +131,10 @@ pub struct ClientConfig {
     pub token: Option<String>,
     /// Client certificate presented for mutual TLS (FELIX_CLIENT_CERT, FELIX_CLIENT_KEY).
     pub identity: Option<ClientIdentity>,
+    /// Largest QUIC datagram the client probes for (path MTU discovery upper bound), like the
+    /// broker's FELIX_MTU_UPPER_BOUND; clamped to 1200..=16384. Default 4096, the broker's
+    /// default: a path that carries less (a 1500-byte Ethernet) simply stays lower.
+    pub max_mtu: u16,
 }
 
 impl std::fmt::Debug for ClientConfig {
@@ -140,6 +151,7 @@ impl std::fmt::Debug for ClientConfig {
             // Never the token itself.
             .field("token", &self.token.as_ref().map(|_| "(hidden)"))
             .field("identity", &self.identity)
+            .field("max_mtu", &self.max_mtu)
             .finish()
     }
 }
@@ -159,6 +171,7 @@ impl ClientConfig {
             pub_shard_streams: DEFAULT_PUB_SHARD_STREAMS,
             token: None,
             identity: None,
+            max_mtu: DEFAULT_MAX_MTU,
         }
     }
 }
@@ -174,7 +187,7 @@ struct Pending {
 
 #[derive(Default)]
 struct PendingTable {
-    requests: HashMap<u64, Pending>,
+    requests: FxHashMap<u64, Pending>,
     /// Set once the request stream failed; later requests fail at once.
     failed: Option<Failure>,
 }
@@ -250,14 +263,13 @@ enum WriterCommand {
 /// One QUIC connection: its admin (hello) stream and its publish streams, which share one
 /// pending-request table.
 struct Conn {
-    endpoint: s2n_quic::Client,
     handle: s2n_quic::connection::Handle,
     admin: mpsc::Sender<WriterCommand>,
     /// Publish streams, opened on first use; `pub_shard_streams` of them, or
     /// [`PUBLISH_POOL_STREAMS`] when pooled.
     publish_streams: Vec<tokio::sync::OnceCell<mpsc::Sender<WriterCommand>>>,
     /// `(stream name, shard)` -> publish stream index, first come first served.
-    shard_streams: Mutex<HashMap<(String, u32), usize>>,
+    shard_streams: Mutex<StreamAssignment>,
     /// Round-robin position when pooled.
     next_pooled: AtomicUsize,
     pooled: bool,
@@ -267,6 +279,18 @@ struct Conn {
     // Kept so the connection does not drop peer-initiated stream state under us.
     _acceptor: s2n_quic::connection::StreamAcceptor,
 }
+
+/// Each stream's shards' publish streams on one connection.
+#[derive(Debug, Default)]
+struct StreamAssignment {
+    /// Stream name -> publish stream index per shard ([`UNASSIGNED`] until first used).
+    by_stream: FxHashMap<String, Vec<usize>>,
+    /// `(stream, shard)` pairs assigned so far: the next one gets `assigned % streams`.
+    assigned: usize,
+}
+
+/// A shard not yet given a publish stream.
+const UNASSIGNED: usize = usize::MAX;
 
 /// Publish streams per connection when FELIX_PUB_SHARD_STREAMS is 0 (pooled).
 pub const PUBLISH_POOL_STREAMS: usize = 4;
@@ -278,11 +302,13 @@ pub const DEFAULT_PUB_SHARD_STREAMS: u32 = 4;
 /// lazily on that core's own port. Dropping it closes every connection.
 pub struct Client {
     config: ClientConfig,
+    /// The one QUIC endpoint every connection of this client uses.
+    endpoint: s2n_quic::Client,
     primary: Conn,
     /// Per data-plane core, its own-port connection (core-aware only).
     cores: Vec<tokio::sync::OnceCell<Conn>>,
     /// Stream name -> owning core of each shard, from HelloOk, StreamInfo and describe.
-    routes: Mutex<HashMap<String, Arc<[u16]>>>,
+    routes: Mutex<FxHashMap<String, Arc<[u16]>>>,
     budget: Arc<Semaphore>,
     budget_permits: u64,
     next_request_id: Arc<AtomicU64>,
@@ -346,23 +372,44 @@ fn tls_client(
     builder.build().map_err(|e| tls_error(&e))
 }
 
+/// The client's one QUIC endpoint (one UDP socket, one event loop task): every connection of
+/// a [`Client`] (the primary one and each core's) goes through it.
+fn endpoint(config: &ClientConfig) -> Result<s2n_quic::Client, ClientError> {
+    let tls = tls_client(config)?;
+    let connect_error = |reason: String| ClientError::Connect {
+        addr: config.addr,
+        reason,
+    };
+    let bind: SocketAddr = if config.addr.is_ipv6() {
+        SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, 0))
+    } else {
+        SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, 0))
+    };
+    let max_mtu = config
+        .max_mtu
+        .clamp(MTU_UPPER_BOUND_MIN, MTU_UPPER_BOUND_CLAMP);
+    let io = s2n_quic::provider::io::Default::builder()
+        .with_receive_address(bind)
+        .and_then(|builder| builder.with_max_mtu(max_mtu))
+        .and_then(|builder| builder.build())
+        .map_err(|error| connect_error(error.to_string()))?;
+    s2n_quic::Client::builder()
+        .with_tls(tls)
+        .map_err(|error| ClientError::Tls(error.to_string()))?
+        .with_io(io)
+        .map_err(|error| connect_error(error.to_string()))?
+        .start()
+        .map_err(|error| connect_error(error.to_string()))
+}
+
 impl Conn {
-    /// Connects, performs the TLS and `Hello` handshakes, and starts the admin stream.
-    async fn connect(config: &ClientConfig, addr: SocketAddr) -> Result<Conn, ClientError> {
-        let tls = tls_client(config)?;
+    /// Connects over `endpoint`, performs the `Hello` handshake, and starts the admin stream.
+    async fn connect(
+        endpoint: &s2n_quic::Client,
+        config: &ClientConfig,
+        addr: SocketAddr,
+    ) -> Result<Conn, ClientError> {
         let connect_error = |reason: String| ClientError::Connect { addr, reason };
-        let bind: SocketAddr = if addr.is_ipv6() {
-            SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, 0))
-        } else {
-            SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, 0))
-        };
-        let endpoint = s2n_quic::Client::builder()
-            .with_tls(tls)
-            .map_err(|error| ClientError::Tls(error.to_string()))?
-            .with_io(bind)
-            .map_err(|error| connect_error(error.to_string()))?
-            .start()
-            .map_err(|error| connect_error(error.to_string()))?;
         let connect = Connect::new(addr).with_server_name(config.server_name.as_str());
         let attempt = tokio::time::timeout(CONNECT_TIMEOUT, endpoint.connect(connect)).await;
         let mut connection = match attempt {
@@ -436,13 +483,12 @@ impl Conn {
             usize::try_from(config.pub_shard_streams).unwrap_or(PUBLISH_POOL_STREAMS)
         };
         Ok(Conn {
-            endpoint,
             handle,
             admin,
             publish_streams: (0..stream_count)
                 .map(|_| tokio::sync::OnceCell::new())
                 .collect(),
-            shard_streams: Mutex::new(HashMap::new()),
+            shard_streams: Mutex::new(StreamAssignment::default()),
             next_pooled: AtomicUsize::new(0),
             pooled,
             shared,
@@ -452,18 +498,60 @@ impl Conn {
         })
     }
 
-    /// The publish stream index for a record of `shard` of `stream`.
-    fn stream_index(&self, stream: &str, shard: u32) -> usize {
+    /// Sets `dests[i]` for every record `i` bound for `core` (`cores[i] == core`): this
+    /// connection and the publish stream of its shard `shards[i]`. Pooled, the current
+    /// round-robin stream; else each `(stream, shard)` keeps the stream it was first given
+    /// (first come first served), so per-shard order holds across pipelined publishes.
+    fn assign_streams(
+        &self,
+        stream: &str,
+        core: Option<u16>,
+        shards: &[u32],
+        cores: &[Option<u16>],
+        dests: &mut [Dest],
+    ) {
         let count = self.publish_streams.len();
+        let mine = shards
+            .iter()
+            .zip(cores)
+            .zip(dests.iter_mut())
+            .filter(|((_, record_core), _)| **record_core == core);
         if self.pooled {
-            return self.next_pooled.load(Ordering::Relaxed) % count;
+            let stream_index = self.next_pooled.load(Ordering::Relaxed) % count;
+            for (_, dest) in mine {
+                *dest = Dest { core, stream_index };
+            }
+            return;
         }
-        let mut map = self
+        let mut assignment = self
             .shard_streams
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        let next = map.len() % count;
-        *map.entry((stream.to_owned(), shard)).or_insert(next)
+        let StreamAssignment {
+            by_stream,
+            assigned,
+        } = &mut *assignment;
+        // Allocates the stream's name once, on its first publish through this connection.
+        if !by_stream.contains_key(stream) {
+            by_stream.insert(stream.to_owned(), Vec::new());
+        }
+        let Some(by_shard) = by_stream.get_mut(stream) else {
+            return;
+        };
+        for ((&shard, _), dest) in mine {
+            let slot = shard as usize;
+            if by_shard.len() <= slot {
+                by_shard.resize(slot + 1, UNASSIGNED);
+            }
+            if by_shard[slot] == UNASSIGNED {
+                by_shard[slot] = *assigned % count;
+                *assigned += 1;
+            }
+            *dest = Dest {
+                core,
+                stream_index: by_shard[slot],
+            };
+        }
     }
 
     /// The writer of publish stream `index`, opening the stream on first use.
@@ -520,8 +608,6 @@ impl Conn {
             }
         }
         self.handle.close(0u32.into());
-        let mut endpoint = self.endpoint.clone();
-        let _ = tokio::time::timeout(CLOSE_IDLE_TIMEOUT, endpoint.wait_idle()).await;
     }
 }
 
@@ -545,18 +631,53 @@ fn start_stream_tasks(
     writer
 }
 
-/// Records of one publish bound for one connection and publish stream.
-struct Part {
+/// Where records go: a connection (an owner core's, or the primary one) and one of its
+/// publish streams.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Dest {
     core: Option<u16>,
     stream_index: usize,
-    records: Vec<Record>,
 }
+
+/// One publish's records by destination: all of them to one (the common case: borrowed as
+/// they are, nothing copied or cloned), or split by owner core and publish stream (batch
+/// order kept within each part).
+enum Parts<'r> {
+    One(Dest, &'r [Record]),
+    Split(Vec<(Dest, Vec<Record>)>),
+}
+
+impl Parts<'_> {
+    fn iter(&self) -> impl Iterator<Item = (Dest, &[Record])> {
+        let (one, split) = match self {
+            Parts::One(dest, records) => (Some((*dest, *records)), &[][..]),
+            Parts::Split(parts) => (None, parts.as_slice()),
+        };
+        one.into_iter().chain(
+            split
+                .iter()
+                .map(|(dest, records)| (*dest, records.as_slice())),
+        )
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Parts::One(..) => 1,
+            Parts::Split(parts) => parts.len(),
+        }
+    }
+}
+
+/// Payloads at least this long go to QUIC as chunks of their own (a vectored write), not
+/// copied into the frame; shorter ones are cheaper to copy than to carry as a chunk.
+const VECTORED_PAYLOAD_MIN: usize = 1024;
 
 impl Client {
     /// Connects to `config.addr`, performs the TLS and `Hello` handshakes, and starts the
     /// admin stream. Core-aware clients open their per-core connections later, when needed.
     pub async fn connect(config: ClientConfig) -> Result<Client, ClientError> {
-        let primary = Conn::connect(&config, config.addr).await?;
+        let endpoint = endpoint(&config)?;
+        let primary = Conn::connect(&endpoint, &config, config.addr).await?;
         let cores = if config.core_aware {
             (0..primary.hello.core_ports.len())
                 .map(|_| tokio::sync::OnceCell::new())
@@ -576,6 +697,7 @@ impl Client {
         ));
         Ok(Client {
             config,
+            endpoint,
             primary,
             cores,
             routes: Mutex::new(routes),
@@ -621,7 +743,7 @@ impl Client {
         };
         let port = self.primary.hello.core_ports[usize::from(core)];
         let addr = SocketAddr::new(self.config.addr.ip(), port);
-        cell.get_or_try_init(|| Conn::connect(&self.config, addr))
+        cell.get_or_try_init(|| Conn::connect(&self.endpoint, &self.config, addr))
             .await
     }
 
@@ -651,41 +773,62 @@ impl Client {
     }
 
     /// Splits a batch by owner core (core-aware) and publish stream, keeping batch order
-    /// within each part.
-    async fn parts(&self, stream: &str, records: &[Record]) -> Result<Vec<Part>, ClientError> {
+    /// within each part. One route lookup and one lock per connection touched, whatever the
+    /// batch size; a batch bound for one destination is borrowed, not cloned.
+    async fn parts<'r>(
+        &self,
+        stream: &str,
+        records: &'r [Record],
+    ) -> Result<Parts<'r>, ClientError> {
         self.check_batch(stream, records)?;
         let route = self.route(stream).await;
         let Some(route) = route.filter(|route| !route.is_empty()) else {
-            return Ok(vec![Part {
-                core: None,
-                stream_index: 0,
-                records: records.to_vec(),
-            }]);
+            return Ok(Parts::One(Dest::default(), records));
         };
         let shard_count = u32::try_from(route.len()).unwrap_or(u32::MAX);
-        let mut parts: Vec<Part> = Vec::new();
-        for record in records {
-            let shard = felix_wire::shard_for_key(&record.key, shard_count);
-            let core = if self.cores.is_empty() {
+        let core_of = |shard: u32| {
+            if self.cores.is_empty() {
                 None
             } else {
                 Some(route[shard as usize])
-            };
-            let conn = self.conn(core).await?;
-            let stream_index = conn.stream_index(stream, shard);
-            match parts
-                .iter_mut()
-                .find(|part| part.core == core && part.stream_index == stream_index)
-            {
-                Some(part) => part.records.push(record.clone()),
-                None => parts.push(Part {
-                    core,
-                    stream_index,
-                    records: vec![record.clone()],
-                }),
+            }
+        };
+        if let [record] = records {
+            let shard = felix_wire::shard_for_key(&record.key, shard_count);
+            let core = core_of(shard);
+            let mut dest = [Dest::default()];
+            self.conn(core)
+                .await?
+                .assign_streams(stream, core, &[shard], &[core], &mut dest);
+            return Ok(Parts::One(dest[0], records));
+        }
+        let shards: Vec<u32> = records
+            .iter()
+            .map(|record| felix_wire::shard_for_key(&record.key, shard_count))
+            .collect();
+        let cores: Vec<Option<u16>> = shards.iter().map(|&shard| core_of(shard)).collect();
+        let mut dests = vec![Dest::default(); records.len()];
+        let mut done: Vec<Option<u16>> = Vec::new();
+        for &core in &cores {
+            if !done.contains(&core) {
+                done.push(core);
+                self.conn(core)
+                    .await?
+                    .assign_streams(stream, core, &shards, &cores, &mut dests);
             }
         }
-        Ok(parts)
+        let first = dests[0];
+        if dests.iter().all(|dest| *dest == first) {
+            return Ok(Parts::One(first, records));
+        }
+        let mut parts: Vec<(Dest, Vec<Record>)> = Vec::new();
+        for (record, dest) in records.iter().zip(&dests) {
+            match parts.iter_mut().find(|(part, _)| part == dest) {
+                Some((_, part)) => part.push(record.clone()),
+                None => parts.push((*dest, vec![record.clone()])),
+            }
+        }
+        Ok(Parts::Split(parts))
     }
 
     /// Sends one admin request and waits for its answer (an `Error` answer is an error).
@@ -793,7 +936,9 @@ impl Client {
         Ok(())
     }
 
-    /// Encodes a publish as (header, records) chunks, checking the broker's limits first.
+    /// Encodes a publish as the chunks of one vectored write, checking the broker's limits
+    /// first: the frame's header and the records, except that payloads of at least
+    /// [`VECTORED_PAYLOAD_MIN`] bytes are chunks of their own (a reference, not a copy).
     fn encode_publish(
         &self,
         request_id: u64,
@@ -802,8 +947,9 @@ impl Client {
         records: &[Record],
     ) -> Result<Vec<Bytes>, ClientError> {
         let limits = &self.primary.hello.limits;
-        let mut body = BytesMut::new();
         let mut records_len = 0usize;
+        let mut copied_len = 0usize;
+        let mut chunk_count = 1usize;
         for record in records {
             if record.key.len() > usize::from(limits.max_key_bytes) {
                 return Err(ClientError::InvalidArgument(format!(
@@ -819,9 +965,16 @@ impl Client {
                     limits.max_payload_bytes
                 )));
             }
-            records_len += felix_wire::encode_record(&record.key, &record.payload, &mut body);
+            let len = felix_wire::encoded_record_len(record.key.len(), record.payload.len());
+            records_len += len;
+            if record.payload.len() >= VECTORED_PAYLOAD_MIN {
+                copied_len += len - record.payload.len();
+                chunk_count += 2;
+            } else {
+                copied_len += len;
+            }
         }
-        let mut header = BytesMut::new();
+        let mut buf = BytesMut::new();
         // The count was checked against max_batch_records (a u32) in check_batch.
         let record_count = u32::try_from(records.len()).unwrap_or(u32::MAX);
         felix_wire::encode_publish_header(
@@ -830,16 +983,30 @@ impl Client {
             stream,
             record_count,
             records_len,
-            &mut header,
+            &mut buf,
         );
-        let body_len = header.len() - felix_wire::FRAME_HEADER_LEN + body.len();
+        let body_len = buf.len() - felix_wire::FRAME_HEADER_LEN + records_len;
         if body_len > limits.max_frame_bytes as usize {
             return Err(ClientError::InvalidArgument(format!(
                 "a publish of {body_len} bytes exceeds the broker's frame limit of {}; send smaller batches",
                 limits.max_frame_bytes
             )));
         }
-        Ok(vec![header.freeze(), body.freeze()])
+        buf.reserve(copied_len);
+        let mut chunks = Vec::with_capacity(chunk_count);
+        for record in records {
+            if record.payload.len() >= VECTORED_PAYLOAD_MIN {
+                felix_wire::encode_record_head(&record.key, record.payload.len(), &mut buf);
+                chunks.push(buf.split().freeze());
+                chunks.push(record.payload.clone());
+            } else {
+                felix_wire::encode_record(&record.key, &record.payload, &mut buf);
+            }
+        }
+        if !buf.is_empty() {
+            chunks.push(buf.freeze());
+        }
+        Ok(chunks)
     }
 
     /// Takes budget for `bytes` (the whole budget for a batch larger than it).
@@ -866,14 +1033,14 @@ impl Client {
     ) -> Result<PendingAck, ClientError> {
         let parts = self.parts(stream, records).await?;
         let mut answers = Vec::with_capacity(parts.len());
-        for part in parts {
-            let conn = self.conn(part.core).await?;
+        for (dest, records) in parts.iter() {
+            let conn = self.conn(dest.core).await?;
             let request_id = self.next_request_id();
-            let chunks = self.encode_publish(request_id, AckMode::Acked, stream, &part.records)?;
+            let chunks = self.encode_publish(request_id, AckMode::Acked, stream, records)?;
             let bytes = chunks.iter().map(Bytes::len).sum();
             let permit = self.acquire_budget(bytes).await?;
             let answer = conn.shared.register(request_id, Some(permit))?;
-            let writer = conn.publish_writer(part.stream_index).await?;
+            let writer = conn.publish_writer(dest.stream_index).await?;
             conn.queue(writer, chunks, None).await?;
             answers.push(answer);
         }
@@ -909,12 +1076,12 @@ impl Client {
         records: &[Record],
     ) -> Result<(), ClientError> {
         let parts = self.parts(stream, records).await?;
-        for part in parts {
-            let conn = self.conn(part.core).await?;
-            let chunks = self.encode_publish(0, AckMode::FireAndForget, stream, &part.records)?;
+        for (dest, records) in parts.iter() {
+            let conn = self.conn(dest.core).await?;
+            let chunks = self.encode_publish(0, AckMode::FireAndForget, stream, records)?;
             let bytes = chunks.iter().map(Bytes::len).sum();
             let permit = self.acquire_budget(bytes).await?;
-            let writer = conn.publish_writer(part.stream_index).await?;
+            let writer = conn.publish_writer(dest.stream_index).await?;
             conn.queue(writer, chunks, Some(permit)).await?;
         }
         if self.primary.pooled {
@@ -1018,6 +1185,9 @@ impl Client {
             }
         }
         self.primary.close().await;
+        let mut endpoint = self.endpoint.clone();
+        drop(self);
+        let _ = tokio::time::timeout(CLOSE_IDLE_TIMEOUT, endpoint.wait_idle()).await;
     }
 }
 

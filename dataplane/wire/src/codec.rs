@@ -114,7 +114,9 @@ pub fn encoded_record_len(key_len: usize, payload_len: usize) -> usize {
 /// Fast path for publishers: appends a `Publish` frame header and the fixed part of its body
 /// for `record_count` records whose encoded record bytes total `records_len` (as produced by
 /// [`encode_record`], see [`encoded_record_len`]). The caller appends exactly those records
-/// next; capacity for them is reserved here.
+/// next (with [`encode_record`], or [`encode_record_head`] and the payload as a chunk of its
+/// own); only the header's capacity is reserved here, so a caller sending payloads apart
+/// reserves just what it copies.
 ///
 /// # Panics
 /// If `stream` is longer than 65,535 bytes or the body longer than `u32::MAX` bytes.
@@ -126,8 +128,9 @@ pub fn encode_publish_header(
     records_len: usize,
     buf: &mut BytesMut,
 ) {
-    let body_len = REQUEST_ID_LEN + 1 + str_len(stream) + LONG_LEN_LEN + records_len;
-    buf.reserve(FRAME_HEADER_LEN + body_len);
+    let fixed_len = REQUEST_ID_LEN + 1 + str_len(stream) + LONG_LEN_LEN;
+    let body_len = fixed_len + records_len;
+    buf.reserve(FRAME_HEADER_LEN + fixed_len);
     put_header(buf, FrameType::Publish, body_len);
     buf.put_u64_le(request_id);
     buf.put_u8(ack as u8);
@@ -144,6 +147,25 @@ pub fn encode_record(key: &[u8], payload: &[u8], buf: &mut BytesMut) -> usize {
     buf.reserve(len);
     put_key(buf, key);
     put_payload(buf, payload);
+    len
+}
+
+/// Appends one record's `Publish` encoding up to its payload (key length, key, payload
+/// length): the caller sends the payload itself next, e.g. as its own chunk of a vectored
+/// write, so a large payload is never copied into the frame. Returns the bytes written.
+///
+/// # Panics
+/// If `key` is longer than 65,535 bytes or `payload_len` is above `u32::MAX`.
+pub fn encode_record_head(key: &[u8], payload_len: usize, buf: &mut BytesMut) -> usize {
+    let len = PUBLISH_RECORD_OVERHEAD + key.len();
+    buf.reserve(len);
+    put_key(buf, key);
+    let payload_len = u32::try_from(payload_len);
+    assert!(
+        payload_len.is_ok(),
+        "payloads are at most u32::MAX bytes on the wire"
+    );
+    buf.put_u32_le(payload_len.unwrap_or(u32::MAX));
     len
 }
 

@@ -8,7 +8,7 @@ use felix_wire::{
     FRAME_HEADER_LEN, Frame, FrameType, HashKind, Hello, HelloOk, Limits, Publish, Record,
     ShardAck, ShardInfo, ShardSelection, StartPosition, StreamInfo, StreamKind, StreamRoute,
     StreamSummary, Subscribe, Subscribed, encode, encode_publish_header, encode_record,
-    encoded_len, encoded_record_len, validate,
+    encode_record_head, encoded_len, encoded_record_len, validate,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -479,6 +479,34 @@ proptest! {
         prop_assert_eq!(written, records_len);
         let frame = Frame::Publish(publish);
         prop_assert_eq!(&fast[..], &encoded(&frame)[..]);
+    }
+
+    // The vectored fast path (record heads in the frame, payloads as chunks of their own)
+    // puts the same bytes on the wire as encode(Publish).
+    #[test]
+    fn vectored_publish_matches_encode(publish in publish(VALID)) {
+        let mut head = BytesMut::new();
+        let records_len: usize = publish
+            .records
+            .iter()
+            .map(|r| encoded_record_len(r.key.len(), r.payload.len()))
+            .sum();
+        let count = u32::try_from(publish.records.len()).expect("at most VALID.records");
+        encode_publish_header(
+            publish.request_id, publish.ack, &publish.stream, count, records_len, &mut head,
+        );
+        let mut wire = head.to_vec();
+        let mut written = 0;
+        for record in &publish.records {
+            let mut part = BytesMut::new();
+            written += encode_record_head(&record.key, record.payload.len(), &mut part);
+            wire.extend_from_slice(&part);
+            wire.extend_from_slice(&record.payload);
+            written += record.payload.len();
+        }
+        prop_assert_eq!(written, records_len);
+        let frame = Frame::Publish(publish);
+        prop_assert_eq!(&wire[..], &encoded(&frame)[..]);
     }
 
     // `validate` accepts exactly what the decoder accepts, and reports the decoder's error.
