@@ -30,7 +30,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use bytes::Bytes;
-use felix_client::{Client, ClientConfig, Record, StreamKind};
+use felix_client::{Client, ClientConfig, Record, ShardSelection, StartPosition, StreamKind};
+use futures::StreamExt as _;
 
 use crate::BenchError;
 
@@ -42,6 +43,9 @@ pub struct Shape {
     pub batch: u32,
     pub acked: bool,
     pub durable: bool,
+    /// One live subscriber (on the client's thread) receives every record: the delivery
+    /// path's cost is in the broker's figure.
+    pub subscribed: bool,
 }
 
 impl Shape {
@@ -60,32 +64,37 @@ impl Shape {
         if self.durable {
             label.push_str(" durable on_commit");
         }
+        if self.subscribed {
+            label.push_str(" + 1 subscriber");
+        }
         label
     }
 
     /// `256B-b1-ack-mem`, for file names.
     pub fn slug(&self) -> String {
         format!(
-            "{}B-b{}-{}-{}",
+            "{}B-b{}-{}-{}{}",
             self.payload_bytes,
             self.batch,
             if self.acked { "ack" } else { "ff" },
-            if self.durable { "dur" } else { "mem" }
+            if self.durable { "dur" } else { "mem" },
+            if self.subscribed { "-sub" } else { "" }
         )
     }
 }
 
 /// The shapes `make bench-instructions` reports, with their default N (publishes): 256 B batch
 /// 1 acked, 256 B batch 64, 4 KiB batch 64, 256 B batch 1 fire-and-forget (in-memory), and
-/// 4 KiB batch 64 durable on_commit. N keeps each near a minute under callgrind here; the
+/// 4 KiB batch 64 durable on_commit, and 4 KiB batch 64 with one live subscriber. N keeps each near a minute under callgrind here; the
 /// per-record figure did not move between N = 200, 2,000 and 20,000 (256 B batch 1).
-pub const DEFAULT_SHAPES: [(Shape, u64); 5] = [
+pub const DEFAULT_SHAPES: [(Shape, u64); 6] = [
     (
         Shape {
             payload_bytes: 256,
             batch: 1,
             acked: true,
             durable: false,
+            subscribed: false,
         },
         10_000,
     ),
@@ -95,6 +104,7 @@ pub const DEFAULT_SHAPES: [(Shape, u64); 5] = [
             batch: 64,
             acked: true,
             durable: false,
+            subscribed: false,
         },
         1_000,
     ),
@@ -104,6 +114,7 @@ pub const DEFAULT_SHAPES: [(Shape, u64); 5] = [
             batch: 64,
             acked: true,
             durable: false,
+            subscribed: false,
         },
         1_000,
     ),
@@ -113,6 +124,7 @@ pub const DEFAULT_SHAPES: [(Shape, u64); 5] = [
             batch: 1,
             acked: false,
             durable: false,
+            subscribed: false,
         },
         10_000,
     ),
@@ -122,6 +134,17 @@ pub const DEFAULT_SHAPES: [(Shape, u64); 5] = [
             batch: 64,
             acked: true,
             durable: true,
+            subscribed: false,
+        },
+        500,
+    ),
+    (
+        Shape {
+            payload_bytes: 4096,
+            batch: 64,
+            acked: true,
+            durable: false,
+            subscribed: true,
         },
         500,
     ),
@@ -220,6 +243,27 @@ pub fn run_workload(shape: Shape, publishes: u64) -> Result<u64, BenchError> {
             .create_stream("instr", WORKLOAD_SHARDS, kind)
             .await
             .map_err(|e| format!("create stream: {e}"))?;
+        let expected =
+            publishes * u64::from(shape.batch) + u64::from(!shape.acked) * u64::from(shape.batch);
+        let reader = if shape.subscribed {
+            let mut subscription = client
+                .subscribe("instr", ShardSelection::All, StartPosition::Latest)
+                .await
+                .map_err(|e| format!("subscribe: {e}"))?;
+            Some(tokio::spawn(async move {
+                let mut received = 0u64;
+                while received < expected {
+                    match subscription.next().await {
+                        Some(Ok(_)) => received += 1,
+                        Some(Err(e)) => return Err(format!("subscription: {e}")),
+                        None => return Err(format!("subscription ended after {received}")),
+                    }
+                }
+                Ok(received)
+            }))
+        } else {
+            None
+        };
         let payload = Bytes::from(vec![0x5Au8; shape.payload_bytes as usize]);
         let records: Vec<Record> = (0..shape.batch)
             .map(|_| Record {
@@ -249,6 +293,11 @@ pub fn run_workload(shape: Shape, publishes: u64) -> Result<u64, BenchError> {
                 .await
                 .map_err(|e| format!("barrier publish: {e}"))?;
             published += u64::from(shape.batch);
+        }
+        if let Some(reader) = reader {
+            reader
+                .await
+                .map_err(|e| format!("subscriber task: {e}"))??;
         }
         client.close().await;
         Ok::<u64, String>(published)
@@ -387,6 +436,7 @@ fn callgrind_run(
         } else {
             "in-memory"
         })
+        .args(shape.subscribed.then_some("--subscribed"))
         .arg("--publishes")
         .arg(publishes.to_string())
         .status()
@@ -633,6 +683,20 @@ mod tests {
                 batch: 4,
                 acked: true,
                 durable: false,
+                subscribed: false,
+            },
+            10,
+        )
+        .unwrap();
+        assert_eq!(records, 40);
+        // With a subscriber, which must receive every record for the run to end.
+        let records = run_workload(
+            Shape {
+                payload_bytes: 2048,
+                batch: 4,
+                acked: true,
+                durable: false,
+                subscribed: true,
             },
             10,
         )
@@ -645,6 +709,7 @@ mod tests {
                 batch: 2,
                 acked: false,
                 durable: true,
+                subscribed: false,
             },
             5,
         )

@@ -122,6 +122,9 @@ enum Command {
         /// in-memory | durable
         #[arg(long, default_value = "in-memory")]
         kind: String,
+        /// One live subscriber receives every record.
+        #[arg(long)]
+        subscribed: bool,
         #[arg(long)]
         publishes: u64,
     },
@@ -601,6 +604,7 @@ fn main() -> Result<()> {
             batch,
             mode,
             kind,
+            subscribed,
             publishes,
         } => {
             let shape = instructions::Shape {
@@ -616,6 +620,7 @@ fn main() -> Result<()> {
                     "durable" => true,
                     other => bail!("--kind {other:?}: expected in-memory or durable"),
                 },
+                subscribed,
             };
             let records = instructions::run_workload(shape, publishes)?;
             eprintln!("{}: {records} records published", shape.label());

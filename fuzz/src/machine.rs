@@ -685,8 +685,8 @@ impl World {
                 let now = self.now();
                 let transmit = self.cores[core].core.poll_transmit(now, id);
                 self.drain(core);
-                if let Some(bytes) = &transmit.bytes {
-                    self.receive(stream, bytes);
+                for chunk in &transmit.chunks {
+                    self.receive(stream, chunk);
                 }
                 if transmit.finish {
                     let s = &self.streams[stream];

@@ -370,8 +370,8 @@ async fn serve_stream(
         // Write everything the machine has for this stream (a subscription: batch by batch).
         let mut writes = 0u32;
         loop {
-            if let Some(bytes) = transmit.bytes.take()
-                && !write(&shell, stream, &mut send, bytes).await
+            if !transmit.chunks.is_empty()
+                && !write(&shell, stream, &mut send, &mut transmit.chunks).await
             {
                 return;
             }
@@ -447,13 +447,18 @@ async fn serve_stream(
     }
 }
 
-/// Writes `bytes` on the stream; false when the stream is gone. A write blocked by a client
+/// Writes `chunks` on the stream (one vectored write); false when the stream is gone. A write blocked by a client
 /// that stopped reading (no QUIC flow-control credit) gives up once its subscription has ended
 /// and [`STALLED_END_GRACE`] passed: the stream is reset with the ending error's code.
-async fn write(shell: &Shell, stream: StreamId, send: &mut SendStream, bytes: Bytes) -> bool {
+async fn write(
+    shell: &Shell,
+    stream: StreamId,
+    send: &mut SendStream,
+    chunks: &mut [Bytes],
+) -> bool {
     use futures::FutureExt as _;
     let stalled_code = {
-        let mut sending = std::pin::pin!(send.send(bytes));
+        let mut sending = std::pin::pin!(send.send_vectored(chunks));
         // The common case costs no timer: the data fits the flow-control window.
         if let Some(result) = (&mut sending).now_or_never() {
             return result.is_ok();

@@ -12,8 +12,7 @@ use std::collections::VecDeque;
 use felix_auth::Operation;
 use felix_engine::{EngineError, SubscriptionId, select_shards};
 use felix_wire::{
-    DeliveredRecord, Delivery, ErrorCode, Frame, ShardSelection, StartPosition, Subscribe,
-    Subscribed,
+    DeliveredRecord, ErrorCode, Frame, ShardSelection, StartPosition, Subscribe, Subscribed,
 };
 
 use crate::config::{DELIVERY_BYTES_MAX, DELIVERY_RECORDS_MAX, REMOTE_DELIVERY_CREDITS, StreamId};
@@ -440,7 +439,7 @@ impl Core {
                 slot.next[position].1 = record.offset + 1;
             }
             self.counters.delivered_records += records.len() as u64;
-            self.write(stream, &Frame::Delivery(Delivery { records }));
+            self.write_delivery(stream, &records);
             return;
         }
         // Records already queued went out before the error that ended the subscription.

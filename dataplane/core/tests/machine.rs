@@ -33,7 +33,7 @@ fn handshake_refusals_close_the_connection() {
         assert_eq!(broker.feed(0, stream, first), Flow::Done);
         let now = broker.now();
         let transmit = broker.cores[0].poll_transmit(now, stream);
-        assert!(transmit.bytes.is_some() && transmit.finish);
+        assert!(!transmit.chunks.is_empty() && transmit.finish);
         assert!(matches!(
             transmit.close_connection,
             Some(ErrorCode::UnsupportedVersion | ErrorCode::ProtocolViolation)

@@ -169,7 +169,7 @@ async fn mixed_payload_sizes_arrive_byte_for_byte() {
         within(client.subscribe("sizes", ShardSelection::All, StartPosition::Latest))
             .await
             .expect("subscribed");
-    let sizes = [0usize, 1, 100, 1023, 1024, 1025, 4096, 5000, 70_000];
+    let sizes = [0usize, 1, 100, 1024, 4096, 8191, 8192, 8193, 20_000, 70_000];
     let batch: Vec<Record> = sizes
         .iter()
         .enumerate()

@@ -665,8 +665,10 @@ impl World {
             let now = self.now();
             let transmit = self.cores[usize::from(core)].core.poll_transmit(now, id);
             self.drain(core);
-            if let Some(bytes) = &transmit.bytes {
-                self.stream(at).inbuf.extend_from_slice(bytes);
+            if !transmit.chunks.is_empty() {
+                for chunk in &transmit.chunks {
+                    self.stream(at).inbuf.extend_from_slice(chunk);
+                }
                 self.decode(at);
             }
             if transmit.finish {
@@ -686,7 +688,7 @@ impl World {
                 }
                 return;
             }
-            if transmit.bytes.is_none() {
+            if transmit.chunks.is_empty() {
                 return;
             }
         }
@@ -1167,13 +1169,13 @@ impl World {
             if self.halted {
                 return;
             }
-            match transmit.bytes {
-                Some(bytes) => {
-                    self.stream(at).inbuf.extend_from_slice(&bytes);
-                    self.decode(at);
-                }
-                None => return,
+            if transmit.chunks.is_empty() {
+                return;
             }
+            for chunk in &transmit.chunks {
+                self.stream(at).inbuf.extend_from_slice(chunk);
+            }
+            self.decode(at);
         }
     }
 

@@ -150,6 +150,51 @@ pub fn encode_record(key: &[u8], payload: &[u8], buf: &mut BytesMut) -> usize {
     len
 }
 
+/// Encodes a `Delivery` frame of `records` for a vectored write: bytes go into `buf`, except
+/// that each payload of at least `vectored_min` bytes is not copied: whatever `buf` holds so
+/// far is moved out as a chunk onto `chunks`, then the payload itself (a reference). The
+/// frame is `chunks` (those appended) followed by what is left in `buf`; earlier bytes in
+/// `buf` stay in front of it. Writes exactly what [`encode`] writes for the same frame.
+pub fn encode_delivery_vectored(
+    records: &[DeliveredRecord],
+    vectored_min: usize,
+    buf: &mut BytesMut,
+    chunks: &mut Vec<Bytes>,
+) {
+    let mut body_len = LONG_LEN_LEN;
+    let mut copied_len = FRAME_HEADER_LEN + LONG_LEN_LEN;
+    for record in records {
+        let len = DELIVERED_RECORD_OVERHEAD + record.key.len() + record.payload.len();
+        body_len += len;
+        copied_len += if record.payload.len() >= vectored_min {
+            len - record.payload.len()
+        } else {
+            len
+        };
+    }
+    buf.reserve(copied_len);
+    put_header(buf, FrameType::Delivery, body_len);
+    put_count(buf, records.len());
+    for record in records {
+        buf.put_u32_le(record.shard);
+        buf.put_u64_le(record.offset);
+        buf.put_u64_le(record.timestamp_us);
+        put_key(buf, &record.key);
+        if record.payload.len() >= vectored_min {
+            let len = u32::try_from(record.payload.len());
+            assert!(
+                len.is_ok(),
+                "payloads are at most u32::MAX bytes on the wire"
+            );
+            buf.put_u32_le(len.unwrap_or(u32::MAX));
+            chunks.push(buf.split().freeze());
+            chunks.push(record.payload.clone());
+        } else {
+            put_payload(buf, &record.payload);
+        }
+    }
+}
+
 /// Appends one record's `Publish` encoding up to its payload (key length, key, payload
 /// length): the caller sends the payload itself next, e.g. as its own chunk of a vectored
 /// write, so a large payload is never copied into the frame. Returns the bytes written.
@@ -757,15 +802,19 @@ struct Reader<'a> {
 }
 
 impl Reader<'_> {
+    #[inline]
     fn remaining(&self) -> usize {
         self.body.len() - self.pos
     }
 
+    #[cold]
+    #[inline(never)]
     fn malformed(&self, reason: String) -> WireError {
         malformed(self.frame, reason)
     }
 
     /// The next `len` bytes as a range of `body`, or Malformed if fewer remain.
+    #[inline]
     fn take(&mut self, len: usize, what: &str) -> Result<std::ops::Range<usize>, WireError> {
         if len > self.remaining() {
             return Err(self.malformed(format!(
@@ -778,24 +827,29 @@ impl Reader<'_> {
         Ok(range)
     }
 
+    #[inline]
     fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N], WireError> {
         let range = self.take(N, what)?;
         <[u8; N]>::try_from(&self.body[range])
             .map_err(|_| self.malformed(format!("{what}: short read")))
     }
 
+    #[inline]
     fn u8(&mut self, what: &str) -> Result<u8, WireError> {
         Ok(self.array::<1>(what)?[0])
     }
 
+    #[inline]
     fn u16(&mut self, what: &str) -> Result<u16, WireError> {
         self.array(what).map(u16::from_le_bytes)
     }
 
+    #[inline]
     fn u32(&mut self, what: &str) -> Result<u32, WireError> {
         self.array(what).map(u32::from_le_bytes)
     }
 
+    #[inline]
     fn u64(&mut self, what: &str) -> Result<u64, WireError> {
         self.array(what).map(u64::from_le_bytes)
     }
@@ -819,11 +873,13 @@ impl Reader<'_> {
     }
 
     /// A u16-length-prefixed key, as a zero-copy slice.
+    #[inline]
     fn key(&mut self) -> Result<Bytes, WireError> {
         self.bytes16("key length", "key", usize::from(self.limits.max_key_bytes))
     }
 
     /// u16-length-prefixed bytes of at most `max`, as a zero-copy slice.
+    #[inline]
     fn bytes16(
         &mut self,
         what_len: &'static str,
@@ -837,6 +893,7 @@ impl Reader<'_> {
     }
 
     /// A u32-length-prefixed payload, as a zero-copy slice.
+    #[inline]
     fn payload(&mut self) -> Result<Bytes, WireError> {
         let len = self.u32("payload length")? as usize;
         check_len(

@@ -16,8 +16,8 @@ mod error;
 mod frame;
 
 pub use codec::{
-    Decoder, PUBLISH_RECORD_OVERHEAD, encode, encode_publish_header, encode_record,
-    encode_record_head, encoded_len, encoded_record_len, header_body_len, validate,
+    Decoder, PUBLISH_RECORD_OVERHEAD, encode, encode_delivery_vectored, encode_publish_header,
+    encode_record, encode_record_head, encoded_len, encoded_record_len, header_body_len, validate,
 };
 pub use error::{ErrorCode, WireError};
 pub use frame::*;

@@ -7,8 +7,8 @@ use felix_wire::{
     Ack, AckMode, CreateStream, Decoder, DeliveredRecord, Delivery, ErrorCode, ErrorFrame,
     FRAME_HEADER_LEN, Frame, FrameType, HashKind, Hello, HelloOk, Limits, Publish, Record,
     ShardAck, ShardInfo, ShardSelection, StartPosition, StreamInfo, StreamKind, StreamRoute,
-    StreamSummary, Subscribe, Subscribed, encode, encode_publish_header, encode_record,
-    encode_record_head, encoded_len, encoded_record_len, validate,
+    StreamSummary, Subscribe, Subscribed, encode, encode_delivery_vectored, encode_publish_header,
+    encode_record, encode_record_head, encoded_len, encoded_record_len, validate,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -507,6 +507,26 @@ proptest! {
         prop_assert_eq!(written, records_len);
         let frame = Frame::Publish(publish);
         prop_assert_eq!(&wire[..], &encoded(&frame)[..]);
+    }
+
+    // A vectored Delivery (large payloads as chunks of their own, at any threshold) puts the
+    // same bytes on the wire as encode(Delivery), after whatever the buffer already held.
+    #[test]
+    fn vectored_delivery_matches_encode(
+        frame in frame_of(FrameType::Delivery, VALID),
+        threshold in 0usize..256,
+        prefix in proptest::collection::vec(any::<u8>(), 0..16),
+    ) {
+        if let Frame::Delivery(delivery) = &frame {
+            let mut buf = BytesMut::from(&prefix[..]);
+            let mut chunks = Vec::new();
+            encode_delivery_vectored(&delivery.records, threshold, &mut buf, &mut chunks);
+            let mut wire: Vec<u8> = chunks.iter().flat_map(|chunk| chunk.to_vec()).collect();
+            wire.extend_from_slice(&buf);
+            let mut expected = prefix.clone();
+            expected.extend_from_slice(&encoded(&frame));
+            prop_assert_eq!(wire, expected);
+        }
     }
 
     // `validate` accepts exactly what the decoder accepts, and reports the decoder's error.

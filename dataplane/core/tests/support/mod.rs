@@ -209,9 +209,9 @@ impl Broker {
             let now = self.now();
             let transmit = self.cores[core].poll_transmit(now, stream);
             self.collect();
-            let wrote = transmit.bytes.is_some();
-            if let Some(bytes) = transmit.bytes {
-                buffer.extend_from_slice(&bytes);
+            let wrote = !transmit.chunks.is_empty();
+            for chunk in &transmit.chunks {
+                buffer.extend_from_slice(chunk);
             }
             if transmit.finish {
                 finished = true;
