@@ -264,6 +264,10 @@ impl<B: Backend> DurableLog<B> {
                 ref key,
                 ref payload,
             } = *request;
+            if !self.log.can_append(key.len(), payload.len()) {
+                // No room: leave it, and every later append, queued for a later pump.
+                return Ok(true);
+            }
             match self
                 .log
                 .append(log_shard.0, offset, timestamp_us, key, payload)
@@ -272,8 +276,8 @@ impl<B: Backend> DurableLog<B> {
                     report.appended += 1;
                     let _ = engine.poll_append();
                 }
-                // No room (checked before anything is encoded): leave it, and every later
-                // append, queued for the next pump.
+                // Unreachable after `can_append`; were it met, it would still mean "wait",
+                // never a refused publish.
                 Err(StorageError::PendingFull { .. }) => return Ok(true),
                 Err(error) if error.is_fatal() => return Err(error),
                 Err(error) => {
