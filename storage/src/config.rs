@@ -71,8 +71,10 @@ pub struct LogConfig {
     pub fsync: FsyncMode,
     /// A round is cut when it would grow past this. Default 4 MiB; range 4 KiB..=segment_bytes/2.
     pub max_round_bytes: usize,
-    /// Appends are refused with `PendingFull` past this many unwritten bytes. Default 64 MiB;
-    /// at least `max_round_bytes`.
+    /// Bound on appended, not yet submitted bytes (on-disk frame bytes). The caller checks
+    /// `Log::has_room` and holds back what does not fit until a round is submitted (a slow
+    /// disk makes appends wait); an append past it is refused with `PendingFull`, except into
+    /// an empty log. Default 64 MiB; at least `max_round_bytes`.
     pub max_pending_bytes: usize,
     /// Delete the oldest segments while the log's files exceed this many bytes. Default none.
     pub retention_bytes: Option<u64>,

@@ -41,7 +41,9 @@ pub enum StorageError {
         body_bytes: usize,
         max_body_bytes: usize,
     },
-    /// Appends are waiting for the disk beyond `LogConfig::max_pending_bytes`.
+    /// Appends are waiting for the disk beyond `LogConfig::max_pending_bytes`. A caller that
+    /// checks `Log::has_room` first never sees it (the broker holds the append back instead:
+    /// back-pressure, never a refused publish).
     #[error("log append queue full: {pending_bytes} bytes pending, limit {max_pending_bytes}")]
     PendingFull {
         pending_bytes: usize,

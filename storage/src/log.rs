@@ -527,6 +527,24 @@ impl<B: Backend> Log<B> {
 
     // ----- input -----
 
+    /// Whether the pending bound (`LogConfig::max_pending_bytes`) has room for a frame of
+    /// `frame_bytes` (see [`frame::frame_len`]): always when nothing is pending, so a single
+    /// record larger than the whole bound is still taken by an empty log. The caller holds
+    /// back what does not fit and appends it once a round was submitted ([`Self::drive`]
+    /// after the log's wake-up), so a slow disk makes appends wait instead of failing; an
+    /// append past the bound is refused with `PendingFull`.
+    #[must_use]
+    pub fn has_room(&self, frame_bytes: usize) -> bool {
+        self.pending_bytes == 0
+            || self.pending_bytes.saturating_add(frame_bytes) <= self.config.max_pending_bytes
+    }
+
+    /// [`Self::has_room`] for a record of `key_bytes` and `payload_bytes`.
+    #[must_use]
+    pub fn can_append(&self, key_bytes: usize, payload_bytes: usize) -> bool {
+        self.has_room(frame::frame_len(key_bytes, payload_bytes))
+    }
+
     /// Encodes a record into the pending round. `offset` must be the shard's next offset
     /// (dense); a shard the log has never stored may start at any offset below `u64::MAX`.
     /// Never does IO.
@@ -541,9 +559,7 @@ impl<B: Backend> Log<B> {
         self.check_failed()?;
         frame::check_sizes(key.len(), payload.len())?;
         let frame_bytes = frame::frame_len(key.len(), payload.len());
-        if self.pending_bytes > 0
-            && self.pending_bytes + frame_bytes > self.config.max_pending_bytes
-        {
+        if !self.has_room(frame_bytes) {
             return Err(StorageError::PendingFull {
                 pending_bytes: self.pending_bytes,
                 max_pending_bytes: self.config.max_pending_bytes,

@@ -311,13 +311,26 @@ fn appends_are_checked<B: Backend>(mk: &dyn Fn() -> Option<B>) {
     ));
     let mut n = 101;
     let err = loop {
+        let room = log.can_append(0, 1000);
         match log.append(3, n, 1, b"", &[1u8; 1000]) {
-            Ok(()) => n += 1,
-            Err(e) => break e,
+            Ok(()) => {
+                assert!(room, "can_append said no room, yet the append fit");
+                n += 1;
+            }
+            Err(e) => {
+                assert!(!room, "can_append said room, yet the append was refused");
+                break e;
+            }
         }
     };
     assert!(matches!(err, StorageError::PendingFull { .. }));
+    assert!(log.pending_bytes() <= log.config().max_pending_bytes);
     log.flush(DEADLINE).expect("flush");
+    assert!(log.can_append(0, 1000), "nothing pending after the flush");
+    assert!(
+        log.has_room(log.config().max_pending_bytes * 4),
+        "an empty log takes a record larger than the whole bound"
+    );
     log.append(3, n, 1, b"", &[1u8; 1000])
         .expect("room again after the flush");
     log.flush(DEADLINE).expect("flush");

@@ -12,11 +12,26 @@
 //!
 //! Messages are `felix_core::CoreMessage`s, owned values carrying their source core; the
 //! answer goes back to it. A full queue is backpressure: the message stays in the sending
-//! core's outbox (`felix_core::Core::return_message`) and the sender retries; what waits there
-//! is bounded by what caused it (the ingress queue, the requests received, the credits).
+//! core's outbox (`felix_core::Core::return_message`); what waits there is bounded by what
+//! caused it (the ingress queue, the requests received, the credits).
+//!
+//! Waiting for room (per sending core): a core whose outbox is blocked by a full queue does not
+//! spin. It announces it waits for room ([`Mesh::wait_for_room`]: its `wants_room` flag, stored
+//! then a `SeqCst` fence), retries the send once, and if still blocked parks on its own eventfd
+//! exactly like an idle core ([`Mesh::park`], so inbound messages wake it too: it keeps
+//! draining its own inbound queues while blocked, else two cores blocked on each other would
+//! deadlock). A receiver, after popping from a source's queue in [`Mesh::drain`], issues a
+//! `SeqCst` fence, then takes that source's `wants_room` flag and, if it was set, writes the
+//! source's eventfd. Store-fence-retry on one side and pop-fence-load on the other (Dekker):
+//! either the sender's retry sees the freed slot or the receiver sees the flag, so a blocked
+//! sender is never left parked beside a queue with room. The flag says only "some destination
+//! was full", so a wake-up may be for another queue than the one blocking it: the sender then
+//! retries, fails, and parks again (at most one retry per wake-up). The eventfd counts writes,
+//! so a wake-up written before the sender waits is not lost. The flags other cores read and
+//! write sit on their own cache lines ([`Parking`] is 128-byte aligned).
 
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering, fence};
 use std::time::Duration;
 
 use crossbeam_queue::ArrayQueue;
@@ -33,10 +48,17 @@ pub const DRAIN_BATCH: usize = 256;
 /// wake-up (~25-30 us measured), so a core that is busy anyway never pays a wake-up.
 pub const SPIN_BEFORE_PARK: Duration = Duration::from_micros(40);
 
-/// One core's wake-up line.
+/// One core's wake-up line. Aligned to 128 bytes (two cache lines, as adjacent-line
+/// prefetchers pair them) so one core's flags, written by it and read by every other core, do
+/// not share a line with another core's.
+#[repr(align(128))]
 struct Parking {
     eventfd: EventFd,
+    /// Waiting for inbound messages: senders write the eventfd.
     parked: AtomicBool,
+    /// Blocked by a full queue to another core: receivers that pop from its queues write the
+    /// eventfd (see the module docs).
+    wants_room: AtomicBool,
 }
 
 /// The queues and wake-up lines of every core. Built once, before the core threads start.
@@ -67,6 +89,7 @@ impl Mesh {
                 Ok(Parking {
                     eventfd: EventFd::new().map_err(std::io::Error::other)?,
                     parked: AtomicBool::new(false),
+                    wants_room: AtomicBool::new(false),
                 })
             })
             .collect::<std::io::Result<Vec<_>>>()?;
@@ -100,9 +123,12 @@ impl Mesh {
         }
     }
 
-    /// Takes up to `max` messages addressed to `to`, round-robin over its source cores.
+    /// Takes up to `max` messages addressed to `to`, round-robin over its source cores; then
+    /// wakes each source it took from that waits for room ([`Mesh::wait_for_room`]).
     pub fn drain(&self, to: u16, max: usize, out: &mut Vec<CoreMessage>) {
         let start = out.len();
+        // Bit `from` (cores past 127 fall back to checking every source).
+        let mut popped: u128 = 0;
         loop {
             let before = out.len();
             for from in 0..self.cores {
@@ -111,12 +137,50 @@ impl Mesh {
                 }
                 if let Some(message) = self.queue(from, to).pop() {
                     out.push(message);
+                    popped |= 1u128.checked_shl(u32::from(from)).unwrap_or(u128::MAX);
                 }
             }
             if out.len() == before || out.len() - start >= max {
-                return;
+                break;
             }
         }
+        if popped != 0 {
+            self.wake_blocked(to, popped);
+        }
+    }
+
+    /// After pops from the sources in `popped` (bit per core): the pop-fence-load half of the
+    /// room protocol (module docs).
+    fn wake_blocked(&self, to: u16, popped: u128) {
+        fence(Ordering::SeqCst);
+        for from in (0..self.cores).filter(|&from| from != to) {
+            let bit = 1u128.checked_shl(u32::from(from)).unwrap_or(u128::MAX);
+            let parking = &self.parking[usize::from(from)];
+            if popped & bit != 0
+                && parking.wants_room.load(Ordering::SeqCst)
+                && parking.wants_room.swap(false, Ordering::SeqCst)
+            {
+                parking.eventfd.notify();
+            }
+        }
+    }
+
+    /// Core `from` found a destination queue full: announces that it waits for room, so the
+    /// receivers that pop from its queues wake it (the store-fence half of the room protocol,
+    /// module docs). The caller must then retry its sends once before it parks
+    /// ([`Mesh::park`]); when they all went through, it calls [`Mesh::room_found`].
+    pub fn wait_for_room(&self, from: u16) {
+        self.parking[usize::from(from)]
+            .wants_room
+            .store(true, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+    }
+
+    /// Core `from` no longer waits for room (its outbox is empty).
+    pub fn room_found(&self, from: u16) {
+        self.parking[usize::from(from)]
+            .wants_room
+            .store(false, Ordering::Relaxed);
     }
 
     fn has_inbound(&self, to: u16) -> bool {
@@ -157,7 +221,155 @@ impl Mesh {
 
 #[cfg(test)]
 mod tests {
+    use std::os::fd::{AsFd, AsRawFd};
+
     use super::*;
+
+    /// Bound on one wait for a wake-up in the thread test: only a lost wake-up (a protocol
+    /// defect) ever reaches it; never a speed assert.
+    const WAKE_BOUND_MS: i32 = 30_000;
+
+    /// Whether core `core`'s eventfd becomes readable within `timeout_ms` (0: now).
+    fn readable(mesh: &Mesh, core: u16, timeout_ms: i32) -> bool {
+        let fd = mesh.eventfd_of(core).expect("eventfd");
+        let mut pfd = libc::pollfd {
+            fd: fd.as_fd().as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        loop {
+            // SAFETY: one valid pollfd on the stack, count 1.
+            let rc = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
+            if rc >= 0 {
+                return rc == 1 && pfd.revents & libc::POLLIN != 0;
+            }
+            let error = std::io::Error::last_os_error();
+            assert_eq!(error.kind(), std::io::ErrorKind::Interrupted, "{error}");
+        }
+    }
+
+    fn applied(token: u64) -> CoreMessage {
+        CoreMessage::Applied { token }
+    }
+
+    #[test]
+    fn a_sender_waiting_for_room_is_woken_by_the_receivers_drain() {
+        // Proves the room protocol: a drain wakes a source that announced it waits for room
+        // (once per announcement), not one that did not, and not a source it took nothing from;
+        // the retry after announcing sees a slot freed before it.
+        let mesh = Mesh::new(3).expect("mesh");
+        for token in 0..QUEUE_CAPACITY as u64 {
+            assert!(mesh.try_send(0, 1, applied(token)).is_ok());
+        }
+        assert!(mesh.try_send(0, 1, applied(9)).is_err(), "full");
+        let mut out = Vec::new();
+        // Nobody announced: a drain wakes no one.
+        mesh.drain(1, 1, &mut out);
+        assert!(!readable(&mesh, 0, 0));
+        // A slot freed before the announcement: the retry takes it.
+        mesh.wait_for_room(0);
+        assert!(
+            mesh.try_send(0, 1, applied(10)).is_ok(),
+            "the retry sees the slot"
+        );
+        mesh.room_found(0);
+        // Blocked again, announced, retry fails: the receiver's next drain wakes it.
+        assert!(mesh.try_send(0, 1, applied(11)).is_err());
+        mesh.wait_for_room(0);
+        assert!(mesh.try_send(0, 1, applied(11)).is_err());
+        assert!(mesh.try_send(2, 1, applied(20)).is_ok());
+        // One pass takes one message from each source (cores 0 and 2).
+        mesh.drain(1, 1, &mut out);
+        assert!(readable(&mesh, 0, 0), "woken by the drain");
+        assert!(!readable(&mesh, 2, 0), "core 2 never waited");
+        mesh.reset(0);
+        // The wake-up took the announcement: further drains do not write again.
+        mesh.drain(1, 2, &mut out);
+        assert!(!readable(&mesh, 0, 0), "one wake-up per announcement");
+        // A drain that takes nothing from core 0 does not wake it.
+        let mesh = Mesh::new(3).expect("mesh");
+        mesh.wait_for_room(0);
+        assert!(mesh.try_send(2, 1, applied(1)).is_ok());
+        mesh.drain(1, usize::MAX, &mut out);
+        assert!(!readable(&mesh, 0, 0), "took nothing from core 0");
+    }
+
+    #[test]
+    fn a_flooding_sender_parks_until_a_slow_receiver_drains() {
+        // Proves, with two threads, that a sender flooding a full queue waits on its eventfd
+        // instead of spinning, and every wake-up comes from a receiver's drain: all messages
+        // arrive in order, the sender fails at most two sends per wake-up (the send and its
+        // retry), it never waits longer than the bound (a lost wake-up), and it waits no more
+        // often than the receiver drained from it.
+        const MESSAGES: u64 = 20 * QUEUE_CAPACITY as u64;
+        let mesh = std::sync::Arc::new(Mesh::new(2).expect("mesh"));
+        let receiver = {
+            let mesh = std::sync::Arc::clone(&mesh);
+            std::thread::spawn(move || {
+                let mut got = Vec::with_capacity(MESSAGES as usize);
+                let mut batch = Vec::new();
+                let mut drains = 0u64;
+                while (got.len() as u64) < MESSAGES {
+                    // Small batches: the receiver is slower than the sender.
+                    mesh.drain(1, 16, &mut batch);
+                    if batch.is_empty() {
+                        if mesh.park(1) {
+                            assert!(readable(&mesh, 1, WAKE_BOUND_MS), "receiver never woken");
+                            mesh.reset(1);
+                        }
+                        mesh.unpark(1);
+                        continue;
+                    }
+                    drains += 1;
+                    for message in batch.drain(..) {
+                        let CoreMessage::Applied { token } = message else {
+                            panic!("unexpected message");
+                        };
+                        got.push(token);
+                    }
+                    std::thread::yield_now();
+                }
+                (got, drains)
+            })
+        };
+        let mut failed_sends = 0u64;
+        let mut waits = 0u64;
+        for token in 0..MESSAGES {
+            let mut message = applied(token);
+            loop {
+                match mesh.try_send(0, 1, message) {
+                    Ok(()) => break,
+                    Err(back) => message = back,
+                }
+                failed_sends += 1;
+                mesh.wait_for_room(0);
+                match mesh.try_send(0, 1, message) {
+                    Ok(()) => {
+                        mesh.room_found(0);
+                        break;
+                    }
+                    Err(back) => message = back,
+                }
+                failed_sends += 1;
+                assert!(
+                    readable(&mesh, 0, WAKE_BOUND_MS),
+                    "a blocked sender was never woken (lost wake-up)"
+                );
+                mesh.reset(0);
+                waits += 1;
+            }
+        }
+        let (got, drains) = receiver.join().expect("receiver");
+        assert_eq!(got, (0..MESSAGES).collect::<Vec<_>>(), "all, in order");
+        assert!(waits > 0, "the queue filled: the sender had to wait");
+        // Every failed send is paid for by a wake-up (the send and its retry) or by a drain
+        // that freed a slot between the two: a spinning sender would fail without bound.
+        assert!(
+            failed_sends <= 2 * waits + drains,
+            "{failed_sends} failed sends for {waits} waits and {drains} drains"
+        );
+        assert!(waits <= drains, "{waits} waits but only {drains} drains");
+    }
 
     #[test]
     fn queues_are_fifo_per_pair_and_bounded() {

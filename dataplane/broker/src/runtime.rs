@@ -353,9 +353,10 @@ async fn serve(
     tokio::time::sleep(CLOSE_PACKET_LINGER).await;
 }
 
-/// The core's message pump: drains its inbound queues in batches into the machine, retries
-/// the outbox while a destination queue is full, spins briefly when idle, then parks on its
-/// eventfd.
+/// The core's message pump: drains its inbound queues in batches into the machine, spins
+/// briefly when idle, then parks on its eventfd. While a destination queue is full it retries
+/// the outbox once after announcing it waits for room, then parks at once (no spin): the
+/// receiver's drain, or an inbound message, wakes it (the room protocol of mesh.rs).
 async fn pump(shell: Rc<Shell>, eventfd: AsyncFd<std::os::fd::OwnedFd>) {
     let index = shell.index;
     let mut batch = Vec::with_capacity(DRAIN_BATCH);
@@ -372,14 +373,18 @@ async fn pump(shell: Rc<Shell>, eventfd: AsyncFd<std::os::fd::OwnedFd>) {
             tokio::task::yield_now().await;
             continue;
         }
-        let blocked = shell.core.borrow().outbox_len() > 0;
-        if blocked {
+        if shell.core.borrow().outbox_len() > 0 {
+            // Announces it waits for room and retries once (Shell::send_messages).
             shell.send_messages(&mut shell.core.borrow_mut());
         }
-        if blocked || idle_since.elapsed() < SPIN_BEFORE_PARK {
+        let blocked = shell.core.borrow().outbox_len() > 0;
+        if !blocked && idle_since.elapsed() < SPIN_BEFORE_PARK {
             tokio::task::yield_now().await;
             continue;
         }
+        // Idle past the spin, or blocked by a full queue: park. Inbound messages wake it
+        // (they are drained above, so two cores blocked on each other both make progress),
+        // and so does a receiver that drained one of its queues while it waits for room.
         if !shell.mesh.park(index) {
             continue;
         }

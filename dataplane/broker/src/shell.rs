@@ -217,16 +217,33 @@ impl Shell {
         }
     }
 
-    /// Moves outbox messages into the mesh while the queues have room.
+    /// Moves outbox messages into the mesh while the queues have room. When a queue is full,
+    /// announces that this core waits for room and retries once (`Mesh::wait_for_room`, the
+    /// room protocol of mesh.rs): what is still blocked then is sent by the pump once a
+    /// receiver's drain wakes it.
     pub fn send_messages(&self, core: &mut Core) {
+        if self.try_send_messages(core) {
+            return;
+        }
+        self.mesh.wait_for_room(self.index);
+        if self.try_send_messages(core) {
+            self.mesh.room_found(self.index);
+        }
+    }
+
+    /// One pass of [`Shell::send_messages`]; true when the outbox is empty.
+    fn try_send_messages(&self, core: &mut Core) -> bool {
+        let mut sent_all = true;
         for to in (0..self.mesh.cores()).filter(|&to| to != self.index) {
             while let Some(message) = core.poll_message(to) {
                 if let Err(message) = self.mesh.try_send(self.index, to, message) {
                     core.return_message(to, message);
+                    sent_all = false;
                     break;
                 }
             }
         }
+        sent_all
     }
 
     /// Pumps the durable log; a fatal storage error stops the process here, before any

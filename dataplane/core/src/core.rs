@@ -266,6 +266,10 @@ pub struct Core {
     /// A durable shard landed on this core since the last log pump: the pump makes sure the
     /// log has its first segment (a core without durable shards takes no disk).
     pub(crate) log_wanted: bool,
+    /// The last log pump left appends queued in the engine: the log's pending bound is full
+    /// (`PumpReport::held`). Until the next pump (the log's wake-up when a round finished,
+    /// or its timer) queued appends are not log work, so the shell does not spin on them.
+    pub(crate) appends_held: bool,
     /// Tokens of hellos waiting for the shell's verdict, oldest first. At most one per
     /// connection (its hello stream is parked meanwhile).
     token_checks: VecDeque<TokenCheck>,
@@ -327,6 +331,7 @@ impl Core {
             in_call: None,
             scratch_shards: Vec::new(),
             log_wanted: false,
+            appends_held: false,
             token_checks: VecDeque::new(),
         }
     }
@@ -390,10 +395,22 @@ impl Core {
         })
     }
 
-    /// The engine has appends or log reads for the durable log (the shell pumps it).
+    /// The engine has appends or log reads for the durable log (the shell pumps it). Appends
+    /// the last pump held back for lack of room in the log (a slow disk) do not count: they
+    /// move at the pump the log's wake-up eventfd triggers when a round finishes, so a core
+    /// whose disk is behind does not pump (spin) in the meantime.
     #[must_use]
     pub fn has_log_work(&self) -> bool {
-        self.log_wanted || self.engine.has_log_work()
+        self.log_wanted
+            || self.engine.has_log_reads()
+            || (self.engine.has_appends() && !self.appends_held)
+    }
+
+    /// Appends wait in the engine because the log's pending bound is full (the disk is
+    /// behind); the log's wake-up moves them on.
+    #[must_use]
+    pub fn appends_held(&self) -> bool {
+        self.appends_held && self.engine.has_appends()
     }
 
     /// Notes that durable stream shards `0..shard_count` exist; if this core owns one, the

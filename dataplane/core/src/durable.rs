@@ -7,9 +7,13 @@
 //! shared. The shell calls [`Core::pump_log`] after an input left log work
 //! ([`Core::has_log_work`]), when the log's wake-up eventfd ([`DurableLog::wake_fd`]) is
 //! readable, and at [`DurableLog::next_deadline`] (the periodic fsync timer). A pump:
-//! 1. moves `Engine::poll_append` into `Log::append` (a refused append rolls the shard back
-//!    with `Engine::handle_rejected`, which fails its publishes with `StorageFull`);
-//! 2. drives the log (`Log::drive`: reaps the finished round, starts the next);
+//! 1. moves `Engine::poll_append` into `Log::append` while the log's pending bound
+//!    (`LogConfig::max_pending_bytes`) has room; the rest stays queued in the engine
+//!    (`PumpReport::held`): a slow disk makes publishers wait (their ingress admission is held
+//!    until durable), it never fails a publish. [`Core::has_log_work`] leaves held appends
+//!    alone until the log's wake-up says a round finished, so nothing spins meanwhile;
+//! 2. drives the log (`Log::drive`: reaps the finished round, starts the next), then moves
+//!    held appends that fit now;
 //! 3. routes the log's events: the commit level (`Synced` on on_commit, `Written` on periodic)
 //!    to `Engine::handle_durable`, `Rejected` (disk full) to `Engine::handle_rejected`;
 //! 4. answers `Engine::poll_log_read` with `Log::read` (catch-up of subscribers resuming
@@ -140,8 +144,14 @@ pub fn catalogued_shards(catalog: &Catalog) -> impl Fn(u32) -> bool + use<> {
 pub struct PumpReport {
     /// Records moved from the engine into the log.
     pub appended: u64,
-    /// Records refused by `Log::append` (e.g. `PendingFull`) and rolled back.
+    /// Records refused by `Log::append` and rolled back (a defect or an invalid record; a
+    /// full pending bound holds appends back instead, see `held`).
     pub refused: u64,
+    /// Appends were left queued in the engine because the log's pending bound
+    /// (`LogConfig::max_pending_bytes`) is full: the disk is behind. They move at a later
+    /// pump, after the log's wake-up eventfd says a round finished; pumping before that
+    /// moves nothing.
+    pub held: bool,
     /// Log reads were left for the next pump: call `pump` again soon.
     pub more: bool,
 }
@@ -235,27 +245,40 @@ impl<B: Backend> DurableLog<B> {
         engine.restore_durable_stream(&entry.name, entry.shards, entry.stream_id, &offsets)
     }
 
-    /// Steps 1-4 of a pump on `engine` (the engine's finished publishes stay queued in
-    /// `Engine::poll_completed_publish`). Never blocks on the disk (log reads pread on this
-    /// thread, bounded by [`LOG_READS_PER_PUMP_MAX`]). An error is fatal: the caller must not send
-    /// any ack it has not sent yet.
-    pub fn pump(&mut self, engine: &mut Engine, now: Instant) -> Result<PumpReport, StorageError> {
-        let mut report = PumpReport::default();
-        // 1. Appends, in publish order. Bounded by the engine's queue, which only publishes
-        //    (not this loop) grow.
-        while let Some(request) = engine.poll_append() {
+    /// Moves `engine`'s queued appends into the log, in publish order, while the log's
+    /// pending bound (`LogConfig::max_pending_bytes`) has room; returns whether appends were
+    /// left queued for lack of room. Those wait in the engine (bounded by ingress admission:
+    /// a durable publish holds its admission until durable) until a round is submitted: a
+    /// slow disk makes publishers wait, it never fails their publishes.
+    fn move_appends(
+        &mut self,
+        engine: &mut Engine,
+        report: &mut PumpReport,
+    ) -> Result<bool, StorageError> {
+        // Bounded by the engine's queue, which only publishes (not this loop) grow.
+        while let Some(request) = engine.peek_append() {
             let AppendRequest {
                 log_shard,
                 offset,
                 timestamp_us,
-                key,
-                payload,
-            } = request;
+                ref key,
+                ref payload,
+            } = *request;
+            if !self.log.can_append(key.len(), payload.len()) {
+                // No room: leave it, and every later append, queued for a later pump.
+                return Ok(true);
+            }
             match self
                 .log
-                .append(log_shard.0, offset, timestamp_us, &key, &payload)
+                .append(log_shard.0, offset, timestamp_us, key, payload)
             {
-                Ok(()) => report.appended += 1,
+                Ok(()) => {
+                    report.appended += 1;
+                    let _ = engine.poll_append();
+                }
+                // Unreachable after `can_append`; were it met, it would still mean "wait",
+                // never a refused publish.
+                Err(StorageError::PendingFull { .. }) => return Ok(true),
                 Err(error) if error.is_fatal() => return Err(error),
                 Err(error) => {
                     // Not stored: roll the shard back here (this also drops its later queued
@@ -272,8 +295,23 @@ impl<B: Backend> DurableLog<B> {
                 }
             }
         }
-        // 2. Reap the finished round and start the next.
+        Ok(false)
+    }
+
+    /// Steps 1-4 of a pump on `engine` (the engine's finished publishes stay queued in
+    /// `Engine::poll_completed_publish`). Never blocks on the disk (log reads pread on this
+    /// thread, bounded by [`LOG_READS_PER_PUMP_MAX`]). An error is fatal: the caller must not send
+    /// any ack it has not sent yet.
+    pub fn pump(&mut self, engine: &mut Engine, now: Instant) -> Result<PumpReport, StorageError> {
+        let mut report = PumpReport::default();
+        // 1. Appends, in publish order, while the log's pending bound has room.
+        report.held = self.move_appends(engine, &mut report)?;
+        // 2. Reap the finished round and start the next: that submits pending bytes, so held
+        //    appends may fit now (they join the round after it).
         self.log.drive(now)?;
+        if report.held {
+            report.held = self.move_appends(engine, &mut report)?;
+        }
         // 3. Route the events.
         let commit_is_sync = self.log.commit_is_sync();
         for _ in 0..LOG_EVENTS_PER_PUMP_MAX {
@@ -513,9 +551,15 @@ impl<B: Backend> DurableLog<B> {
     /// written and synced (whatever the mode) or `timeout` passes. Completions are not
     /// answered: the connections are gone by then.
     pub fn shutdown(&mut self, engine: &mut Engine, timeout: Duration) -> Result<(), StorageError> {
-        self.pump(engine, Instant::now())?;
+        let deadline = Instant::now() + timeout;
+        // Appends held back by the pending bound move in as the flushes make room.
+        while self.pump(engine, Instant::now())?.held {
+            self.log
+                .flush(deadline.saturating_duration_since(Instant::now()))?;
+        }
         self.log.sync_now();
-        self.log.flush(timeout)
+        self.log
+            .flush(deadline.saturating_duration_since(Instant::now()))
     }
 }
 
@@ -553,6 +597,7 @@ impl Core {
             log.ensure_segment();
         }
         let report = log.pump(&mut self.engine, now.at)?;
+        self.appends_held = report.held;
         self.settle(now);
         Ok(report)
     }
@@ -760,6 +805,55 @@ mod tests {
         let delivered = drain(&mut engine, sub.id);
         assert_eq!(delivered.len(), 5);
         assert_eq!(delivered[0].key, Bytes::from("key-2-0"));
+    }
+
+    #[test]
+    fn a_record_over_the_pending_bound_waits_for_an_empty_log_then_is_stored() {
+        // The pending bound holds appends back (never refuses them), and a single record
+        // larger than the whole bound is still taken once nothing is pending.
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (backend, handle) = FaultBackend::new(false).expect("fault backend");
+        let mut config = LogConfig::new(dir.path());
+        config.fsync = FsyncMode::OnCommit;
+        config.segment_bytes = 1 << 20;
+        config.max_round_bytes = 4096;
+        config.max_pending_bytes = 8192;
+        let mut log = DurableLog::open(0, config, backend).expect("log opens");
+        let mut engine = engine(1024);
+        engine
+            .create_durable_stream(STREAM, 1, STREAM_ID)
+            .expect("created");
+        // Round 1 in flight, then pending bytes, then the big record behind them.
+        for tag in 1..=3 {
+            engine
+                .publish_tracked(tag, STREAM, batch(tag, 4, 900), PublishToken(tag))
+                .expect("published");
+            assert!(pump(&mut log, &mut engine).is_empty());
+        }
+        engine
+            .publish_tracked(4, STREAM, batch(4, 1, 20_000), PublishToken(4))
+            .expect("published");
+        let report = log.pump(&mut engine, Instant::now()).expect("pumped");
+        assert!(report.held, "the big record waits behind pending bytes");
+        assert_eq!(report.refused, 0);
+        assert!(engine.peek_append().is_some());
+        assert!(engine.poll_completed_publish().is_none());
+        let mut done = Vec::new();
+        let mut rounds = 0;
+        while handle.held_rounds() > 0 {
+            rounds += 1;
+            assert!(rounds < 100, "the rounds never end");
+            assert!(handle.complete_next());
+            let report = log.pump(&mut engine, Instant::now()).expect("pumped");
+            assert_eq!(report.refused, 0);
+            done.extend(std::iter::from_fn(|| engine.poll_completed_publish()));
+        }
+        let tokens: Vec<u64> = done.iter().map(|c| c.token.0).collect();
+        assert_eq!(tokens, vec![1, 2, 3, 4]);
+        assert!(done.iter().all(|c| c.result.is_ok()), "{done:?}");
+        assert!(engine.peek_append().is_none());
+        let shard = LogShardId::new(STREAM_ID, 0).expect("id").0;
+        assert_eq!(log.log().shard_offsets(shard).map(|o| o.next), Some(13));
     }
 
     #[test]

@@ -420,3 +420,165 @@ fn protocol_violations_after_the_handshake_end_only_their_stream() {
         [Frame::StreamList { request_id: 8, .. }]
     ));
 }
+
+#[test]
+fn a_slow_disk_makes_durable_publishes_wait_never_storage_full() {
+    // Proves a disk that holds its rounds makes durable publishes wait, not fail: with the
+    // ingress budget far above the log's pending bound, publishes spread over two cores (parts
+    // crossing cores) keep coming while no round completes; the log takes appends only while
+    // its pending bound has room (never past it), the rest wait in the engine without the
+    // core asking for pumps that would move nothing, and once the disk goes on every publish
+    // is acked, none with storage_full, with dense offsets per shard.
+    const SHARDS: u32 = 2;
+    const PUBLISHES: u64 = 60;
+    const PER_PUBLISH: usize = 8;
+    const PAYLOAD: usize = 700;
+    let dirs: Vec<_> = (0..2)
+        .map(|_| tempfile::tempdir().expect("temp dir"))
+        .collect();
+    let mut broker = Broker::new(2, ingress());
+    let mut logs = Vec::new();
+    let mut faults = Vec::new();
+    for (index, dir) in dirs.iter().enumerate() {
+        let (backend, fault) = FaultBackend::new(false).expect("fault backend");
+        let mut config = felix_storage::LogConfig::new(dir.path());
+        config.fsync = FsyncMode::OnCommit;
+        config.segment_bytes = 1 << 20;
+        config.max_round_bytes = 4096;
+        // Three rounds' worth: the publishes below frame ~30x as much per core.
+        config.max_pending_bytes = 3 * 4096;
+        logs.push(DurableLog::open(index, config, backend).expect("log"));
+        faults.push(fault);
+    }
+    let max_pending = logs[0].log().config().max_pending_bytes;
+    let conn = broker.connect(0);
+    let create = Frame::CreateStream(felix_wire::CreateStream {
+        request_id: 1,
+        name: "d".to_owned(),
+        shard_count: SHARDS,
+        kind: StreamKind::Durable,
+    });
+    assert_eq!(broker.feed(0, conn.requests, create), Flow::Blocked);
+    let write = broker.cores[0]
+        .poll_catalog_write()
+        .expect("persisted first");
+    let now = broker.now();
+    broker.cores[0].handle_catalog_written(now, write.id, Ok(()));
+    broker.settle();
+    assert!(
+        matches!(
+            broker.read(0, conn.requests).as_slice(),
+            [Frame::StreamInfo(_)]
+        ),
+        "created"
+    );
+    let keys = [key_on_core(SHARDS, 2, 0), key_on_core(SHARDS, 2, 1)];
+    let payload = "p".repeat(PAYLOAD);
+    let mut frames = Vec::new();
+    // What the shell does after each input: pump a core's log when it says it has log work.
+    let pump_wanted = |broker: &mut Broker, logs: &mut Vec<DurableLog<FaultBackend>>| {
+        for (index, log) in logs.iter_mut().enumerate() {
+            if broker.cores[index].has_log_work() {
+                let now = broker.now();
+                broker.cores[index].pump_log(log, now).expect("pumped");
+                assert!(
+                    log.log().pending_bytes() <= max_pending,
+                    "core {index}: {} bytes pending, over the bound {max_pending}",
+                    log.log().pending_bytes()
+                );
+            }
+        }
+        broker.settle();
+    };
+    for request_id in 0..PUBLISHES {
+        let records = (0..PER_PUBLISH)
+            .map(|i| record(&keys[i % 2], &payload))
+            .collect();
+        assert_eq!(
+            broker.feed(
+                0,
+                conn.requests,
+                publish(100 + request_id, AckMode::Acked, "d", records)
+            ),
+            Flow::Continue,
+            "the ingress budget admits every publish"
+        );
+        broker.settle();
+        pump_wanted(&mut broker, &mut logs);
+        frames.extend(broker.read(0, conn.requests));
+    }
+    assert!(
+        frames.is_empty(),
+        "nothing answered while the disk holds: {frames:?}"
+    );
+    for (index, log) in logs.iter_mut().enumerate() {
+        assert_eq!(
+            faults[index].held_rounds(),
+            1,
+            "core {index}: one round in flight"
+        );
+        assert!(
+            broker.cores[index].appends_held(),
+            "core {index}: appends wait in the engine"
+        );
+        assert!(
+            !broker.cores[index].has_log_work(),
+            "core {index}: held appends are not work until the disk answers (no spinning)"
+        );
+        // A pump before the disk answers moves nothing and stays held.
+        let now = broker.now();
+        let report = broker.cores[index].pump_log(log, now).expect("pumped");
+        assert_eq!((report.appended, report.refused, report.held), (0, 0, true));
+    }
+    // The disk goes on: complete rounds one by one, pumping as the log's wake-up would.
+    let mut rounds = 0;
+    while faults.iter().any(|fault| fault.held_rounds() > 0) {
+        rounds += 1;
+        assert!(rounds < 10_000, "the rounds never end");
+        for (index, log) in logs.iter_mut().enumerate() {
+            if faults[index].held_rounds() > 0 {
+                assert!(faults[index].complete_next());
+                let now = broker.now();
+                let report = broker.cores[index].pump_log(log, now).expect("pumped");
+                assert_eq!(report.refused, 0);
+                assert!(log.log().pending_bytes() <= max_pending);
+            }
+        }
+        broker.settle();
+        pump_wanted(&mut broker, &mut logs);
+        frames.extend(broker.read(0, conn.requests));
+    }
+    let mut next = [0u64; SHARDS as usize];
+    let mut acked = Vec::new();
+    for frame in &frames {
+        let Frame::Ack(ack) = frame else {
+            panic!("a publish was not acked: {frame:?}")
+        };
+        acked.push(ack.request_id);
+        for shard_ack in &ack.shards {
+            let shard = shard_ack.shard as usize;
+            assert_eq!(shard_ack.first_offset, next[shard], "dense offsets");
+            next[shard] += u64::from(shard_ack.count);
+        }
+    }
+    let want: Vec<u64> = (100..100 + PUBLISHES).collect();
+    assert_eq!(acked, want, "every publish acked once, in order");
+    let per_shard = PUBLISHES * PER_PUBLISH as u64 / 2;
+    assert_eq!(next, [per_shard; SHARDS as usize]);
+    for shard in 0..SHARDS {
+        let log = &logs[usize::from(felix_affinity::shard_core(shard, 2))];
+        let id = felix_engine::LogShardId::new(0, shard).expect("id").0;
+        let offsets: Vec<u64> = log
+            .log()
+            .read(id, 0, usize::MAX, usize::MAX)
+            .expect("read")
+            .iter()
+            .map(|record| record.offset)
+            .collect();
+        assert_eq!(offsets, (0..per_shard).collect::<Vec<_>>(), "shard {shard}");
+    }
+    for core in &mut broker.cores {
+        assert_eq!(core.counters().ingress_depth, 0, "every admission released");
+        assert!(!core.appends_held() && !core.has_log_work());
+    }
+}

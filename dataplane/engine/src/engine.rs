@@ -52,8 +52,10 @@ pub struct Engine {
     /// Catalogue id -> slot of every durable stream, so log events reach their stream without
     /// hashing its name.
     durable_ids: HashMap<u32, StreamSlot>,
-    /// Append requests in publish order. Bounded by the pending records: the shell drains it
-    /// after every publish, and the log's `PendingFull` pushes back on publishing.
+    /// Append requests in publish order. Bounded by the pending records, which ingress
+    /// admission bounds (a durable publish holds its admission until durable): the shell
+    /// moves them into the log while its pending bound has room, and leaves the rest here
+    /// until the disk catches up (`peek_append`).
     appends: VecDeque<AppendRequest>,
     /// Log reads for catching-up subscriptions: at most one per catching-up (subscription,
     /// shard), plus stale ones of ended subscriptions that `poll_log_read` skips.
@@ -613,12 +615,33 @@ impl Engine {
     }
 
     /// Next append request for the per-core log, in publish order. The shell appends each
-    /// (`Log::append(request.log_shard.0, ...)`); if the log refuses one (e.g.
-    /// `PendingFull`), it calls [`Engine::handle_rejected`] with that request's offset, which
-    /// also drops the shard's later requests still queued here.
+    /// (`Log::append(request.log_shard.0, ...)`) once the log has room for it (see
+    /// [`Engine::peek_append`]); if the log refuses one, it calls
+    /// [`Engine::handle_rejected`] with that request's offset, which also drops the shard's
+    /// later requests still queued here.
     #[must_use]
     pub fn poll_append(&mut self) -> Option<AppendRequest> {
         self.appends.pop_front()
+    }
+
+    /// The next append request, left queued: the shell looks at its size and takes it with
+    /// [`Engine::poll_append`] only when the log has room (a slow disk makes it wait here).
+    #[must_use]
+    pub fn peek_append(&self) -> Option<&AppendRequest> {
+        self.appends.front()
+    }
+
+    /// Whether append requests are queued ([`Engine::peek_append`]). O(1).
+    #[must_use]
+    pub fn has_appends(&self) -> bool {
+        !self.appends.is_empty()
+    }
+
+    /// Whether log reads are queued ([`Engine::poll_log_read`]); may count stale reads of
+    /// ended subscriptions, like [`Engine::has_log_work`]. O(1).
+    #[must_use]
+    pub fn has_log_reads(&self) -> bool {
+        !self.log_reads.is_empty()
     }
 
     /// Whether append requests ([`Engine::poll_append`]) or log reads

@@ -978,6 +978,13 @@ impl World {
                         error.code,
                         error.message
                     );
+                    // A held (slow) disk makes publishes wait; only a write failing with
+                    // ENOSPC may fail one with storage_full.
+                    assert!(
+                        self.stats.disk_full > 0,
+                        "storage_full though no write ever failed with ENOSPC: {}",
+                        error.message
+                    );
                 }
             }
             Pending::Create { name, change, .. } => {

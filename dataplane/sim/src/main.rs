@@ -114,7 +114,8 @@ fn main() -> ExitCode {
     println!(
         "felix-sim: exercised {} frames, {} acks, {} deliveries, {} refused, {} shed, {} waits, \
          {} lagged ({} resumed), {} messages, {} log rounds, {} crashes ({} power cuts, {} torn), {} \
-         fsync failures, {} disk-full writes, {} catalogue failures, {} durable records \
+         fsync failures, {} disk-full writes, {} log pumps holding appends (pending bound full), {} \
+         catalogue failures, {} durable records \
          checked after crashes, {} requests denied by rules",
         total.frames,
         total.acks,
@@ -131,6 +132,7 @@ fn main() -> ExitCode {
         total.torn_cuts,
         total.fsync_failures,
         total.disk_full,
+        total.appends_held,
         total.catalog_failures,
         total.durable_checked,
         total.denied

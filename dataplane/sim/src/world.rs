@@ -44,6 +44,9 @@ pub struct Shape {
     /// Clients connect as principals `p<client % 3>` under [`SIM_RULES`] (else the open
     /// development mode).
     pub secured: bool,
+    /// `(max_round_bytes, max_pending_bytes)` of the logs when small (so a held disk fills
+    /// the pending bound and appends wait in the engine); `None`: the defaults.
+    pub log_bounds: Option<(usize, usize)>,
 }
 
 /// The rules of a secured run: p0 may do everything; p1 publishes and subscribes on s0 and s1
@@ -80,6 +83,9 @@ impl Shape {
             fault_rate: [0, 2, 10][rng.index(3)],
             crashes_max: u32::try_from(rng.range(0, 3)).expect("small"),
             secured: rng.chance(300),
+            log_bounds: rng
+                .chance(500)
+                .then(|| [(4096, 4096), (4096, 8192), (4096, 16384)][rng.index(3)]),
         }
     }
 
@@ -118,6 +124,8 @@ pub struct Stats {
     pub torn_cuts: u64,
     pub fsync_failures: u64,
     pub disk_full: u64,
+    /// Log pumps that left appends waiting in the engine: the pending bound was full.
+    pub appends_held: u64,
     pub catalog_failures: u64,
     pub messages: u64,
     pub rounds: u64,
@@ -141,6 +149,7 @@ impl Stats {
         self.torn_cuts += other.torn_cuts;
         self.fsync_failures += other.fsync_failures;
         self.disk_full += other.disk_full;
+        self.appends_held += other.appends_held;
         self.catalog_failures += other.catalog_failures;
         self.messages += other.messages;
         self.rounds += other.rounds;
@@ -260,10 +269,14 @@ impl World {
         self.cores = (0..cores)
             .map(|index| {
                 let (backend, fault) = FaultBackend::new(false).expect("fault backend");
-                let config = self
+                let mut config = self
                     .shape
                     .durable()
                     .log_config(self.dir.path(), usize::from(index));
+                if let Some((round, pending)) = self.shape.log_bounds {
+                    config.max_round_bytes = round;
+                    config.max_pending_bytes = pending;
+                }
                 let log = DurableLog::open(usize::from(index), config, backend).expect("recovered");
                 let mut core = Core::new(CoreConfig {
                     index,
@@ -353,13 +366,30 @@ impl World {
     pub fn pump(&mut self, index: u16) {
         let now = self.now();
         let sim = &mut self.cores[usize::from(index)];
-        if let Err(error) = sim.core.pump_log(&mut sim.log, now) {
-            assert!(error.is_fatal(), "pump errors are fatal: {error}");
-            self.trace.line(format!(
-                "  core{index} fatal storage error: {}",
-                felix_storage::ErrorChain(&error)
-            ));
-            self.halted = true;
+        let max_pending = sim.log.log().config().max_pending_bytes;
+        match sim.core.pump_log(&mut sim.log, now) {
+            Ok(report) => {
+                assert!(
+                    sim.log.log().pending_bytes() <= max_pending,
+                    "core {index}: {} bytes pending over the bound {max_pending}",
+                    sim.log.log().pending_bytes()
+                );
+                if report.held {
+                    self.stats.appends_held += 1;
+                    assert!(
+                        sim.fault.held_rounds() > 0,
+                        "core {index}: appends wait with no round in flight to wake the log"
+                    );
+                }
+            }
+            Err(error) => {
+                assert!(error.is_fatal(), "pump errors are fatal: {error}");
+                self.trace.line(format!(
+                    "  core{index} fatal storage error: {}",
+                    felix_storage::ErrorChain(&error)
+                ));
+                self.halted = true;
+            }
         }
     }
 
