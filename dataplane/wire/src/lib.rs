@@ -17,7 +17,7 @@ mod frame;
 
 pub use codec::{
     Decoder, PUBLISH_RECORD_OVERHEAD, encode, encode_publish_header, encode_record, encoded_len,
-    encoded_record_len, header_body_len, validate,
+    encoded_publish_len, encoded_record_len, header_body_len, validate,
 };
 pub use error::{ErrorCode, WireError};
 pub use frame::*;
