@@ -325,7 +325,8 @@ settings! {
         kind: Kind::Size { min: 0, max: REPLAY_RING_MAX_BYTES_MAX },
         default: Fixed("64MiB"),
         restart: Restart::Broker,
-        doc: "Per-shard bound of an in-memory stream's replay ring, in payload bytes; \
+        doc: "Per-shard bound of an in-memory stream's replay ring, in bytes of the \
+              received frames its records keep alive, each counted once (docs/semantics.md); \
               the oldest records leave first.",
     }
     replay_ring_max_records {
@@ -357,7 +358,7 @@ settings! {
         },
         default: Fixed("64MiB"),
         restart: Restart::Broker,
-        doc: "Live backlog the broker holds for one subscription, in bytes.",
+        doc: "Live backlog the broker holds for one subscription, in payload bytes.",
     }
     log {
         env: "FELIX_LOG",

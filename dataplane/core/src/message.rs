@@ -2,7 +2,7 @@
 //! bounded lock-free queues (FIFO per ordered pair of cores). A request carries its source
 //! core and a `token`; the answer goes back to that core with the same token.
 
-use felix_engine::{EngineError, ShardState, StreamDescription, SubscriptionId};
+use felix_engine::{EngineError, RecordBuffers, ShardState, StreamDescription, SubscriptionId};
 use felix_wire::{DeliveredRecord, Record, ShardAck, StartPosition, StreamKind};
 
 use crate::config::StreamId;
@@ -35,6 +35,8 @@ pub enum CoreMessage {
         shard_count: u32,
         records: Vec<Record>,
         shards: Vec<u32>,
+        /// What the records keep alive (the frame they were decoded from on the sender).
+        buffers: RecordBuffers,
         now_us: u64,
     },
     PublishDone {

@@ -8,7 +8,7 @@
 //! encoded on the stream it answers and the stream's writer is woken.
 
 use felix_auth::Operation;
-use felix_engine::{EngineError, PublishToken, StreamMeta};
+use felix_engine::{EngineError, PublishToken, RecordBuffers, StreamMeta};
 use felix_wire::{AckMode, ErrorCode, ErrorFrame, Frame, Publish, Record, ShardAck, StreamKind};
 
 use crate::admission::{Decision, Policy, Ticket};
@@ -185,11 +185,18 @@ impl Core {
         let mut shards = std::mem::take(&mut self.scratch_shards);
         shards.clear();
         let mut local = true;
+        let mut key_payload_bytes: usize = 0;
         for record in &records {
             let shard = felix_wire::shard_for_key(&record.key, meta.shard_count);
             local &= self.owner(shard) == self.index;
             shards.push(shard);
+            key_payload_bytes += record.key.len() + record.payload.len();
         }
+        // The decoder sliced every key and payload out of the frame: each record keeps the
+        // whole frame alive, which is what the replay rings charge (RecordBuffers).
+        let buffers = RecordBuffers::Shared {
+            len: felix_wire::encoded_publish_len(&name, records.len(), key_payload_bytes) as u64,
+        };
         let pending = PendingPublish {
             stream,
             request_id,
@@ -203,12 +210,13 @@ impl Core {
         if local {
             // The common case (a core-aware client): no split, no allocation here.
             let token = if durable { self.token() } else { 0 };
-            let result = self.engine.publish_routed(
+            let result = self.engine.publish_routed_from(
                 now.unix_us,
                 meta.handle,
                 records,
                 &shards,
                 durable.then_some(PublishToken(token)),
+                buffers,
             );
             self.scratch_shards = shards;
             match result {
@@ -247,12 +255,13 @@ impl Core {
                 continue;
             }
             if core == self.index {
-                let result = self.engine.publish_routed(
+                let result = self.engine.publish_routed_from(
                     now.unix_us,
                     meta.handle,
                     records,
                     &shards,
                     durable.then_some(PublishToken(publish_token)),
+                    buffers,
                 );
                 match result {
                     Ok(acks) => {
@@ -291,6 +300,7 @@ impl Core {
                     shard_count: meta.shard_count,
                     records,
                     shards,
+                    buffers,
                     now_us: now.unix_us,
                 },
             );
@@ -401,6 +411,7 @@ impl Core {
         shard_count: u32,
         records: Vec<Record>,
         shards: &[u32],
+        buffers: RecordBuffers,
         now_us: u64,
     ) {
         // A stream deleted (and maybe re-created with another shard count) since the sender
@@ -425,19 +436,25 @@ impl Core {
             "a forwarded part holds only the receiver's shards"
         );
         if meta.kind != StreamKind::Durable {
-            let result = self
-                .engine
-                .publish_routed(now_us, meta.handle, records, shards, None);
+            let result = self.engine.publish_routed_from(
+                now_us,
+                meta.handle,
+                records,
+                shards,
+                None,
+                buffers,
+            );
             self.send(from, CoreMessage::PublishDone { token, result });
             return;
         }
         let tracked = self.token();
-        match self.engine.publish_routed(
+        match self.engine.publish_routed_from(
             now_us,
             meta.handle,
             records,
             shards,
             Some(PublishToken(tracked)),
+            buffers,
         ) {
             Ok(acks) => {
                 self.tracked

@@ -11,6 +11,7 @@ use std::collections::VecDeque;
 use bytes::Bytes;
 use felix_wire::{DeliveredRecord, ErrorCode};
 
+use crate::ring::Held;
 use crate::{EngineError, SubscriptionId};
 
 /// Bits of a [`LogShardId`] that carry the shard number; the rest carry the stream id.
@@ -145,8 +146,9 @@ pub(crate) struct DurableShard {
     pub(crate) durable: u64,
     /// The log's oldest retained offset (records below are gone); at most `durable`.
     pub(crate) log_oldest: u64,
-    /// Records `durable..next_offset` waiting for `handle_durable`, oldest first.
-    pub(crate) pending: VecDeque<DeliveredRecord>,
+    /// Records `durable..next_offset` waiting for `handle_durable`, oldest first, each with
+    /// the buffer it keeps alive (what the ring charges once it is released).
+    pub(crate) pending: VecDeque<(DeliveredRecord, Held)>,
     /// Tracked publishes waiting on this shard, by ascending end offset.
     pub(crate) waiters: VecDeque<Waiter>,
 }

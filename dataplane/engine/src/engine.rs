@@ -5,12 +5,14 @@
 use std::collections::{HashMap, VecDeque};
 use std::fmt::Write as _;
 
+use bytes::Bytes;
 use felix_wire::{
     DeliveredRecord, ErrorCode, HashKind, Record, ShardAck, ShardSelection, StartPosition,
     StreamKind,
 };
 
 use crate::durable::{DurableShard, Tracker, Waiter, storage_full};
+use crate::ring::Held;
 use crate::shard::Shard;
 use crate::stream::{Stream, StreamSlot, StreamTable, check_name};
 use crate::subscription::{Cursor, Phase, Slot, SubState, Subscriptions, select_shards};
@@ -18,8 +20,9 @@ use crate::{
     AppendRequest, CATCH_UP_REFILL_RECORDS, DURABLE_SHARDS_MAX, DURABLE_STREAM_ID_MAX,
     DurableCounters, ERROR_MESSAGE_BYTES_MAX, EngineConfig, EngineCounters, EngineError,
     EngineEvent, LOG_READ_BYTES_MAX, LOG_READ_RECORDS_MAX, LogRead, LogRecord, LogShardId,
-    PublishCompletion, PublishToken, SUBSCRIBER_QUEUE_LIVE_RECORDS_MAX, StreamDescription,
-    StreamHandle, StreamMeta, Subscription, SubscriptionId, ring,
+    PublishCompletion, PublishToken, RING_COPY_RATIO, RecordBuffers,
+    SUBSCRIBER_QUEUE_LIVE_RECORDS_MAX, StreamDescription, StreamHandle, StreamMeta, Subscription,
+    SubscriptionId, ring,
 };
 
 /// A subscription ended by the lag bound during a publish, detached when the publish ends.
@@ -64,6 +67,8 @@ pub struct Engine {
     tracker: Tracker,
     /// Durable counters (`records_pending` is kept as a running gauge).
     durable_counters: DurableCounters,
+    /// Id of the next record buffer ([`Held`]) the rings tell apart; never reused.
+    next_buffer: u64,
 }
 
 impl Engine {
@@ -84,6 +89,7 @@ impl Engine {
             log_reads: VecDeque::new(),
             tracker: Tracker::default(),
             durable_counters: DurableCounters::default(),
+            next_buffer: 0,
         }
     }
 
@@ -472,6 +478,9 @@ impl Engine {
     /// A stale handle (its stream was deleted, even if a stream of the same name exists now)
     /// is `StreamNotFound` and changes nothing. `shards.len() != records.len()`, or a shard at
     /// or past the stream's shard count, is a caller defect and panics (before any change).
+    ///
+    /// Each record is taken as a buffer of its own ([`RecordBuffers::Own`]); records decoded
+    /// from a frame go through [`Engine::publish_routed_from`].
     pub fn publish_routed(
         &mut self,
         now_us: u64,
@@ -479,6 +488,30 @@ impl Engine {
         records: Vec<Record>,
         shards: &[u32],
         token: Option<PublishToken>,
+    ) -> Result<Vec<ShardAck>, EngineError> {
+        self.publish_routed_from(now_us, stream, records, shards, token, RecordBuffers::Own)
+    }
+
+    /// [`Engine::publish_routed`] of records whose keys and payloads keep `buffers` alive:
+    /// what each shard's replay ring charges against its byte bound.
+    ///
+    /// [`RecordBuffers::Shared`]: the buffer is charged once by each ring that holds any of
+    /// its records (a frame spread over several shards is counted in each of their rings:
+    /// over-counted, never under). Where a shard's records of the publish are less than
+    /// 1/[`RING_COPY_RATIO`] of the buffer (a few small records of a big frame, typically a
+    /// stream with many shards or records of very different sizes), or the buffer is over the
+    /// ring's byte bound (which could then keep none of them), and the shard's ring is
+    /// enabled, each of those records' key and payload is copied into one buffer of its own
+    /// and charged that size: a copy of at most 1/`RING_COPY_RATIO` of the frame per shard in
+    /// the first case, so the copy the receive path saves stays saved for the common batches.
+    pub fn publish_routed_from(
+        &mut self,
+        now_us: u64,
+        stream: StreamHandle,
+        records: Vec<Record>,
+        shards: &[u32],
+        token: Option<PublishToken>,
+        buffers: RecordBuffers,
     ) -> Result<Vec<ShardAck>, EngineError> {
         // Every check comes before the first change: a refused batch changes nothing.
         let Some(slot) = self.streams.resolve(stream) else {
@@ -519,6 +552,20 @@ impl Engine {
             touched.is_empty() && lagged.is_empty(),
             "scratch is left empty"
         );
+        let shared = match buffers {
+            RecordBuffers::Own => None,
+            RecordBuffers::Shared { len } => {
+                // What each shard takes of the buffer decides whether its ring copies.
+                for (record, &shard) in records.iter().zip(shards) {
+                    target.shards[shard as usize].batch_bytes +=
+                        ring::own_len(&record.key, &record.payload);
+                }
+                Some(Held {
+                    id: next_id(&mut self.next_buffer),
+                    len,
+                })
+            }
+        };
         let mut payload_bytes: u64 = 0;
         for (Record { key, payload }, &shard) in records.into_iter().zip(shards) {
             let index = shard as usize;
@@ -529,6 +576,20 @@ impl Engine {
             }
             owner.batch_records += 1;
             let offset = owner.assign_offset();
+            let (key, payload, held) = match shared {
+                Some(held)
+                    if !ring_keeps_whole(owner.ring_bound(), held.len, owner.batch_bytes) =>
+                {
+                    let (key, payload) = own_copy(&key, &payload);
+                    let held = own_held(&mut self.next_buffer, &payload);
+                    (key, payload, held)
+                }
+                Some(held) => (key, payload, held),
+                None => {
+                    let held = own_held(&mut self.next_buffer, &payload);
+                    (key, payload, held)
+                }
+            };
             let record = DeliveredRecord {
                 shard,
                 offset,
@@ -546,7 +607,7 @@ impl Engine {
                     key: record.key.clone(),
                     payload: record.payload.clone(),
                 });
-                durable.pending.push_back(record);
+                durable.pending.push_back((record, held));
                 continue;
             }
             // Release: live delivery, independent of the ring.
@@ -560,7 +621,7 @@ impl Engine {
                     &mut lagged,
                 );
             }
-            target.shards[index].retain(record);
+            target.shards[index].retain(record, held);
         }
 
         touched.sort_unstable();
@@ -571,6 +632,7 @@ impl Engine {
             let count = owner.batch_records;
             assert!(count > 0, "a touched shard took a record");
             owner.batch_records = 0;
+            owner.batch_bytes = 0;
             acks.push(ShardAck {
                 shard,
                 first_offset: owner.next_offset() - u64::from(count),
@@ -687,7 +749,7 @@ impl Engine {
             if durable.durable >= through_offset {
                 break;
             }
-            let record = durable
+            let (record, held) = durable
                 .pending
                 .pop_front()
                 .expect("pending holds every record from durable to next");
@@ -704,7 +766,7 @@ impl Engine {
                     &mut lagged,
                 );
             }
-            target.shards[index].retain(record);
+            target.shards[index].retain(record, held);
         }
         let durable = target.shards[index]
             .durable
@@ -1323,6 +1385,47 @@ impl Engine {
 
 /// Queues a freshly appended `record` for every subscription covering its shard; ends (and
 /// collects in `lagged`) those it would push over their bounds.
+/// Gives a record buffer its id.
+fn next_id(next: &mut u64) -> u64 {
+    let id = *next;
+    // 2^64 buffers cannot be published in the life of a process.
+    *next = id.checked_add(1).expect("buffer ids never wrap");
+    id
+}
+
+/// The buffer of a record whose key and payload are buffers of their own: charged its
+/// payload length (its key, at most `Limits::max_key_bytes`, is not counted; see
+/// [`RecordBuffers::Own`]).
+fn own_held(next: &mut u64, payload: &Bytes) -> Held {
+    Held {
+        id: next_id(next),
+        len: payload.len() as u64,
+    }
+}
+
+/// Whether a shard whose ring is `ring_bound` (`None`: disabled) keeps its records of a publish
+/// as slices of their `buffer_len`-byte buffer, their keys and payloads being `batch_bytes`:
+/// not when the buffer would be over `RING_COPY_RATIO` times what they are, nor over the
+/// ring's bound ([`Engine::publish_routed_from`]).
+fn ring_keeps_whole(ring_bound: Option<u64>, buffer_len: u64, batch_bytes: u64) -> bool {
+    match ring_bound {
+        None => true,
+        Some(max_bytes) => {
+            buffer_len <= max_bytes && buffer_len <= batch_bytes.saturating_mul(RING_COPY_RATIO)
+        }
+    }
+}
+
+/// A copy of `key` and `payload` in one buffer of exactly their size.
+fn own_copy(key: &Bytes, payload: &Bytes) -> (Bytes, Bytes) {
+    let mut buffer = bytes::BytesMut::with_capacity(key.len() + payload.len());
+    buffer.extend_from_slice(key);
+    buffer.extend_from_slice(payload);
+    let mut payload = buffer.freeze();
+    let key = payload.split_to(key.len());
+    (key, payload)
+}
+
 fn fan_out(
     shards: &[Shard],
     record: &DeliveredRecord,

@@ -58,12 +58,34 @@ pub use engine::Engine;
 pub use error::{ERROR_MESSAGE_BYTES_MAX, EngineError};
 pub use subscription::{SUBSCRIBER_QUEUE_LIVE_RECORDS_MAX, select_shards};
 
+/// What the keys and payloads of one publish's records keep alive: a `Bytes` slice keeps its
+/// whole buffer, so a record decoded from a frame (`felix_wire::Decoder` slices keys and
+/// payloads out of the frame) keeps the whole frame. The replay ring counts these buffers
+/// against its byte bound, each once per ring that holds any of its records
+/// ([`Engine::publish_routed_from`], docs/semantics.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecordBuffers {
+    /// Each record's key and payload are buffers of their own (or slices of buffers no larger
+    /// than they are): a record costs its payload length (its key, at most
+    /// `Limits::max_key_bytes`, is not counted).
+    Own,
+    /// Every record's key and payload are slices of one buffer of `len` bytes (the frame
+    /// the records were decoded from, header included; `felix_wire::encoded_publish_len`).
+    Shared { len: u64 },
+}
+
+/// A ring that would keep a buffer alive for records whose keys and payloads are less than
+/// 1/`RING_COPY_RATIO` of it gets a copy of those records instead (one allocation each, only
+/// their key and payload bytes): [`Engine::publish_routed_from`].
+pub const RING_COPY_RATIO: u64 = 64;
+
 /// Tunables of one engine (the broker fills them from its configuration).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EngineConfig {
     /// Replay ring bound per shard, in records (default 1,024).
     pub ring_max_records: usize,
-    /// Replay ring bound per shard, in payload bytes (default 64 MiB).
+    /// Replay ring bound per shard, in bytes of the buffers its records keep alive, each
+    /// counted once ([`RecordBuffers`]; default 64 MiB).
     pub ring_max_bytes: u64,
     /// Live records queued for one subscription beyond which it is ended with
     /// `SubscriberLagged` (payload bytes; default 64 MiB). Catch-up from the ring does not count.
@@ -129,6 +151,9 @@ pub struct ShardState {
     /// durable too; [`Engine::durable_through`] gives the released offset.
     pub next_offset: u64,
     pub ring_records: usize,
+    /// Bytes the ring's records keep alive: the length of each buffer their keys and payloads
+    /// are slices of, once per buffer (see [`RecordBuffers`]); at most
+    /// [`EngineConfig::ring_max_bytes`].
     pub ring_bytes: u64,
 }
 

@@ -10,7 +10,7 @@ use felix_wire::DeliveredRecord;
 
 use crate::ShardState;
 use crate::durable::DurableShard;
-use crate::ring::ReplayRing;
+use crate::ring::{Held, ReplayRing};
 use crate::subscription::Slot;
 
 #[derive(Debug)]
@@ -22,6 +22,9 @@ pub(crate) struct Shard {
     pub(crate) subscribers: Vec<Slot>,
     /// Records this shard took in the publish being applied; 0 outside `Engine::publish`.
     pub(crate) batch_records: u32,
+    /// Key and payload bytes of the records this shard takes in the publish being applied
+    /// (counted before the first is appended); 0 outside `Engine::publish_routed_from`.
+    pub(crate) batch_bytes: u64,
     /// Set for a shard of a durable stream.
     pub(crate) durable: Option<Box<DurableShard>>,
 }
@@ -34,6 +37,7 @@ impl Shard {
             ring: ReplayRing::new(ring_max_records, ring_max_bytes),
             subscribers: Vec::new(),
             batch_records: 0,
+            batch_bytes: 0,
             durable: None,
         }
     }
@@ -104,13 +108,20 @@ impl Shard {
         self.next_offset = from;
     }
 
-    /// Keeps a released record for replay (the ring decides how long).
-    pub(crate) fn retain(&mut self, record: DeliveredRecord) {
+    /// Keeps a released record, which keeps `held` alive, for replay (the ring decides how
+    /// long).
+    pub(crate) fn retain(&mut self, record: DeliveredRecord, held: Held) {
         assert!(
             record.offset < self.released_offset(),
             "only released records are retained"
         );
-        self.ring.push(record);
+        self.ring.push(record, held);
+    }
+
+    /// Whether the ring keeps anything, and its byte bound.
+    #[must_use]
+    pub(crate) fn ring_bound(&self) -> Option<u64> {
+        self.ring.is_enabled().then(|| self.ring.max_bytes())
     }
 
     /// The held records from `offset` (in `ring_oldest()..=released_offset()`) to the newest.
@@ -125,7 +136,7 @@ impl Shard {
             oldest_offset: self.oldest_offset(),
             next_offset: self.next_offset,
             ring_records: self.ring.len(),
-            ring_bytes: self.ring.payload_bytes(),
+            ring_bytes: self.ring.held_bytes(),
         }
     }
 
@@ -133,6 +144,10 @@ impl Shard {
         assert_eq!(
             self.batch_records, 0,
             "batch counts are reset when a publish ends"
+        );
+        assert_eq!(
+            self.batch_bytes, 0,
+            "batch bytes are reset when a publish ends"
         );
         let released = self.released_offset();
         self.ring.assert_invariants(shard, released);
@@ -154,7 +169,7 @@ impl Shard {
             self.next_offset - durable.durable,
             "every record not yet durable is pending"
         );
-        for (expected, record) in (durable.durable..).zip(&durable.pending) {
+        for (expected, (record, _)) in (durable.durable..).zip(&durable.pending) {
             assert_eq!(
                 record.offset, expected,
                 "pending offsets dense from durable"

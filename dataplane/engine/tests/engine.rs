@@ -1238,3 +1238,186 @@ fn check_create_gives_the_create_errors_and_changes_nothing() {
         .expect("what was checked succeeds");
     engine.assert_invariants();
 }
+
+/// A publish to `stream` of `records` as the broker hands it over: encoded, then decoded, so
+/// every key and payload is a slice of the frame. Returns the records and the frame's length.
+fn decoded_publish(stream: &str, records: Vec<Record>) -> (Vec<Record>, u64) {
+    let frame = felix_wire::Frame::Publish(felix_wire::Publish {
+        request_id: 1,
+        ack: felix_wire::AckMode::Acked,
+        stream: stream.to_owned(),
+        records,
+    });
+    let mut wire = bytes::BytesMut::new();
+    felix_wire::encode(&frame, &mut wire);
+    let frame_len = wire.len();
+    let decoded = felix_wire::Decoder::new(felix_wire::Limits::DEFAULT)
+        .decode(&mut wire)
+        .expect("valid")
+        .expect("whole");
+    let felix_wire::Frame::Publish(publish) = decoded else {
+        panic!("a publish decodes as a publish");
+    };
+    let key_payload: usize = publish
+        .records
+        .iter()
+        .map(|r| r.key.len() + r.payload.len())
+        .sum();
+    assert_eq!(
+        felix_wire::encoded_publish_len(stream, publish.records.len(), key_payload),
+        frame_len
+    );
+    (publish.records, frame_len as u64)
+}
+
+/// Index of the frame (by the address range of its records' payloads) `payload` is a slice of.
+fn frame_of(frames: &[(usize, usize)], payload: &Bytes) -> Option<usize> {
+    let at = payload.as_ptr() as usize;
+    frames
+        .iter()
+        .position(|&(start, end)| start <= at && at + payload.len() <= end)
+}
+
+#[test]
+fn ring_bytes_count_the_frames_their_records_keep_alive() {
+    // Proves a shard's ring charges each frame its records are slices of once, by the frame's
+    // length: with 8 shards and 64-record frames the rings' counted bytes stay within their
+    // bound and equal the lengths of the distinct frames their records keep alive (payload
+    // counting would have counted 1/8 of that and kept far more frames alive).
+    const SHARDS: u32 = 8;
+    const RING_BYTES: u64 = 300_000;
+    let mut engine = Engine::new(config(1024, RING_BYTES, 1 << 30));
+    engine
+        .create_stream("s", SHARDS, StreamKind::InMemory)
+        .expect("create");
+    let meta = engine.lookup("s").expect("stream");
+    let mut frames = Vec::new();
+    let mut alive = Vec::new();
+    let mut lens = Vec::new();
+    let mut frame_len = 0;
+    for batch in 0..20usize {
+        let records: Vec<Record> = (0..64usize)
+            .map(|i| {
+                let key = key_for_shard((i % SHARDS as usize) as u32, SHARDS, batch * 64 + i);
+                record(&key, &vec![(batch % 251) as u8; 1_000])
+            })
+            .collect();
+        let (records, len) = decoded_publish("s", records);
+        frame_len = len;
+        let start = records.iter().map(|r| r.payload.as_ptr() as usize).min();
+        let end = records
+            .iter()
+            .map(|r| r.payload.as_ptr() as usize + r.payload.len())
+            .max();
+        frames.push((start.expect("records"), end.expect("records")));
+        // Kept alive by the test, so no later frame reuses its addresses.
+        alive.push(records.clone());
+        lens.push(len);
+        let shards: Vec<u32> = records
+            .iter()
+            .map(|r| shard_for_key(&r.key, SHARDS))
+            .collect();
+        engine
+            .publish_routed_from(
+                NOW_US,
+                meta.handle,
+                records,
+                &shards,
+                None,
+                felix_engine::RecordBuffers::Shared { len },
+            )
+            .expect("publish");
+        engine.assert_invariants();
+    }
+    // 66 KB frames, 8 records of 1 KB per shard each: a ring of 300,000 bytes holds 4 frames.
+    assert!(frame_len > 60_000 && frame_len * 4 <= RING_BYTES && frame_len * 5 > RING_BYTES);
+    for shard in engine.describe_stream("s").expect("describe").shards {
+        assert!(shard.ring_bytes <= RING_BYTES);
+        let sub = engine
+            .subscribe(
+                "s",
+                &ShardSelection::List(vec![shard.shard]),
+                &StartPosition::Earliest,
+            )
+            .expect("subscribe");
+        let replayed = drain(&mut engine, sub.id);
+        assert_eq!(replayed.len(), shard.ring_records);
+        let mut held: Vec<usize> = replayed
+            .iter()
+            .map(|r| frame_of(&frames, &r.payload).expect("a slice of its frame, uncopied"))
+            .collect();
+        held.dedup();
+        assert_eq!(held, vec![16, 17, 18, 19], "the newest frames, each once");
+        assert_eq!(
+            shard.ring_bytes,
+            held.iter().map(|&frame| lens[frame]).sum::<u64>()
+        );
+        engine.unsubscribe(sub.id);
+    }
+    engine.assert_invariants();
+}
+
+#[test]
+fn a_thin_share_of_a_big_frame_is_copied_and_charged_its_own_size() {
+    // Proves a shard whose records are under 1/RING_COPY_RATIO of their frame keeps a copy of
+    // them (charged its payload length), while the shard with the frame's bulk keeps slices
+    // of the frame (charged the frame once).
+    let mut engine = Engine::new(config(1024, 1 << 20, 1 << 30));
+    engine
+        .create_stream("s", 2, StreamKind::InMemory)
+        .expect("create");
+    let meta = engine.lookup("s").expect("stream");
+    let mut records: Vec<Record> = (0..8)
+        .map(|i| record(&key_for_shard(0, 2, i), &[1; 10_000]))
+        .collect();
+    records.push(record(&key_for_shard(1, 2, 0), &[2; 16]));
+    let (records, len) = decoded_publish("s", records);
+    let frame = (
+        records[0].payload.as_ptr() as usize,
+        records[7].payload.as_ptr() as usize + 10_000,
+    );
+    let shards: Vec<u32> = records.iter().map(|r| shard_for_key(&r.key, 2)).collect();
+    engine
+        .publish_routed_from(
+            NOW_US,
+            meta.handle,
+            records,
+            &shards,
+            None,
+            felix_engine::RecordBuffers::Shared { len },
+        )
+        .expect("publish");
+    let described = engine.describe_stream("s").expect("describe");
+    assert_eq!(
+        (
+            described.shards[0].ring_records,
+            described.shards[0].ring_bytes
+        ),
+        (8, len)
+    );
+    assert_eq!(
+        (
+            described.shards[1].ring_records,
+            described.shards[1].ring_bytes
+        ),
+        (1, 16)
+    );
+    let sub = engine
+        .subscribe("s", &ShardSelection::All, &StartPosition::Earliest)
+        .expect("subscribe");
+    for delivered in drain(&mut engine, sub.id) {
+        let sliced = frame_of(&[frame], &delivered.payload).is_some();
+        assert_eq!(
+            sliced,
+            delivered.shard == 0,
+            "only the thin share is copied"
+        );
+        let expected: &[u8] = if delivered.shard == 0 {
+            &[1; 10_000]
+        } else {
+            &[2; 16]
+        };
+        assert_eq!(&delivered.payload[..], expected);
+    }
+    engine.assert_invariants();
+}

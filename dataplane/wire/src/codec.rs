@@ -111,6 +111,21 @@ pub fn encoded_record_len(key_len: usize, payload_len: usize) -> usize {
     PUBLISH_RECORD_OVERHEAD + key_len + payload_len
 }
 
+/// Length of a whole `Publish` frame (header included) to `stream` of `record_count` records
+/// whose keys and payloads total `key_payload_bytes`: what [`encoded_len`] gives for it, from
+/// the sums a receiver has at hand. A decoded publish's keys and payloads are slices of a
+/// buffer of this length ([`Decoder::decode`]).
+#[must_use]
+pub fn encoded_publish_len(stream: &str, record_count: usize, key_payload_bytes: usize) -> usize {
+    FRAME_HEADER_LEN
+        + REQUEST_ID_LEN
+        + 1
+        + str_len(stream)
+        + LONG_LEN_LEN
+        + record_count * PUBLISH_RECORD_OVERHEAD
+        + key_payload_bytes
+}
+
 /// Fast path for publishers: appends a `Publish` frame header and the fixed part of its body
 /// for `record_count` records whose encoded record bytes total `records_len` (as produced by
 /// [`encode_record`], see [`encoded_record_len`]). The caller appends exactly those records

@@ -8,7 +8,8 @@ use felix_wire::{
     FRAME_HEADER_LEN, Frame, FrameType, HashKind, Hello, HelloOk, Limits, Publish, Record,
     ShardAck, ShardInfo, ShardSelection, StartPosition, StreamInfo, StreamKind, StreamRoute,
     StreamSummary, Subscribe, Subscribed, encode, encode_delivery_vectored, encode_publish_header,
-    encode_record, encode_record_head, encoded_len, encoded_record_len, validate,
+    encode_record, encode_record_head, encoded_len, encoded_publish_len, encoded_record_len,
+    validate,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -477,8 +478,13 @@ proptest! {
             written += encode_record(&record.key, &record.payload, &mut fast);
         }
         prop_assert_eq!(written, records_len);
+        let key_payload_bytes: usize =
+            publish.records.iter().map(|r| r.key.len() + r.payload.len()).sum();
+        let whole = encoded_publish_len(&publish.stream, publish.records.len(), key_payload_bytes);
         let frame = Frame::Publish(publish);
         prop_assert_eq!(&fast[..], &encoded(&frame)[..]);
+        // The length a receiver computes for the buffer a decoded publish's records keep alive.
+        prop_assert_eq!(whole, encoded_len(&frame));
     }
 
     // The vectored fast path (record heads in the frame, payloads as chunks of their own)
