@@ -306,16 +306,14 @@ impl<B: Backend> DurableLog<B> {
         let mut report = PumpReport::default();
         // 1. Appends, in publish order, while the log's pending bound has room.
         report.held = self.move_appends(engine, &mut report)?;
-        // 2. Reap the finished round and start the next: that submits pending bytes, so held
-        //    appends may fit now (they join the round after it).
+        // 2. Reap the finished round and start the next.
         self.log.drive(now)?;
-        if report.held {
-            report.held = self.move_appends(engine, &mut report)?;
-        }
         // 3. Route the events.
         let commit_is_sync = self.log.commit_is_sync();
+        let mut events_left = true;
         for _ in 0..LOG_EVENTS_PER_PUMP_MAX {
             let Some(event) = self.log.poll_event() else {
+                events_left = false;
                 break;
             };
             match event {
@@ -337,6 +335,15 @@ impl<B: Backend> DurableLog<B> {
                     }
                 }
             }
+        }
+        // 3b. The reaped round freed room, so held appends may fit now (they join the round
+        //     after the one in flight). Only after the events: a rejected round rolls its
+        //     shards back in the log (a shard that never reached the disk is forgotten, and
+        //     would take any offset), and the engine must roll back too, dropping the queued
+        //     appends past it, before anything more of those shards goes to the log (events
+        //     left for the next pump: the held appends wait for it too).
+        if report.held && !events_left {
+            report.held = self.move_appends(engine, &mut report)?;
         }
         // 4. Log reads for catching-up subscriptions; every read is answered.
         let mut answered = 0;
