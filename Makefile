@@ -100,8 +100,8 @@ bench-nats: deps
 
 # Instructions per published record under callgrind, the broker's threads apart from the
 # client's (256 B batch 1 and 64, 4 KiB batch 64, 256 B fire-and-forget, 4 KiB batch 64 durable
-# on_commit; N and 2N publishes each, so start-up cancels out), with the broker's top functions
-# in target/bench-instructions/summary.md; ~10 minutes. INSTR_SCALE=0.2 for a quick look.
+# on_commit, 4 KiB batch 64 with one subscriber; N and 2N publishes each, so start-up cancels
+# out), with each side's top functions in target/bench-instructions/summary.md; ~12 minutes. INSTR_SCALE=0.2 for a quick look.
 INSTR_SCALE ?= 1
 bench-instructions: deps
 	$(CARGO) build --release -p felix-bench
