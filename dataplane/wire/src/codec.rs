@@ -191,17 +191,9 @@ pub fn encode_delivery_vectored(
     put_header(buf, FrameType::Delivery, body_len);
     put_count(buf, records.len());
     for record in records {
-        buf.put_u32_le(record.shard);
-        buf.put_u64_le(record.offset);
-        buf.put_u64_le(record.timestamp_us);
-        put_key(buf, &record.key);
+        put_delivered_head(buf, record);
         if record.payload.len() >= vectored_min {
-            let len = u32::try_from(record.payload.len());
-            assert!(
-                len.is_ok(),
-                "payloads are at most u32::MAX bytes on the wire"
-            );
-            buf.put_u32_le(len.unwrap_or(u32::MAX));
+            put_payload_len(buf, record.payload.len());
             chunks.push(buf.split().freeze());
             chunks.push(record.payload.clone());
         } else {
@@ -220,12 +212,7 @@ pub fn encode_record_head(key: &[u8], payload_len: usize, buf: &mut BytesMut) ->
     let len = PUBLISH_RECORD_OVERHEAD + key.len();
     buf.reserve(len);
     put_key(buf, key);
-    let payload_len = u32::try_from(payload_len);
-    assert!(
-        payload_len.is_ok(),
-        "payloads are at most u32::MAX bytes on the wire"
-    );
-    buf.put_u32_le(payload_len.unwrap_or(u32::MAX));
+    put_payload_len(buf, payload_len);
     len
 }
 
@@ -357,10 +344,7 @@ fn put_body(frame: &Frame, buf: &mut BytesMut) {
         Frame::Delivery(delivery) => {
             put_count(buf, delivery.records.len());
             for record in &delivery.records {
-                buf.put_u32_le(record.shard);
-                buf.put_u64_le(record.offset);
-                buf.put_u64_le(record.timestamp_us);
-                put_key(buf, &record.key);
+                put_delivered_head(buf, record);
                 put_payload(buf, &record.payload);
             }
         }
@@ -495,13 +479,26 @@ fn put_key(buf: &mut BytesMut, key: &[u8]) {
 }
 
 fn put_payload(buf: &mut BytesMut, payload: &[u8]) {
-    let len = u32::try_from(payload.len());
+    put_payload_len(buf, payload.len());
+    buf.put_slice(payload);
+}
+
+/// A payload's u32 length prefix (the payload follows, in the buffer or as a chunk of its own).
+fn put_payload_len(buf: &mut BytesMut, len: usize) {
+    let len = u32::try_from(len);
     assert!(
         len.is_ok(),
         "payloads are at most u32::MAX bytes on the wire"
     );
     buf.put_u32_le(len.unwrap_or(u32::MAX));
-    buf.put_slice(payload);
+}
+
+/// A delivered record up to its payload: shard, offset, timestamp, key.
+fn put_delivered_head(buf: &mut BytesMut, record: &DeliveredRecord) {
+    buf.put_u32_le(record.shard);
+    buf.put_u64_le(record.offset);
+    buf.put_u64_le(record.timestamp_us);
+    put_key(buf, &record.key);
 }
 
 fn list_len(len: usize) -> u32 {

@@ -325,6 +325,27 @@ fn any_frame(sz: Sizes) -> impl Strategy<Value = Frame> {
     select(FrameType::ALL.to_vec()).prop_flat_map(move |t| frame_of(t, sz))
 }
 
+/// A publish's frame header and fixed body from the publisher fast path, and the encoded
+/// length of its records (what must follow).
+fn publish_header(publish: &Publish) -> (BytesMut, usize) {
+    let records_len: usize = publish
+        .records
+        .iter()
+        .map(|r| encoded_record_len(r.key.len(), r.payload.len()))
+        .sum();
+    let count = u32::try_from(publish.records.len()).expect("at most VALID.records");
+    let mut head = BytesMut::new();
+    encode_publish_header(
+        publish.request_id,
+        publish.ack,
+        &publish.stream,
+        count,
+        records_len,
+        &mut head,
+    );
+    (head, records_len)
+}
+
 fn encoded(frame: &Frame) -> BytesMut {
     let mut buf = BytesMut::new();
     encode(frame, &mut buf);
@@ -463,16 +484,7 @@ proptest! {
     // The publisher fast path (header + N records) writes exactly what encode(Publish) writes.
     #[test]
     fn publish_fast_path_matches_encode(publish in publish(VALID)) {
-        let mut fast = BytesMut::new();
-        let records_len: usize = publish
-            .records
-            .iter()
-            .map(|r| encoded_record_len(r.key.len(), r.payload.len()))
-            .sum();
-        let count = u32::try_from(publish.records.len()).expect("at most VALID.records");
-        encode_publish_header(
-            publish.request_id, publish.ack, &publish.stream, count, records_len, &mut fast,
-        );
+        let (mut fast, records_len) = publish_header(&publish);
         let mut written = 0;
         for record in &publish.records {
             written += encode_record(&record.key, &record.payload, &mut fast);
@@ -491,16 +503,7 @@ proptest! {
     // puts the same bytes on the wire as encode(Publish).
     #[test]
     fn vectored_publish_matches_encode(publish in publish(VALID)) {
-        let mut head = BytesMut::new();
-        let records_len: usize = publish
-            .records
-            .iter()
-            .map(|r| encoded_record_len(r.key.len(), r.payload.len()))
-            .sum();
-        let count = u32::try_from(publish.records.len()).expect("at most VALID.records");
-        encode_publish_header(
-            publish.request_id, publish.ack, &publish.stream, count, records_len, &mut head,
-        );
+        let (head, records_len) = publish_header(&publish);
         let mut wire = head.to_vec();
         let mut written = 0;
         for record in &publish.records {
