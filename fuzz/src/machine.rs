@@ -400,6 +400,7 @@ impl World {
                     let settings = DurableSettings {
                         fsync,
                         backend: BackendChoice::Pwrite,
+                        direct_io: true,
                         segment_bytes: SEGMENT_BYTES_MIN,
                         retention_bytes: None,
                         retention_age: None,

@@ -5,7 +5,7 @@
 //! docs/design/durable.md.
 //!
 //! ```text
-//! cargo run --release -p felix-storage --example mark_cost -- DIR [ROUNDS]
+//! cargo run --release -p felix-storage --example mark_cost -- DIR [ROUNDS] [direct|buffered]
 //! ```
 
 use std::path::Path;
@@ -38,6 +38,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut config = LogConfig::new(Path::new(&dir));
     config.fsync = FsyncMode::OnCommit;
     config.segment_bytes = SEGMENT_BYTES;
+    config.direct_io = args.next().as_deref() != Some("buffered");
     let (mut log, _) = Log::open(config, SystemBackend::open(BackendChoice::IoUring)?)?;
     let payload = vec![0xA5u8; PAYLOAD_BYTES];
     let mut record_rounds = Vec::with_capacity(rounds);
@@ -58,8 +59,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     mark_rounds.sort_unstable();
     let c = log.counters();
     println!(
-        "backend {}: {rounds} record rounds (4 KiB + mark) p50 {:?} p90 {:?}; {} mark rounds p50 {:?} p90 {:?}; mark bytes {}",
+        "backend {} (direct {}): {rounds} record rounds (4 KiB + mark) p50 {:?} p90 {:?}; {} mark rounds p50 {:?} p90 {:?}; mark bytes {}",
         log.backend_name(),
+        log.config().direct_io,
         percentile(&record_rounds, 0.5),
         percentile(&record_rounds, 0.9),
         c.mark_rounds,

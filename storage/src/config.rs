@@ -83,6 +83,10 @@ pub struct LogConfig {
     /// Log bytes between two index entries of one shard (see `index.rs`). Default 4 MiB;
     /// range 4 KiB..=1 GiB. Smaller = faster read starts, more memory.
     pub index_interval_bytes: u64,
+    /// Write rounds with O_DIRECT (`direct.rs`): no page-cache copy, no writeback at
+    /// fdatasync. Default true; where the file system refuses O_DIRECT the log warns once
+    /// and writes buffered.
+    pub direct_io: bool,
 }
 
 impl LogConfig {
@@ -99,6 +103,7 @@ impl LogConfig {
             retention_bytes: None,
             retention_age: None,
             index_interval_bytes: crate::index::DEFAULT_INDEX_INTERVAL_BYTES,
+            direct_io: true,
         }
     }
 

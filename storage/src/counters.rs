@@ -111,6 +111,13 @@ pub struct Counters {
     /// Segments and file bytes given back by releasing deleted streams' shards.
     pub released_segments: u64,
     pub released_bytes: u64,
+    /// Rounds written with O_DIRECT (`LogConfig::direct_io`), and those whose tail block had
+    /// to be read back from the file first (after recovery or a failed round).
+    pub direct_rounds: u64,
+    pub direct_tail_reads: u64,
+    /// Zeros direct writes put past their rounds: padding to the block, and the zeros
+    /// written ahead of small rounds (`log::ZERO_AHEAD_BYTES`).
+    pub direct_padding_bytes: u64,
 }
 
 impl Counters {

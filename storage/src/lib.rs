@@ -20,6 +20,7 @@
 mod backend;
 mod config;
 mod counters;
+pub mod direct;
 mod error;
 pub mod frame;
 mod index;

@@ -152,6 +152,9 @@ pub struct Config {
     pub durable_fsync_interval_ms: u64,
     /// FELIX_STORAGE_IO_URING: io_uring writer (1) or pwrite (0). Default 1. Restart.
     pub storage_io_uring: bool,
+    /// FELIX_STORAGE_DIRECT_IO: O_DIRECT log writes (1) or the page cache (0). Default 1.
+    /// Restart.
+    pub storage_direct_io: bool,
     /// FELIX_DURABLE_SEGMENT_BYTES: log segment size, 16KiB..=64GiB. Default 1GiB. Restart.
     pub durable_segment_bytes: u64,
     /// FELIX_DURABLE_RETENTION_BYTES: per-core log size bound, 0 = none. Default 0. Restart.

@@ -492,6 +492,16 @@ settings! {
         doc: "Write durable logs with io_uring (falls back to the pwrite writer thread, with \
               a warning, where io_uring cannot be set up); 0 always uses pwrite + fdatasync.",
     }
+    storage_direct_io {
+        env: "FELIX_STORAGE_DIRECT_IO",
+        kind: Kind::Bool,
+        default: Fixed("1"),
+        restart: Restart::Broker,
+        doc: "Write durable log rounds with O_DIRECT, straight from an aligned buffer to the \
+              device (no page-cache copy, no writeback at fdatasync); where the file system \
+              refuses O_DIRECT the log warns once and writes through the page cache. 0 always \
+              writes through the page cache.",
+    }
     durable_segment_bytes {
         env: "FELIX_DURABLE_SEGMENT_BYTES",
         kind: Kind::Size { min: DURABLE_SEGMENT_BYTES_MIN, max: DURABLE_SEGMENT_BYTES_MAX },

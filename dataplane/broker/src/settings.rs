@@ -42,7 +42,8 @@ pub fn core_plan(config: &Config) -> Result<CorePlan, BrokerError> {
     Ok(CorePlan::new(&topology, &plan_options(config)?)?)
 }
 
-/// The durable settings (FELIX_DURABLE_*, FELIX_STORAGE_IO_URING) as the logs use them.
+/// The durable settings (FELIX_DURABLE_*, FELIX_STORAGE_IO_URING, FELIX_STORAGE_DIRECT_IO) as
+/// the logs use them.
 pub fn durable_settings(config: &Config) -> Result<DurableSettings, BrokerError> {
     let fsync = match config.durable_fsync_mode.as_str() {
         "on_commit" => felix_storage::FsyncMode::OnCommit,
@@ -64,6 +65,7 @@ pub fn durable_settings(config: &Config) -> Result<DurableSettings, BrokerError>
         } else {
             felix_storage::BackendChoice::Pwrite
         },
+        direct_io: config.storage_direct_io,
         segment_bytes: config.durable_segment_bytes,
         retention_bytes: (config.durable_retention_bytes > 0)
             .then_some(config.durable_retention_bytes),

@@ -61,6 +61,8 @@ const LOG_EVENTS_PER_PUMP_MAX: usize = 64;
 pub struct DurableSettings {
     pub fsync: FsyncMode,
     pub backend: BackendChoice,
+    /// Write rounds with O_DIRECT (`LogConfig::direct_io`).
+    pub direct_io: bool,
     pub segment_bytes: u64,
     /// Delete the oldest segments while a core's log exceeds this; `None` keeps everything.
     pub retention_bytes: Option<u64>,
@@ -74,6 +76,7 @@ impl DurableSettings {
     pub fn log_config(&self, data_dir: &Path, core: usize) -> LogConfig {
         let mut config = LogConfig::new(log_dir(data_dir, core));
         config.fsync = self.fsync;
+        config.direct_io = self.direct_io;
         config.segment_bytes = self.segment_bytes;
         // A round never exceeds half a segment (LogConfig::validate); the default 4 MiB fits
         // any segment of 8 MiB or more, smaller (test) segments get half their size.
@@ -933,6 +936,7 @@ mod tests {
             let settings = DurableSettings {
                 fsync: FsyncMode::OnCommit,
                 backend: choice,
+                direct_io: true,
                 segment_bytes: 256 << 10,
                 retention_bytes: None,
                 retention_age: None,
@@ -1004,6 +1008,7 @@ mod tests {
         let settings = DurableSettings {
             fsync: FsyncMode::OnCommit,
             backend: BackendChoice::Pwrite,
+            direct_io: true,
             segment_bytes: 1 << 20,
             retention_bytes: None,
             retention_age: None,
@@ -1047,6 +1052,7 @@ mod tests {
         DurableSettings {
             fsync: FsyncMode::OnCommit,
             backend: BackendChoice::Pwrite,
+            direct_io: true,
             segment_bytes,
             retention_bytes: None,
             retention_age: None,

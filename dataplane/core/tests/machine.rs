@@ -271,6 +271,7 @@ fn a_durable_ack_is_written_to_its_stream_once_the_round_is_synced() {
     let settings = DurableSettings {
         fsync: FsyncMode::OnCommit,
         backend: BackendChoice::Pwrite,
+        direct_io: true,
         segment_bytes: 1 << 20,
         retention_bytes: None,
         retention_age: None,

@@ -47,6 +47,9 @@ pub struct Shape {
     /// `(max_round_bytes, max_pending_bytes)` of the logs when small (so a held disk fills
     /// the pending bound and appends wait in the engine); `None`: the defaults.
     pub log_bounds: Option<(usize, usize)>,
+    /// Half the runs stage rounds for O_DIRECT (whole blocks, the tail block rewritten);
+    /// the fault backend writes the staged bytes, so its power cuts see them.
+    pub direct_io: bool,
 }
 
 /// The rules of a secured run: p0 may do everything; p1 publishes and subscribes on s0 and s1
@@ -86,6 +89,7 @@ impl Shape {
             log_bounds: rng
                 .chance(500)
                 .then(|| [(4096, 4096), (4096, 8192), (4096, 16384)][rng.index(3)]),
+            direct_io: rng.chance(500),
         }
     }
 
@@ -93,6 +97,7 @@ impl Shape {
         DurableSettings {
             fsync: self.fsync,
             backend: BackendChoice::Pwrite,
+            direct_io: self.direct_io,
             segment_bytes: SEGMENT_BYTES,
             retention_bytes: None,
             retention_age: None,

@@ -112,24 +112,25 @@ impl FaultState {
                 file: Arc::clone(&round.file),
                 undo: Vec::new(),
             });
+        // A direct round is modelled by its staged bytes (whole blocks, the tail block's
+        // prefix rewritten), written through the ordinary file: the model's undo then covers
+        // exactly what a direct write would have changed.
+        let (_, bytes, pos) = round.target();
         // An injected write error waits for a round that actually writes.
-        let injected = if round.buf.is_empty() {
+        let injected = if bytes.is_empty() {
             None
         } else {
             self.next_write_error.take()
         };
         let (write_len, write_error) = match injected {
-            Some((errno, written)) => (written.min(round.buf.len()), Some(errno)),
-            None => (round.buf.len(), None),
+            Some((errno, written)) => (written.min(bytes.len()), Some(errno)),
+            None => (bytes.len(), None),
         };
         let mut result = Ok(());
         if write_len > 0 {
-            let old = read_old(&model.file, round.file_pos, write_len);
-            model.undo.push((round.file_pos, old));
-            if let Err(e) = model
-                .file
-                .write_all_at(&round.buf[..write_len], round.file_pos)
-            {
+            let old = read_old(&model.file, pos, write_len);
+            model.undo.push((pos, old));
+            if let Err(e) = model.file.write_all_at(&bytes[..write_len], pos) {
                 result = Err(RoundFailure::Write(e.raw_os_error().unwrap_or(libc::EIO)));
             }
         }
@@ -151,6 +152,7 @@ impl FaultState {
         RoundCompletion {
             id: round.id,
             buf: round.buf,
+            direct: round.direct.map(|d| d.buf),
             result,
             write_latency: SIM_WRITE_LATENCY,
             sync_latency,

@@ -17,6 +17,7 @@ use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::direct::{AlignedBuf, DirectWrite};
 use crate::{BackendChoice, StorageError};
 
 pub mod fault;
@@ -48,6 +49,22 @@ pub struct RoundRequest {
     pub buf: Vec<u8>,
     /// Run an fdatasync of `file` after the write.
     pub sync: bool,
+    /// The same bytes staged for a direct write (`crate::direct`): when set, the backend
+    /// writes `direct.buf` at `direct.pos` through `direct.file` instead of `buf` at
+    /// `file_pos` (it covers `buf`'s range, widened to whole blocks); the fdatasync still
+    /// goes to `file`.
+    pub direct: Option<DirectWrite>,
+}
+
+impl RoundRequest {
+    /// What the backend writes: (the file, the bytes, where).
+    #[must_use]
+    pub fn target(&self) -> (&File, &[u8], u64) {
+        match &self.direct {
+            Some(d) => (&d.file, d.buf.as_slice(), d.pos),
+            None => (&self.file, &self.buf, self.file_pos),
+        }
+    }
 }
 
 /// Why a round failed.
@@ -65,6 +82,8 @@ pub struct RoundCompletion {
     pub id: u64,
     /// The round's buffer, handed back for reuse.
     pub buf: Vec<u8>,
+    /// The staged direct buffer, if the round had one, handed back for reuse.
+    pub direct: Option<AlignedBuf>,
     pub result: Result<(), RoundFailure>,
     /// Time of the write part, as measured by the backend.
     pub write_latency: Duration,

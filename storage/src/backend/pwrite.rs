@@ -49,9 +49,9 @@ fn writer_loop(
     // Ends when the backend drops its sender.
     while let Ok(round) = requests.recv() {
         let started = Instant::now();
-        let mut result = round
-            .file
-            .write_all_at(&round.buf, round.file_pos)
+        let (target, bytes, pos) = round.target();
+        let mut result = target
+            .write_all_at(bytes, pos)
             .map_err(|e| RoundFailure::Write(e.raw_os_error().unwrap_or(libc::EIO)));
         let write_latency = started.elapsed();
         let mut sync_latency = None;
@@ -66,6 +66,7 @@ fn writer_loop(
         let completion = RoundCompletion {
             id: round.id,
             buf: round.buf,
+            direct: round.direct.map(|d| d.buf),
             result,
             write_latency,
             sync_latency,

@@ -9,6 +9,7 @@ use io_uring::{IoUring, opcode, squeue, types};
 
 use super::{Backend, EventFd, RoundCompletion, RoundFailure, RoundRequest};
 use crate::StorageError;
+use crate::direct::DIRECT_ALIGN;
 
 /// Ring size: a round needs 2 entries (write + fdatasync) and only one round is in flight;
 /// 8 leaves room without wasting memory.
@@ -77,14 +78,16 @@ impl UringBackend {
             return Ok(());
         };
         let fd = types::Fd(f.round.file.as_raw_fd());
-        let rest = &f.round.buf[f.written..];
+        let (target, bytes, pos) = f.round.target();
+        let target = types::Fd(target.as_raw_fd());
+        let rest = &bytes[f.written..];
         let mut entries = Vec::with_capacity(2);
         if !rest.is_empty() {
             // A u32 length: rounds are bounded far below 4 GiB (LogConfig::max_round_bytes).
             let len = u32::try_from(rest.len())
                 .map_err(|_| StorageError::Config("round above 4 GiB".into()))?;
-            let mut write = opcode::Write::new(fd, rest.as_ptr(), len)
-                .offset(f.round.file_pos + f.written as u64)
+            let mut write = opcode::Write::new(target, rest.as_ptr(), len)
+                .offset(pos + f.written as u64)
                 .build()
                 .user_data(TAG_WRITE);
             if f.round.sync {
@@ -105,8 +108,9 @@ impl UringBackend {
         if rest.is_empty() {
             f.write_latency.get_or_insert(f.started.elapsed());
         }
-        // SAFETY: the entries point into `f.round.buf` and use `f.round.file`'s fd. Both are
-        // owned by `self.in_flight` and neither is moved, resized or dropped until every CQE
+        // SAFETY: the entries point into `f.round.buf` (or the staged direct buffer) and use
+        // `f.round.file`'s fd (and the direct file's). All are owned by `self.in_flight` (the
+        // buffers' heap memory does not move with it) and none is resized or dropped until every CQE
         // of this submission has been reaped (`outstanding` reaches 0); Drop waits for that.
         unsafe {
             self.ring
@@ -132,7 +136,8 @@ impl UringBackend {
         f.outstanding = f.outstanding.saturating_sub(1);
         match tag {
             TAG_WRITE => {
-                let want = f.round.buf.len() - f.written;
+                let total = f.round.target().1.len();
+                let want = total - f.written;
                 if res < 0 {
                     f.failure = Some(RoundFailure::Write(-res));
                 } else if res == 0 {
@@ -140,9 +145,13 @@ impl UringBackend {
                     f.failure = Some(RoundFailure::Write(libc::EIO));
                 } else {
                     f.written += (res as usize).min(want);
-                    if f.written < f.round.buf.len() {
+                    if f.written < total {
                         f.continuations += 1;
-                        if f.continuations > SHORT_WRITE_CONTINUATIONS_MAX {
+                        let direct = f.round.direct.is_some();
+                        if f.continuations > SHORT_WRITE_CONTINUATIONS_MAX
+                            || (direct && !f.written.is_multiple_of(DIRECT_ALIGN))
+                        {
+                            // A direct write can only continue from a block boundary.
                             f.failure = Some(RoundFailure::Write(libc::EIO));
                         } else {
                             f.resubmit = true;
@@ -181,7 +190,7 @@ impl Backend for UringBackend {
         let empty = self
             .in_flight
             .as_ref()
-            .is_some_and(|f| f.round.buf.is_empty() && !f.round.sync);
+            .is_some_and(|f| f.round.target().1.is_empty() && !f.round.sync);
         if empty {
             // Nothing to do: complete at the next poll.
             self.wake.notify();
@@ -228,6 +237,7 @@ impl Backend for UringBackend {
         Ok(Some(RoundCompletion {
             id: f.round.id,
             buf: f.round.buf,
+            direct: f.round.direct.map(|d| d.buf),
             result,
             write_latency,
             // The write and the fdatasync are linked in the kernel and their CQEs are usually
