@@ -26,8 +26,8 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 /// Alignment of a direct write's file position, length and buffer address.
-pub const DIRECT_ALIGN: usize = 4096;
-const _: () = assert!(DIRECT_ALIGN as u64 == crate::segment::SEGMENT_ALIGN_BYTES);
+/// The segments' data alignment: records start on such a boundary.
+pub const DIRECT_ALIGN: usize = crate::segment::SEGMENT_ALIGN_BYTES as usize;
 
 /// A heap buffer whose address is [`DIRECT_ALIGN`]-aligned. Its bytes are always initialized
 /// (allocated zeroed, then only overwritten).
@@ -149,7 +149,7 @@ pub struct DirectWrite {
 pub fn open(path: &Path) -> std::io::Result<File> {
     OpenOptions::new()
         .write(true)
-        .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
+        .custom_flags(libc::O_DIRECT)
         .open(path)
 }
 
