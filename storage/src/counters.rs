@@ -80,6 +80,11 @@ pub struct Counters {
     /// Records rejected because the disk was full.
     pub rejected_records: u64,
     pub segments_created: u64,
+    /// Segments whose file was made ahead, off the log's thread (`ahead.rs`).
+    pub segments_made_ahead: u64,
+    /// Time the log's thread spent starting each segment (header, fsyncs, rename; plus the
+    /// preallocation when the file was not made ahead), sidecar of the closing one excluded.
+    pub segment_start_latency: LatencyHistogram,
     pub segments_deleted: u64,
     /// Segment bytes (file sizes) deleted by retention.
     pub retention_deleted_bytes: u64,

@@ -17,6 +17,7 @@
 //! the caller's thread with the directory locked. The format is specified in
 //! `docs/storage-format.md`.
 
+mod ahead;
 mod backend;
 mod config;
 mod counters;
@@ -33,6 +34,7 @@ mod scan;
 pub mod segment;
 pub mod sidecar;
 
+pub use ahead::AheadMode;
 pub use backend::{
     Backend, EventFd, FaultBackend, FaultHandle, PowerCut, PwriteBackend, ROUNDS_IN_FLIGHT_MAX,
     RoundCompletion, RoundFailure, RoundRequest, SystemBackend, UringBackend, wait_readable,

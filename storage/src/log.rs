@@ -17,6 +17,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 
+use crate::ahead::Ahead;
 use crate::backend::{Backend, RoundCompletion, RoundFailure, RoundRequest, wait_readable};
 use crate::counters::Counters;
 use crate::direct::{self, AlignedBuf, DIRECT_ALIGN, DirectWrite};
@@ -318,6 +319,8 @@ pub struct Log<B: Backend> {
     spare_buffers: Vec<Vec<u8>>,
     pub(crate) total_bytes: u64,
     direct: DirectState,
+    /// The next segment's file, made ahead off this thread (`ahead.rs`).
+    ahead: Ahead,
 }
 
 /// What the log keeps for direct writes (`direct.rs`).
@@ -371,6 +374,7 @@ pub(crate) fn now_unix_us() -> u64 {
 
 impl<B: Backend> Log<B> {
     pub(crate) fn empty(config: LogConfig, backend: B, lock: DirLock) -> Self {
+        let ahead = Ahead::new(config.dir.clone(), backend.ahead_mode());
         Log {
             config,
             backend,
@@ -396,6 +400,7 @@ impl<B: Backend> Log<B> {
             spare_buffers: Vec::new(),
             total_bytes: 0,
             direct: DirectState::default(),
+            ahead,
         }
     }
 
@@ -523,6 +528,11 @@ impl<B: Backend> Log<B> {
     /// Sequence numbers of the segments on disk, oldest first.
     pub fn segment_seqs(&self) -> Vec<u64> {
         self.segments.iter().map(|s| s.seq).collect()
+    }
+
+    /// The segment whose file is being made, or was made, ahead of its start (`ahead.rs`).
+    pub fn segment_ahead(&self) -> Option<u64> {
+        self.ahead.requested()
     }
 
     /// Total bytes of the segment files.
@@ -687,7 +697,21 @@ impl<B: Backend> Log<B> {
         if self.in_flight.is_none() {
             self.start_round(now).map_err(|e| self.fail(e))?;
         }
+        self.ask_ahead();
         Ok(())
+    }
+
+    /// Once the active segment is half full, asks for the next one's file to be made ahead
+    /// (`ahead.rs`), so the roll does not preallocate on this thread. Half a segment leaves
+    /// the helper far more time than the few ms it needs, and a segment's worth of disk is
+    /// taken early only for the second half of the active one's life.
+    fn ask_ahead(&mut self) {
+        if let Some(active) = self.segments.back()
+            && (active.tail - active.data_start) * 2 >= active.size - active.data_start
+        {
+            self.ahead
+                .request(active.seq + 1, self.config.segment_bytes);
+        }
     }
 
     /// Next event of a completed round, in completion order.
@@ -1037,9 +1061,19 @@ impl<B: Backend> Log<B> {
             }
         }
         // The segment's creation fsyncs the directory, which also makes the sidecar's rename
-        // durable.
-        let (file, header_bytes, path) =
-            segment::create(&self.config.dir, seq, size, created, &checkpoint)?;
+        // durable. Its file is usually made already (`ahead.rs`): only the header, an fsync,
+        // the rename and the directory's fsync happen here.
+        let started = Instant::now();
+        let (file, header_bytes, path) = match self.ahead.take(seq) {
+            Some(blank) => {
+                self.counters.segments_made_ahead += 1;
+                segment::finish_blank(&self.config.dir, blank, seq, size, created, &checkpoint)?
+            }
+            None => segment::create(&self.config.dir, seq, size, created, &checkpoint)?,
+        };
+        self.counters
+            .segment_start_latency
+            .record(started.elapsed());
         tracing::debug!(seq, size, shards = checkpoint.len(), "log segment created");
         let header_crc = segment::read_header(&file, size)
             .map(|h| h.crc)

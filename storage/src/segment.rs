@@ -211,7 +211,8 @@ pub fn sync_dir(dir: &Path) -> Result<(), StorageError> {
 /// Creates segment `seq` of `size` bytes: written as `<name>.tmp`, preallocated, header
 /// written and fsynced, renamed into place, directory fsynced. A crash leaves either no
 /// `<seq>.log` or a complete, valid one (recovery deletes stray `.tmp` files).
-/// Blocks the calling thread (a few ms, once per segment).
+/// Blocks the calling thread (a few ms, once per segment: the preallocation is most of it,
+/// which is why the log makes the next segment's file ahead, off its thread: `ahead.rs`).
 pub fn create(
     dir: &Path,
     seq: u64,
@@ -219,12 +220,23 @@ pub fn create(
     created_unix_us: u64,
     checkpoint: &[(u32, u64)],
 ) -> Result<(File, u64, PathBuf), StorageError> {
-    let header = encode_header(seq, created_unix_us, checkpoint);
-    assert!(
-        size >= header.len() as u64,
-        "segment size covers the header"
-    );
-    let path = dir.join(file_name(seq));
+    let blank = make_blank(dir, seq, size)?;
+    finish_blank(dir, blank, seq, size, created_unix_us, checkpoint)
+}
+
+/// A preallocated segment file not yet in place: `<seq>.log.tmp`, no header yet. Recovery
+/// deletes it like any stray `.tmp` file; only [`finish_blank`] makes it a segment.
+#[derive(Debug)]
+pub struct Blank {
+    pub file: File,
+    pub tmp: PathBuf,
+    pub size: u64,
+}
+
+/// The first, slow half of [`create`]: `<seq>.log.tmp` created, preallocated to `size` bytes
+/// and fsynced (so the extents it allocated are on disk before the header's sync). Safe to
+/// run on any thread; nothing reads the file until [`finish_blank`].
+pub fn make_blank(dir: &Path, seq: u64, size: u64) -> Result<Blank, StorageError> {
     let tmp = dir.join(format!("{}.tmp", file_name(seq)));
     let ctx = |what: &str| format!("{what} {}", tmp.display());
     let result = (|| {
@@ -236,6 +248,49 @@ pub fn create(
             .open(&tmp)
             .map_err(|e| StorageError::io(ctx("create segment"), e))?;
         preallocate(&file, size)?;
+        file.sync_all()
+            .map_err(|e| StorageError::io(ctx("fsync segment"), e))?;
+        Ok(file)
+    })();
+    match result {
+        Ok(file) => Ok(Blank { file, tmp, size }),
+        Err(e) => {
+            // Best effort: a leftover .tmp is also removed by the next recovery.
+            let _ = fs::remove_file(&tmp);
+            Err(e)
+        }
+    }
+}
+
+/// The second half of [`create`], on the log's thread when the segment starts: header
+/// written and fsynced, `<seq>.log.tmp` renamed to `<seq>.log`, directory fsynced. A blank
+/// smaller than `size` (a record bigger than a segment) is preallocated further first.
+pub fn finish_blank(
+    dir: &Path,
+    blank: Blank,
+    seq: u64,
+    size: u64,
+    created_unix_us: u64,
+    checkpoint: &[(u32, u64)],
+) -> Result<(File, u64, PathBuf), StorageError> {
+    let header = encode_header(seq, created_unix_us, checkpoint);
+    assert!(
+        size >= header.len() as u64,
+        "segment size covers the header"
+    );
+    assert_eq!(
+        blank.tmp,
+        dir.join(format!("{}.tmp", file_name(seq))),
+        "the blank was made for this segment"
+    );
+    let path = dir.join(file_name(seq));
+    let tmp = blank.tmp;
+    let ctx = |what: &str| format!("{what} {}", tmp.display());
+    let result = (|| {
+        let file = blank.file;
+        if blank.size < size {
+            preallocate(&file, size)?;
+        }
         file.write_all_at(&header, 0)
             .map_err(|e| StorageError::io(ctx("write segment header"), e))?;
         file.sync_all()

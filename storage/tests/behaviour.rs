@@ -456,6 +456,98 @@ fn retention_deletes_whole_old_segments<B: Backend>(mk: &dyn Fn() -> Option<B>) 
     assert_eq!(log.segment_seqs(), vec![*after.last().expect("segments")]);
 }
 
+fn segments_are_made_ahead<B: Backend>(mk: &dyn Fn() -> Option<B>) {
+    // Every segment after the first starts from a file made ahead (`ahead.rs`); a blank left
+    // behind by a crash is removed by recovery, and the records read back the same.
+    let Some(backend) = mk() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = small_config(dir.path(), on_commit());
+    let (mut log, _) = Log::open(cfg.clone(), backend).expect("open");
+    let mut model = Model::default();
+    let mut rng = Rng(11);
+    let mut copied = None;
+    for i in 0..300 {
+        model.append(&mut log, &mut rng, i % 3, 4, 600);
+        if i % 6 == 5 {
+            log.flush(DEADLINE).expect("flush");
+            let seqs = log.segment_seqs();
+            if let Some(next) = log.segment_ahead()
+                && copied.is_none()
+                && seqs.len() >= 2
+            {
+                assert_eq!(Some(&(next - 1)), seqs.last(), "asked for the next segment");
+                // The helper creates the file first thing (then preallocates it).
+                let name = felix_storage::segment::file_name(next);
+                let blank = dir.path().join(format!("{name}.tmp"));
+                let deadline = Instant::now() + DEADLINE;
+                while !blank.exists() {
+                    assert!(Instant::now() < deadline, "no blank {}", blank.display());
+                    std::thread::yield_now();
+                }
+                // A crash now would leave this blank behind: keep a copy of the directory.
+                let copy = tempfile::tempdir().expect("tempdir");
+                for entry in std::fs::read_dir(dir.path()).expect("list") {
+                    let entry = entry.expect("entry");
+                    if entry.file_type().expect("type").is_file() {
+                        std::fs::copy(entry.path(), copy.path().join(entry.file_name()))
+                            .expect("copy");
+                    }
+                }
+                copied = Some((copy, model.clone()));
+            }
+        }
+    }
+    // End with a blank asked for, so dropping the log has one to clean up.
+    for _ in 0..200 {
+        if log.segment_ahead().is_some() {
+            break;
+        }
+        model.append(&mut log, &mut rng, 0, 4, 600);
+        log.flush(DEADLINE).expect("flush");
+    }
+    assert!(log.segment_ahead().is_some(), "a blank was asked for");
+    let c = log.counters().clone();
+    assert!(
+        c.segments_created >= 4,
+        "several segments: {}",
+        c.segments_created
+    );
+    assert_eq!(
+        c.segments_made_ahead,
+        c.segments_created - 1,
+        "every segment but the first was made ahead"
+    );
+    assert_eq!(c.segment_start_latency.count, c.segments_created);
+    drop(log);
+    let leftovers: Vec<_> = std::fs::read_dir(dir.path())
+        .expect("list")
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".tmp"))
+        .collect();
+    assert!(
+        leftovers.is_empty(),
+        "a closed log leaves no blank: {leftovers:?}"
+    );
+    let (copy, at_copy) = copied.expect("a blank existed at some flush");
+    let Some(backend) = mk() else { return };
+    let mut copy_cfg = cfg.clone();
+    copy_cfg.dir = copy.path().to_path_buf();
+    let (log, report) = Log::open(copy_cfg, backend).expect("reopen the copy");
+    assert_eq!(report.removed_temp_files, 1, "recovery removed the blank");
+    for (shard, want) in &at_copy.shards {
+        let got = read_all(&log, *shard, 0, 50);
+        assert!(got.len() == want.len() && got.iter().zip(want).all(|(g, e)| same(g, e)));
+    }
+    drop(log);
+    let Some(backend) = mk() else { return };
+    let (log, _) = Log::open(cfg, backend).expect("reopen");
+    for (shard, want) in &model.shards {
+        let got = read_all(&log, *shard, 0, 50);
+        assert!(got.len() == want.len() && got.iter().zip(want).all(|(g, e)| same(g, e)));
+    }
+}
+
 fn tokio_current_thread_loop_drives_the_log<B: Backend>(mk: &dyn Fn() -> Option<B>) {
     // A tokio current-thread event loop drives the log through AsyncFd on the wake fd, never blocking on the disk.
     use std::os::fd::AsRawFd;
@@ -690,6 +782,11 @@ macro_rules! suite {
             #[test]
             fn direct_writes_keep_the_bytes_of_buffered_ones() {
                 super::direct_writes_keep_the_bytes_of_buffered_ones(&$make);
+            }
+            /// See the generic test of the same name.
+            #[test]
+            fn segments_are_made_ahead() {
+                super::segments_are_made_ahead(&$make);
             }
             /// See the generic test of the same name.
             #[test]

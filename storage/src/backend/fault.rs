@@ -16,7 +16,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{Backend, EventFd, RoundCompletion, RoundFailure, RoundRequest};
+use super::{AheadMode, Backend, EventFd, RoundCompletion, RoundFailure, RoundRequest};
 use crate::StorageError;
 
 /// Simulated write time reported in completions (no real clock in the model).
@@ -188,6 +188,11 @@ impl Backend for FaultBackend {
 
     fn name(&self) -> &'static str {
         "fault"
+    }
+
+    fn ahead_mode(&self) -> AheadMode {
+        // The model is single-threaded and deterministic: blanks are made when asked.
+        AheadMode::Inline
     }
 }
 

@@ -17,6 +17,7 @@ use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use crate::ahead::AheadMode;
 use crate::direct::{AlignedBuf, DirectWrite};
 use crate::{BackendChoice, StorageError};
 
@@ -102,6 +103,11 @@ pub trait Backend {
     fn wake_fd(&self) -> BorrowedFd<'_>;
     /// Short name for logs and benchmarks.
     fn name(&self) -> &'static str;
+    /// How the log makes its next segment's file ahead of time (`ahead.rs`): on a helper
+    /// thread, unless the backend is the deterministic model.
+    fn ahead_mode(&self) -> AheadMode {
+        AheadMode::Thread
+    }
 }
 
 /// A non-blocking eventfd.

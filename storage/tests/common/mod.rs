@@ -52,7 +52,7 @@ pub struct Expected {
 }
 
 /// What the test appended, per shard in offset order.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Model {
     pub shards: BTreeMap<u32, Vec<Expected>>,
 }
