@@ -126,12 +126,31 @@ pub struct DurableMetrics {
     total_quarantine_skipped: Counter,
     /// Log bytes given back after streams were deleted (`felix_released_bytes_total`).
     total_released_bytes: Counter,
+    /// The writer's work, all cores: `felix_log_direct_rounds_total`,
+    /// `felix_log_direct_tail_reads_total`, `felix_log_direct_padding_bytes_total`,
+    /// `felix_log_segments_created_total`, `felix_log_segments_made_ahead_total`.
+    writer: WriterCounters,
     fsync_seconds: Histogram,
+}
+
+/// Broker-wide counters of the durable writers (`DurableMetrics::writer`).
+#[derive(Clone, Default)]
+struct WriterCounters {
+    direct_rounds: Counter,
+    direct_tail_reads: Counter,
+    direct_padding_bytes: Counter,
+    segments_created: Counter,
+    segments_made_ahead: Counter,
 }
 
 /// The log counters already exported by one core (the next update adds the difference).
 #[derive(Debug, Clone, Default)]
 pub struct DurableExported {
+    direct_rounds: u64,
+    direct_tail_reads: u64,
+    direct_padding_bytes: u64,
+    segments_created: u64,
+    segments_made_ahead: u64,
     append_bytes: u64,
     fsyncs: u64,
     fsync_records: u64,
@@ -171,6 +190,31 @@ impl DurableMetrics {
                 &self.total_released_bytes,
                 counters.released_bytes,
                 &mut exported.released_bytes,
+            ),
+            (
+                &self.writer.direct_rounds,
+                counters.direct_rounds,
+                &mut exported.direct_rounds,
+            ),
+            (
+                &self.writer.direct_tail_reads,
+                counters.direct_tail_reads,
+                &mut exported.direct_tail_reads,
+            ),
+            (
+                &self.writer.direct_padding_bytes,
+                counters.direct_padding_bytes,
+                &mut exported.direct_padding_bytes,
+            ),
+            (
+                &self.writer.segments_created,
+                counters.segments_created,
+                &mut exported.segments_created,
+            ),
+            (
+                &self.writer.segments_made_ahead,
+                counters.segments_made_ahead,
+                &mut exported.segments_made_ahead,
             ),
         ] {
             if now > *seen {
@@ -763,6 +807,38 @@ fn register_cores(
         "Durable log bytes given back after their streams were deleted (all cores)",
         total_released.clone(),
     );
+    let writer = WriterCounters::default();
+    for (name, help, counter) in [
+        (
+            "felix_log_direct_rounds",
+            "Durable log rounds written with O_DIRECT (all cores)",
+            &writer.direct_rounds,
+        ),
+        (
+            "felix_log_direct_tail_reads",
+            "Direct rounds that first read their segment's last partial block back (after \
+             recovery or a failed round; all cores)",
+            &writer.direct_tail_reads,
+        ),
+        (
+            "felix_log_direct_padding_bytes",
+            "Zeros direct writes put past their rounds: block padding and zeros written ahead of \
+             small rounds (all cores)",
+            &writer.direct_padding_bytes,
+        ),
+        (
+            "felix_log_segments_created",
+            "Durable log segments started (all cores)",
+            &writer.segments_created,
+        ),
+        (
+            "felix_log_segments_made_ahead",
+            "Durable log segments whose file was made ahead, off the core's thread (all cores)",
+            &writer.segments_made_ahead,
+        ),
+    ] {
+        registry.register(name, help, counter.clone());
+    }
     let fsync_seconds = Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
         FSYNC_SECONDS_FIRST_BUCKET,
         2.0,
@@ -821,6 +897,7 @@ fn register_cores(
                 total_quarantined_records: total_quarantined.clone(),
                 total_quarantine_skipped: total_quarantine_skipped.clone(),
                 total_released_bytes: total_released.clone(),
+                writer: writer.clone(),
                 fsync_seconds: fsync_seconds.clone(),
             },
             wire_bytes: wire.get_or_create_owned(&label),

@@ -171,6 +171,11 @@ fn acked_records_survive_a_clean_restart(io_uring: &'static str) {
         body.contains("felix_fsync_seconds_bucket"),
         "latency histogram exported"
     );
+    // The writer's counters: the durable stream started a segment on each core that got a
+    // shard; direct rounds are counted (how many depends on the file system's O_DIRECT).
+    assert!(metric_value(&body, "felix_log_segments_created_total").is_some_and(|n| n >= 1));
+    assert!(metric_value(&body, "felix_log_segments_made_ahead_total").is_some());
+    assert!(metric_value(&body, "felix_log_direct_rounds_total").is_some());
 
     let status = broker.terminate();
     assert!(status.success(), "clean exit: {status}");
