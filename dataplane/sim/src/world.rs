@@ -26,6 +26,9 @@ use crate::trace::Trace;
 const BASE_UNIX_US: u64 = 1_800_000_000_000_000;
 /// Segment size of the simulated logs: small, so segments roll over within a run.
 const SEGMENT_BYTES: u64 = 256 << 10;
+/// The segment size of the runs that roll often (the smallest a log accepts): a run writes a
+/// few hundred KiB at most, so with 256 KiB segments it would rarely leave its first one.
+const SMALL_SEGMENT_BYTES: u64 = 16 << 10;
 
 /// The shape of one run, drawn from its seed.
 #[derive(Debug, Clone)]
@@ -50,6 +53,9 @@ pub struct Shape {
     /// Half the runs stage rounds for O_DIRECT (whole blocks, the tail block rewritten);
     /// the fault backend writes the staged bytes, so its power cuts see them.
     pub direct_io: bool,
+    /// Half the runs use the smallest segments, so logs roll many times (the pre-roll round,
+    /// the next segment's file made ahead, sidecars, recovery across segments).
+    pub small_segments: bool,
 }
 
 /// The rules of a secured run: p0 may do everything; p1 publishes and subscribes on s0 and s1
@@ -90,6 +96,7 @@ impl Shape {
                 .chance(500)
                 .then(|| [(4096, 4096), (4096, 8192), (4096, 16384)][rng.index(3)]),
             direct_io: rng.chance(500),
+            small_segments: rng.chance(500),
         }
     }
 
@@ -98,7 +105,11 @@ impl Shape {
             fsync: self.fsync,
             backend: BackendChoice::Pwrite,
             direct_io: self.direct_io,
-            segment_bytes: SEGMENT_BYTES,
+            segment_bytes: if self.small_segments {
+                SMALL_SEGMENT_BYTES
+            } else {
+                SEGMENT_BYTES
+            },
             retention_bytes: None,
             retention_age: None,
         }
