@@ -2,7 +2,9 @@
 //! (`segment::create`: preallocate, header, fsync, rename, directory fsync), as a log did at
 //! every roll before segments were made ahead, against the part left on the log's thread
 //! when the file was made ahead (`segment::finish_blank` after `segment::make_blank`, see
-//! `src/ahead.rs`). Alternates the two so a drifting disk affects both alike. Not a test:
+//! `src/ahead.rs`). Alternates the two so a drifting disk affects both alike. Also times the
+//! closing segment's sidecar (48 shards, an index entry per shard every 4 MiB of a full
+//! segment: the default index interval), which the helper thread now writes too. Not a test:
 //! the figures go to docs/design/durable.md.
 //!
 //! ```text
@@ -13,6 +15,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use felix_storage::segment;
+use felix_storage::sidecar::{self, Sidecar, SidecarShard};
 
 /// Segment size when none is given: the broker's default (FELIX_DURABLE_SEGMENT_BYTES).
 const DEFAULT_SEGMENT_MIB: u64 = 1024;
@@ -41,6 +44,30 @@ fn main() {
     let size = mib << 20;
     let checkpoint: Vec<(u32, u64)> = (0..48).map(|s| (s, 1_000_000)).collect();
     let (mut whole, mut left, mut ahead) = (Vec::new(), Vec::new(), Vec::new());
+    let mut sidecars = Vec::new();
+    let per_shard = (size / (4 << 20)).max(1);
+    let sidecar = Sidecar {
+        seq: 0,
+        header_crc: 0,
+        index_interval_bytes: 4 << 20,
+        data_end: size,
+        records: 48 * per_shard * 64,
+        record_bytes: size,
+        max_timestamp_us: Some(1),
+        shards: (0..48)
+            .map(|shard| SidecarShard {
+                shard,
+                first: 0,
+                end: per_shard * 64,
+                records: per_shard * 64,
+            })
+            .collect(),
+        entries: (0..48u32)
+            .flat_map(|shard| {
+                (0..per_shard).map(move |i| (shard, i * 64, i * (4 << 20) + u64::from(shard)))
+            })
+            .collect(),
+    };
     for i in 0..rounds as u64 {
         let seq = 2 * i;
         let t = Instant::now();
@@ -55,13 +82,21 @@ fn main() {
             segment::finish_blank(dir, blank, seq + 1, size, 0, &checkpoint).expect("finish");
         left.push(t.elapsed());
         std::fs::remove_file(path).expect("remove");
+        let t = Instant::now();
+        sidecar::write(dir, &sidecar).expect("sidecar");
+        segment::sync_dir(dir).expect("sync dir");
+        sidecars.push(t.elapsed());
+        sidecar::remove(dir, sidecar.seq);
     }
     let us = |d: Duration| d.as_secs_f64() * 1e6;
     println!(
         "segment {mib} MiB, {rounds} pairs: on the log's thread, created at the roll {:.0} us \
-         (median), made ahead {:.0} us; the helper thread's part {:.0} us",
+         (median), made ahead {:.0} us; the helper thread's part {:.0} us; the sidecar ({} \
+         entries) {:.0} us",
         us(median(whole)),
         us(median(left)),
-        us(median(ahead))
+        us(median(ahead)),
+        sidecar.entries.len(),
+        us(median(sidecars))
     );
 }

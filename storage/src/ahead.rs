@@ -1,50 +1,67 @@
-//! The next segment's file, made ahead of time off the log's thread.
+//! File work of a roll done off the log's thread: the next segment's file, made ahead of
+//! time, and the closing segment's sidecar index.
 //!
-//! Creating a segment blocks for a few ms, most of it preallocating the file
-//! (`segment::make_blank`: ~2.5-3.6 ms for 1 GiB here against ~0.5-0.9 ms for the rest,
-//! docs/design/durable.md "Segments made ahead"). A log that made its segments when it
-//! rolled would stall every publisher of its core for that long once per segment. So once
-//! the active segment is half full, the log asks for the next segment's blank file
-//! (`<seq>.log.tmp`, preallocated and fsynced) and a helper thread makes it; at the roll the
-//! log's thread only writes the header, fsyncs, renames and fsyncs the directory
-//! (`segment::finish_blank`).
+//! Starting a segment blocks for a few ms, most of it preallocating the file
+//! (`segment::make_blank`: ~1.3-1.8 ms for 1 GiB here), then the closing segment's sidecar
+//! (a file of up to a few hundred KiB, fsynced and renamed: ~0.5-1 ms), then the header,
+//! an fsync, the rename and the directory's fsync (~0.4-0.6 ms; docs/design/durable.md
+//! "Segments made ahead"). A log that did all of it when it rolled would stall every publisher
+//! of its core once per segment. So once the active segment is half full, the log asks for the
+//! next segment's blank file (`<seq>.log.tmp`, preallocated and fsynced) and a helper thread
+//! makes it; at the roll the helper also writes the closing segment's sidecar, and the log's
+//! thread only finishes the blank (`segment::finish_blank`).
 //!
 //! What is on disk stays what recovery already handles: a blank is a `.tmp` file, deleted by
-//! the next recovery if the log never used it, and a segment appears under its real name
-//! only complete, as before.
+//! the next recovery if the log never used it; a segment appears under its real name only
+//! complete; a sidecar is optional (recovery scans a closed segment without one, and checks
+//! one it has against the segment), and one written for a segment deleted meanwhile is an
+//! orphan recovery removes.
+//!
+//! Ordering: the helper runs jobs one at a time in the order given. Before the log writes or
+//! removes a sidecar itself (releasing deleted streams' segments, a corrupt read), it waits
+//! for the jobs given so far ([`Ahead::settle`]), so an older sidecar never lands after it.
 //!
 //! Threads: [`Ahead`] lives on the log's thread; with [`AheadMode::Thread`] it owns one
-//! helper thread (`felix-log-ahead`, started with the first request, ended and joined on
-//! drop) that runs one job at a time. [`AheadMode::Inline`] makes the blank on the calling
-//! thread when asked, for the deterministic simulation (the fault backend).
+//! helper thread (`felix-log-ahead`, started with the first job, joined on drop after the jobs
+//! given so far). [`AheadMode::Inline`] does each job on the calling thread when given, for the
+//! deterministic simulation (the fault backend).
 
 use std::path::PathBuf;
-use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::thread::JoinHandle;
 
 use crate::StorageError;
 use crate::segment::{self, Blank};
+use crate::sidecar::{self, Sidecar};
 
-/// How a log makes its next segment's file ahead of time ([`crate::Backend::ahead_mode`]).
+/// Jobs queued for the helper at most: the blank asked for, the sidecar of the roll, and room
+/// for a blank asked again after a roll that did not use the previous one. A job that does not
+/// fit is done on the log's thread.
+const JOBS_QUEUED_MAX: usize = 4;
+
+/// How a log does its file work ([`crate::Backend::ahead_mode`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AheadMode {
     /// On a helper thread (the system backends).
     Thread,
-    /// On the calling thread, at the request (the fault backend: the simulation stays
+    /// On the calling thread, when given (the fault backend: the simulation stays
     /// deterministic and still takes the roll path that uses a blank).
     Inline,
 }
 
-struct Job {
-    seq: u64,
-    size: u64,
+enum Job {
+    Blank { seq: u64, size: u64 },
+    Sidecar(Box<Sidecar>),
 }
 
-type Made = (u64, Result<Blank, StorageError>);
+enum Done {
+    Blank(u64, Result<Blank, StorageError>),
+    Sidecar(u64, Result<(), StorageError>),
+}
 
 struct Helper {
     jobs: Option<SyncSender<Job>>,
-    made: Receiver<Made>,
+    done: Receiver<Done>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -53,18 +70,23 @@ pub(crate) struct Ahead {
     dir: PathBuf,
     mode: AheadMode,
     helper: Option<Helper>,
+    /// Jobs given to the helper whose result has not been collected.
+    outstanding: usize,
     /// The segment whose blank was asked for and not yet taken (made or being made).
     requested: Option<u64>,
     /// The last segment asked for, kept after a failed request so it is not asked again.
     asked: Option<u64>,
     /// A blank made and not yet taken.
     ready: Option<Blank>,
+    /// Sidecars written since the log last collected the count ([`Self::sidecars_written`]).
+    sidecars_written: u64,
 }
 
 impl std::fmt::Debug for Ahead {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Ahead")
             .field("mode", &self.mode)
+            .field("outstanding", &self.outstanding)
             .field("requested", &self.requested)
             .field("ready", &self.ready.as_ref().map(|b| &b.tmp))
             .finish()
@@ -77,9 +99,11 @@ impl Ahead {
             dir,
             mode,
             helper: None,
+            outstanding: 0,
             requested: None,
             asked: None,
             ready: None,
+            sidecars_written: 0,
         }
     }
 
@@ -88,38 +112,50 @@ impl Ahead {
         self.requested
     }
 
-    /// Asks for the blank of segment `seq` (`size` bytes), once per segment. A request for
-    /// another segment first drops the blank asked for before (the log moved on without
-    /// it). Never blocks in `Thread` mode beyond collecting that earlier blank; a blank
-    /// that cannot be made is logged and the roll makes the segment itself.
+    /// Sidecars written since the last call (the log adds them to its counters).
+    pub(crate) fn sidecars_written(&mut self) -> u64 {
+        std::mem::take(&mut self.sidecars_written)
+    }
+
+    /// Asks for the blank of segment `seq` (`size` bytes), once per segment. A blank asked
+    /// for before and not taken (the log moved on without it) is removed when it comes. Never
+    /// blocks in `Thread` mode; a blank that cannot be made is logged and the roll makes the
+    /// segment itself.
     pub(crate) fn request(&mut self, seq: u64, size: u64) {
         if self.asked == Some(seq) {
             return;
         }
-        self.discard();
         self.asked = Some(seq);
         self.requested = Some(seq);
+        if let Some(old) = self.ready.take() {
+            remove(old);
+        }
         match self.mode {
-            AheadMode::Inline => match segment::make_blank(&self.dir, seq, size) {
-                Ok(blank) => self.ready = Some(blank),
-                Err(error) => {
-                    tracing::warn!(seq, error = %crate::ErrorChain(&error), "cannot make the next segment ahead; it is made when needed");
-                }
-            },
+            AheadMode::Inline => {
+                let made = segment::make_blank(&self.dir, seq, size);
+                self.collect(Done::Blank(seq, made));
+            }
             AheadMode::Thread => {
-                if self.helper.is_none() {
-                    self.helper = self.spawn();
-                }
-                let sent = self
-                    .helper
-                    .as_ref()
-                    .and_then(|h| h.jobs.as_ref())
-                    .is_some_and(|jobs| jobs.try_send(Job { seq, size }).is_ok());
-                if !sent {
-                    // No helper (spawn failed) or its queue full: the roll makes the segment.
+                if let Err(Job::Blank { .. }) = self.give(Job::Blank { seq, size }) {
+                    // No helper, or its queue full: the roll makes the segment itself.
                     self.requested = None;
                 }
             }
+        }
+    }
+
+    /// Writes the sidecar of a closed segment: on the helper thread (in order after the jobs
+    /// given before), else here. Not fatal either way (see the module docs).
+    pub(crate) fn write_sidecar(&mut self, sidecar: Sidecar) {
+        let sidecar = match self.mode {
+            AheadMode::Inline => Err(Job::Sidecar(Box::new(sidecar))),
+            AheadMode::Thread => self.give(Job::Sidecar(Box::new(sidecar))),
+        };
+        if let Err(Job::Sidecar(sidecar)) = sidecar {
+            let seq = sidecar.seq;
+            let written =
+                sidecar::write(&self.dir, &sidecar).and_then(|()| segment::sync_dir(&self.dir));
+            self.collect(Done::Sidecar(seq, written));
         }
     }
 
@@ -131,10 +167,12 @@ impl Ahead {
         if self.requested != Some(seq) {
             return None;
         }
+        while self.requested == Some(seq)
+            && self.ready.is_none()
+            && self.outstanding > 0
+            && self.receive_one(true)
+        {}
         self.requested = None;
-        if self.mode == AheadMode::Thread {
-            self.receive(Some(seq));
-        }
         let blank = self.ready.take()?;
         if blank.tmp == self.dir.join(format!("{}.tmp", segment::file_name(seq))) {
             Some(blank)
@@ -144,60 +182,103 @@ impl Ahead {
         }
     }
 
-    /// Collects what the helper made: every finished job, and (with `wait_for`) blocks until
-    /// the job for that segment is done. Blanks for other segments are removed.
-    fn receive(&mut self, wait_for: Option<u64>) {
-        let Some(helper) = &self.helper else {
-            return;
+    /// Collects what the helper finished, without waiting.
+    pub(crate) fn poll(&mut self) {
+        while self.outstanding > 0 && self.receive_one(false) {}
+    }
+
+    /// Waits until every job given so far is done (before the log touches a sidecar itself).
+    pub(crate) fn settle(&mut self) {
+        while self.outstanding > 0 && self.receive_one(true) {}
+    }
+
+    /// Gives `job` to the helper (started on first use); the job back when it cannot.
+    fn give(&mut self, job: Job) -> Result<(), Job> {
+        if self.helper.is_none() {
+            self.helper = self.spawn();
+        }
+        let Some(jobs) = self.helper.as_ref().and_then(|h| h.jobs.as_ref()) else {
+            return Err(job);
         };
-        loop {
-            let made = match wait_for {
-                Some(_) => helper.made.recv().ok(),
-                None => helper.made.try_recv().ok(),
-            };
-            let Some((seq, result)) = made else {
-                return;
-            };
-            match result {
-                Ok(blank) if Some(seq) == wait_for || Some(seq) == self.requested => {
-                    if let Some(old) = self.ready.replace(blank) {
-                        remove(old);
-                    }
-                }
-                Ok(blank) => remove(blank),
-                Err(error) => {
-                    tracing::warn!(seq, error = %crate::ErrorChain(&error), "cannot make the next segment ahead; it is made when needed");
-                }
+        match jobs.try_send(job) {
+            Ok(()) => {
+                self.outstanding += 1;
+                Ok(())
             }
-            if wait_for == Some(seq) {
-                return;
+            Err(TrySendError::Full(job) | TrySendError::Disconnected(job)) => Err(job),
+        }
+    }
+
+    /// Collects one result of the helper; false when there is none (now, or ever: the helper
+    /// is gone).
+    fn receive_one(&mut self, wait: bool) -> bool {
+        let Some(helper) = &self.helper else {
+            self.outstanding = 0;
+            return false;
+        };
+        let done = if wait {
+            helper.done.recv().ok()
+        } else {
+            helper.done.try_recv().ok()
+        };
+        match done {
+            Some(done) => {
+                self.outstanding = self.outstanding.saturating_sub(1);
+                self.collect(done);
+                true
+            }
+            None => {
+                if wait {
+                    // The helper ended (a panic): nothing more will come.
+                    self.outstanding = 0;
+                }
+                false
             }
         }
     }
 
-    /// Drops the blank asked for before, if any (its file is removed).
-    fn discard(&mut self) {
-        if let Some(seq) = self.requested.take()
-            && self.mode == AheadMode::Thread
-        {
-            self.receive(Some(seq));
-        }
-        if let Some(blank) = self.ready.take() {
-            remove(blank);
+    fn collect(&mut self, done: Done) {
+        match done {
+            Done::Blank(seq, Ok(blank)) if self.requested == Some(seq) => {
+                if let Some(old) = self.ready.replace(blank) {
+                    remove(old);
+                }
+            }
+            Done::Blank(_, Ok(blank)) => remove(blank),
+            Done::Blank(seq, Err(error)) => {
+                if self.requested == Some(seq) {
+                    self.requested = None;
+                }
+                tracing::warn!(seq, error = %crate::ErrorChain(&error), "cannot make the next segment ahead; it is made when needed");
+            }
+            Done::Sidecar(_, Ok(())) => self.sidecars_written += 1,
+            Done::Sidecar(seq, Err(error)) => {
+                tracing::warn!(seq, error = %crate::ErrorChain(&error), "cannot write a sidecar index; recovery will scan the segment");
+            }
         }
     }
 
     fn spawn(&self) -> Option<Helper> {
-        let (jobs, incoming) = sync_channel::<Job>(1);
-        let (done, made) = sync_channel::<Made>(2);
+        let (jobs, incoming) = sync_channel::<Job>(JOBS_QUEUED_MAX);
+        // Room for every job's result: the helper never blocks on a log that is busy.
+        let (finished, done) = sync_channel::<Done>(JOBS_QUEUED_MAX + 1);
         let dir = self.dir.clone();
         let spawned = std::thread::Builder::new()
             .name("felix-log-ahead".into())
             .spawn(move || {
-                // Ends when the log drops the sender.
+                // Ends when the log drops the sender (after the jobs queued before).
                 while let Ok(job) = incoming.recv() {
-                    let result = segment::make_blank(&dir, job.seq, job.size);
-                    if done.send((job.seq, result)).is_err() {
+                    let done = match job {
+                        Job::Blank { seq, size } => {
+                            Done::Blank(seq, segment::make_blank(&dir, seq, size))
+                        }
+                        // The directory's fsync makes the sidecar's rename durable.
+                        Job::Sidecar(sidecar) => Done::Sidecar(
+                            sidecar.seq,
+                            sidecar::write(&dir, &sidecar).and_then(|()| segment::sync_dir(&dir)),
+                        ),
+                    };
+                    if finished.send(done).is_err() {
                         return;
                     }
                 }
@@ -205,11 +286,11 @@ impl Ahead {
         match spawned {
             Ok(thread) => Some(Helper {
                 jobs: Some(jobs),
-                made,
+                done,
                 thread: Some(thread),
             }),
             Err(error) => {
-                tracing::warn!(%error, "cannot start the thread that makes segments ahead; segments are made when needed");
+                tracing::warn!(%error, "cannot start the thread for the log's file work; the log does it on its own thread");
                 None
             }
         }
@@ -218,18 +299,15 @@ impl Ahead {
 
 impl Drop for Ahead {
     fn drop(&mut self) {
-        self.discard();
+        self.requested = None;
+        self.settle();
+        if let Some(blank) = self.ready.take() {
+            remove(blank);
+        }
         if let Some(mut helper) = self.helper.take() {
-            // The thread ends once its job queue is closed; whatever it made and nobody took
-            // (none: the discard waited for the one asked for) is removed.
             helper.jobs = None;
             if let Some(thread) = helper.thread.take() {
                 let _ = thread.join();
-            }
-            while let Ok((_, made)) = helper.made.try_recv() {
-                if let Ok(blank) = made {
-                    remove(blank);
-                }
             }
         }
     }

@@ -5,6 +5,7 @@
 //!
 //! Threads: the core's event-loop thread (see [`Log`]).
 
+use std::cell::RefCell;
 use std::collections::{BTreeMap, VecDeque};
 
 use rustc_hash::FxHashMap;
@@ -319,8 +320,9 @@ pub struct Log<B: Backend> {
     spare_buffers: Vec<Vec<u8>>,
     pub(crate) total_bytes: u64,
     direct: DirectState,
-    /// The next segment's file, made ahead off this thread (`ahead.rs`).
-    ahead: Ahead,
+    /// The file work of rolls, done off this thread (`ahead.rs`). A `RefCell` so a `read`
+    /// (`&self`) that finds damage can wait for it before removing a sidecar.
+    ahead: RefCell<Ahead>,
 }
 
 /// What the log keeps for direct writes (`direct.rs`).
@@ -374,7 +376,7 @@ pub(crate) fn now_unix_us() -> u64 {
 
 impl<B: Backend> Log<B> {
     pub(crate) fn empty(config: LogConfig, backend: B, lock: DirLock) -> Self {
-        let ahead = Ahead::new(config.dir.clone(), backend.ahead_mode());
+        let ahead = RefCell::new(Ahead::new(config.dir.clone(), backend.ahead_mode()));
         Log {
             config,
             backend,
@@ -532,7 +534,7 @@ impl<B: Backend> Log<B> {
 
     /// The segment whose file is being made, or was made, ahead of its start (`ahead.rs`).
     pub fn segment_ahead(&self) -> Option<u64> {
-        self.ahead.requested()
+        self.ahead.borrow().requested()
     }
 
     /// Total bytes of the segment files.
@@ -706,11 +708,13 @@ impl<B: Backend> Log<B> {
     /// the helper far more time than the few ms it needs, and a segment's worth of disk is
     /// taken early only for the second half of the active one's life.
     fn ask_ahead(&mut self) {
+        let ahead = self.ahead.get_mut();
+        ahead.poll();
+        self.counters.sidecars_written += ahead.sidecars_written();
         if let Some(active) = self.segments.back()
             && (active.tail - active.data_start) * 2 >= active.size - active.data_start
         {
-            self.ahead
-                .request(active.seq + 1, self.config.segment_bytes);
+            ahead.request(active.seq + 1, self.config.segment_bytes);
         }
     }
 
@@ -1051,20 +1055,19 @@ impl<B: Backend> Log<B> {
         let created = now_unix_us();
         if let Some(closing) = self.segments.back() {
             // The closing segment is synced (the pre-roll round) and never written again:
-            // its sidecar lets the next recovery skip scanning it. Not fatal: without it,
-            // recovery scans the segment and writes one.
+            // its sidecar lets the next recovery skip scanning it. Written by the helper
+            // thread (`ahead.rs`). Not fatal: without it, recovery scans the segment and
+            // writes one.
             let sidecar = self.sidecar_of(closing);
-            if let Err(error) = sidecar::write(&self.config.dir, &sidecar) {
-                tracing::warn!(seq = closing.seq, error = %crate::ErrorChain(&error), "cannot write a sidecar index; recovery will scan the segment");
-            } else {
-                self.counters.sidecars_written += 1;
-            }
+            self.ahead.get_mut().write_sidecar(sidecar);
         }
-        // The segment's creation fsyncs the directory, which also makes the sidecar's rename
-        // durable. Its file is usually made already (`ahead.rs`): only the header, an fsync,
-        // the rename and the directory's fsync happen here.
+        // The new segment's file is usually made already (`ahead.rs`): only the header, an
+        // fsync, the rename and the directory's fsync happen here.
         let started = Instant::now();
-        let (file, header_bytes, path) = match self.ahead.take(seq) {
+        let ahead = self.ahead.get_mut();
+        let blank = ahead.take(seq);
+        self.counters.sidecars_written += ahead.sidecars_written();
+        let (file, header_bytes, path) = match blank {
             Some(blank) => {
                 self.counters.segments_made_ahead += 1;
                 segment::finish_blank(&self.config.dir, blank, seq, size, created, &checkpoint)?
@@ -1423,6 +1426,8 @@ impl<B: Backend> Log<B> {
                 .back()
                 .is_some_and(|active| active.seq != *segment)
         {
+            // A sidecar the helper may still write for it must not land after the removal.
+            self.ahead.borrow_mut().settle();
             sidecar::remove(&self.config.dir, *segment);
         }
         result
@@ -1714,6 +1719,8 @@ impl<B: Backend> Log<B> {
         if dead.is_empty() {
             return Ok(report);
         }
+        // Segments below get new sidecars or lose theirs: the helper's older ones first.
+        self.ahead.get_mut().settle();
         let mut released = self.released.clone();
         released.extend(dead.iter().copied());
         released.store(&self.config.dir)?;

@@ -457,8 +457,10 @@ fn retention_deletes_whole_old_segments<B: Backend>(mk: &dyn Fn() -> Option<B>) 
 }
 
 fn segments_are_made_ahead<B: Backend>(mk: &dyn Fn() -> Option<B>) {
-    // Every segment after the first starts from a file made ahead (`ahead.rs`); a blank left
-    // behind by a crash is removed by recovery, and the records read back the same.
+    // Every segment after the first starts from a file made ahead (`ahead.rs`) and every closed
+    // one gets its sidecar from the helper; a blank left behind by a crash (its newest
+    // sidecar perhaps not written yet) is removed by recovery, and the records read back the
+    // same.
     let Some(backend) = mk() else { return };
     let dir = tempfile::tempdir().expect("tempdir");
     let cfg = small_config(dir.path(), on_commit());
@@ -528,6 +530,17 @@ fn segments_are_made_ahead<B: Backend>(mk: &dyn Fn() -> Option<B>) {
     assert!(
         leftovers.is_empty(),
         "a closed log leaves no blank: {leftovers:?}"
+    );
+    // The helper wrote every closed segment's sidecar before the log closed.
+    let sidecars = std::fs::read_dir(dir.path())
+        .expect("list")
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().extension().is_some_and(|x| x == "idx"))
+        .count();
+    assert_eq!(
+        sidecars as u64,
+        c.segments_created - 1,
+        "a sidecar per closed segment"
     );
     let (copy, at_copy) = copied.expect("a blank existed at some flush");
     let Some(backend) = mk() else { return };
