@@ -315,8 +315,9 @@ struct Unsynced {
 /// segmented file sequence, group-committed by backend `B`.
 ///
 /// Lives on its core's event-loop thread for its whole life (shard state is per-core; the
-/// fault backend makes it `!Send`, the system backends do not, but nothing moves it). `append`, `drive`, `poll_event` never block; `read` does a pread on the
-/// calling thread; segment creation (once per `segment_bytes`) and retention deletes are
+/// fault backend makes it `!Send`, the system backends do not, but nothing moves it). `append`, `drive`, `poll_event`, `try_read` never block; `read` does a pread
+/// on the calling thread (tests, tools; `try_read` leaves what the page cache lacks to the
+/// log's reader thread, `reader.rs`); segment creation (once per `segment_bytes`) and retention deletes are
 /// synchronous file operations of a few ms at most.
 ///
 /// Driving it from an event loop:
@@ -411,7 +412,6 @@ pub(crate) fn now_unix_us() -> u64 {
 
 impl<B: Backend> Log<B> {
     pub(crate) fn empty(config: LogConfig, backend: B, lock: DirLock) -> Self {
-        let held_reads = backend.held_reads();
         Log {
             config,
             backend,
@@ -437,7 +437,7 @@ impl<B: Backend> Log<B> {
             spare_buffers: Vec::new(),
             total_bytes: 0,
             direct: DirectState::default(),
-            reads: RefCell::new(Reads::new(held_reads)),
+            reads: RefCell::new(Reads::default()),
         }
     }
 
@@ -1457,11 +1457,18 @@ impl<B: Backend> Log<B> {
         resume: Option<ReadResume>,
     ) -> Result<ReadOutcome, StorageError> {
         let mut reads = self.reads.borrow_mut();
+        let held = self.backend.held_reads();
         let hits = &self.counters.read_cache_hits;
         let wake = || crate::backend::EventFd::duplicate(self.backend.wake_fd());
-        let mut chunk = |seg: &Segment, pos: u64, len: usize, need: usize| match reads
-            .chunk(seg.seq, &seg.file, pos, len, need, wake)?
-        {
+        let mut chunk = |seg: &Segment, pos: u64, len: usize, need: usize| match reads.chunk(
+            held.as_ref(),
+            seg.seq,
+            &seg.file,
+            pos,
+            len,
+            need,
+            wake,
+        )? {
             Chunk::Ready(bytes) => {
                 hits.set(hits.get() + 1);
                 Ok(Some(bytes))
@@ -1479,7 +1486,10 @@ impl<B: Backend> Log<B> {
     /// `drive`); returns how many arrived: reads that answered `Pending` may complete now.
     /// Never blocks.
     pub fn poll_reads(&self) -> usize {
-        let arrived = self.reads.borrow_mut().poll();
+        let arrived = self
+            .reads
+            .borrow_mut()
+            .poll(self.backend.held_reads().as_ref());
         let fetches = &self.counters.read_fetches;
         fetches.set(fetches.get() + arrived as u64);
         arrived

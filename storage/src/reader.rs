@@ -229,7 +229,6 @@ pub(crate) struct Reads {
     /// (segment, position, length) of the outstanding fetches.
     in_flight: Vec<(u64, u64, usize)>,
     thread: Option<ReaderThread>,
-    held: Option<HeldReads>,
     /// Test hook: every look at the page cache misses.
     force_misses: bool,
     /// The kernel or file system refused RWF_NOWAIT: every chunk is fetched.
@@ -246,13 +245,6 @@ pub(crate) enum Chunk {
 }
 
 impl Reads {
-    pub(crate) fn new(held: Option<HeldReads>) -> Reads {
-        Reads {
-            held,
-            ..Reads::default()
-        }
-    }
-
     pub(crate) fn set_force_misses(&mut self, on: bool) {
         self.force_misses = on;
     }
@@ -264,9 +256,13 @@ impl Reads {
     /// The bytes of `segment` (`file`) from `pos`: up to `len`, at least `need` (a whole
     /// frame). `Ok(Some)` when in memory, `Ok(None)` when a fetch was started or is already
     /// on its way (or the fetch queue is full: a fetch arriving frees a place). `hits` counts
-    /// chunks found in memory. `wake` makes the eventfd the reader thread notifies.
+    /// chunks found in memory. `wake` makes the eventfd the reader thread notifies. `held`:
+    /// the fault backend's reads (`Backend::held_reads`), which replace the page cache and
+    /// the thread. Not kept here, so a log on a system backend stays `Send`.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn chunk(
         &mut self,
+        held: Option<&HeldReads>,
         segment: u64,
         file: &Arc<File>,
         pos: u64,
@@ -301,7 +297,7 @@ impl Reads {
                 }
             }
         }
-        let missed = match &self.held {
+        let missed = match held {
             Some(held) => {
                 if self.force_misses || held.misses() {
                     true
@@ -342,7 +338,7 @@ impl Reads {
             pos,
             len,
         };
-        match &self.held {
+        match held {
             Some(held) => held.0.borrow_mut().queued.push_back(fetch),
             None => {
                 if self.thread.is_none() {
@@ -365,9 +361,9 @@ impl Reads {
     }
 
     /// Takes the completed fetches into the kept chunks; returns how many arrived.
-    pub(crate) fn poll(&mut self) -> usize {
+    pub(crate) fn poll(&mut self, held: Option<&HeldReads>) -> usize {
         let mut arrived = Vec::new();
-        match &self.held {
+        match held {
             Some(held) => arrived.extend(held.0.borrow_mut().done.drain(..)),
             None => {
                 let mut gone = false;

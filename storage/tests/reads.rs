@@ -76,6 +76,13 @@ fn assert_identical(got: &[Record], want: &[Expected]) {
 }
 
 #[test]
+fn a_log_on_a_system_backend_stays_send() {
+    // The read side keeps no `Rc` (the fault backend's held reads are asked for per call).
+    fn send<T: Send>() {}
+    send::<Log<felix_storage::SystemBackend>>();
+}
+
+#[test]
 fn a_read_that_misses_the_page_cache_waits_for_the_reader_thread() {
     // Every look at the page cache misses (the test hook): the first answer is Pending, the
     // reader thread's chunk wakes the log's eventfd, and the records that come back are
