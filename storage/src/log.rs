@@ -120,6 +120,11 @@ pub struct ReadResume {
     skipped: u64,
 }
 
+/// Where a read's walk takes its bytes: `(segment, pos, len, need)` -> bytes from `pos`, up
+/// to `len` and at least `need`, or `None` when they are not in memory yet.
+type ChunkSource<'a> =
+    dyn FnMut(&Segment, u64, usize, usize) -> Result<Option<Bytes>, StorageError> + 'a;
+
 /// How a read's walk ended.
 enum Walk {
     Done(Vec<Record>),
@@ -1517,7 +1522,7 @@ impl<B: Backend> Log<B> {
         max_records: usize,
         max_bytes: usize,
         resume: Option<ReadResume>,
-        chunk: &mut dyn FnMut(&Segment, u64, usize, usize) -> Result<Option<Bytes>, StorageError>,
+        chunk: &mut ChunkSource<'_>,
     ) -> Result<Walk, StorageError> {
         let resume = resume.filter(|r| {
             r.shard == shard && r.from == from && self.segment_index(r.segment).is_some()
@@ -1552,7 +1557,7 @@ impl<B: Backend> Log<B> {
         max_bytes: usize,
         resume: Option<ReadResume>,
         skipped: &Cell<u64>,
-        chunk: &mut dyn FnMut(&Segment, u64, usize, usize) -> Result<Option<Bytes>, StorageError>,
+        chunk: &mut ChunkSource<'_>,
     ) -> Result<Walk, StorageError> {
         self.check_failed()?;
         let Some(state) = self.shards.get(&shard) else {
