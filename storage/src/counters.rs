@@ -113,6 +113,13 @@ pub struct Counters {
     /// Quarantined offsets that reads skipped (each read that crosses a range counts it).
     /// A `Cell` because reads take `&self`; the log lives on one thread.
     pub quarantine_skipped_records: Cell<u64>,
+    /// Catch-up read chunks (`log::READ_CHUNK_BYTES`) `Log::try_read` found in memory without
+    /// blocking: in the page cache (`preadv2(RWF_NOWAIT)`), or among the chunks fetched for
+    /// reads that waited (`reader.rs`). `Cell`s like the one above.
+    pub read_cache_hits: Cell<u64>,
+    /// Chunks the log's reader thread read from the disk for reads that missed the page
+    /// cache (each such read answered later, off the core's thread).
+    pub read_fetches: Cell<u64>,
     /// Segments and file bytes given back by releasing deleted streams' shards.
     pub released_segments: u64,
     pub released_bytes: u64,

@@ -13,7 +13,10 @@
 //! Threads: one [`Log`] per data-plane core, created and driven on that core's
 //! single-threaded event loop, and kept there (`append`, `drive` and `poll_event` never block).
 //! The io_uring backend adds the kernel's io-wq workers; the pwrite backend adds one writer
-//! thread per log. Reads (`Log::read`) pread on the calling thread. The offline commands run on
+//! thread per log. Catch-up reads (`Log::try_read`) never block the core's thread on the disk:
+//! what the page cache does not hold is read by the log's reader thread (`felix-log-reader`,
+//! spawned at the first such read) and the read is answered later (`reader.rs`); the
+//! blocking `Log::read` (tests, tools) preads on the calling thread. The offline commands run on
 //! the caller's thread with the directory locked. The format is specified in
 //! `docs/storage-format.md`.
 
@@ -29,6 +32,7 @@ mod lock;
 mod log;
 pub mod offline;
 pub mod quarantine;
+mod reader;
 mod recovery;
 mod scan;
 pub mod segment;
@@ -48,9 +52,10 @@ pub use error::{CorruptLog, ErrorChain, StorageError, repair_command};
 pub use index::{DEFAULT_INDEX_INTERVAL_BYTES, IndexEntry};
 pub use lock::{DirLock, LOCK_FILE};
 pub use log::{
-    Log, LogEvent, MARK_DELAY, READ_CHUNK_BYTES, Record, ReleaseReport, RetentionReport,
-    ShardOffsets, ShardRange,
+    Log, LogEvent, MARK_DELAY, READ_CHUNK_BYTES, ReadOutcome, ReadResume, Record, ReleaseReport,
+    RetentionReport, ShardOffsets, ShardRange,
 };
 pub use quarantine::{Quarantine, QuarantineRange, Released};
+pub use reader::{FETCHED_KEPT_MAX, FETCHES_IN_FLIGHT_MAX, HeldReads};
 pub use recovery::{RecoveryReport, ShardRecovery, TAIL_COUNT_WINDOW_BYTES, Truncation};
 pub use scan::{MARK_SEARCH_WINDOW_BYTES, RESYNC_WINDOW_BYTES, SCAN_CHUNK_BYTES};

@@ -5,7 +5,7 @@
 //!
 //! Threads: the core's event-loop thread (see [`Log`]).
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, VecDeque};
 
 use rustc_hash::FxHashMap;
@@ -26,6 +26,7 @@ use crate::frame::{self, Decoded, HEADER_BYTES, MARK_BYTES};
 use crate::index::{IndexEntry, ShardIndex};
 use crate::lock::DirLock;
 use crate::quarantine::{Quarantine, Released};
+use crate::reader::{Chunk, Reads};
 use crate::sidecar::{self, Sidecar, SidecarShard};
 use crate::{FsyncMode, LogConfig, StorageError, segment};
 
@@ -89,6 +90,46 @@ pub struct Record {
     pub timestamp_us: u64,
     pub key: Bytes,
     pub payload: Bytes,
+}
+
+/// What [`Log::try_read`] did.
+#[derive(Debug)]
+pub enum ReadOutcome {
+    /// The records, as [`Log::read`] would return them, or fewer: a read that gathered some
+    /// records and then met bytes not in memory returns those it has (the next read goes on
+    /// from there). Empty means the log holds nothing more from the offset.
+    Records(Vec<Record>),
+    /// Bytes the read needs first are not in memory: a fetch is on its way (or waits for a
+    /// place among [`crate::FETCHES_IN_FLIGHT_MAX`]). Ask again, with the same shard and
+    /// offset and this resume point, once [`Log::poll_reads`] took a fetched chunk in.
+    Pending(ReadResume),
+}
+
+/// Where a read that waits for the disk goes on from (a [`ReadOutcome::Pending`]): its
+/// position in the log, so a retry scans each chunk once. Valid for the same shard and
+/// offset only; [`Log::try_read`] starts over when it does not match or its segment is gone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadResume {
+    shard: u32,
+    from: u64,
+    segment: u64,
+    pos: u64,
+    expect: u64,
+    last_hit: u64,
+    min_read: u64,
+    /// Quarantined offsets skipped before `pos` (counted when the read completes).
+    skipped: u64,
+}
+
+/// Where a read's walk takes its bytes: `(segment, pos, len, need)` -> bytes from `pos`, up
+/// to `len` and at least `need`, or `None` when they are not in memory yet.
+type ChunkSource<'a> =
+    dyn FnMut(&Segment, u64, usize, usize) -> Result<Option<Bytes>, StorageError> + 'a;
+
+/// How a read's walk ended.
+enum Walk {
+    Done(Vec<Record>),
+    Missed(ReadResume),
 }
 
 /// Per-shard offsets as the log sees them.
@@ -280,8 +321,9 @@ struct Unsynced {
 /// segmented file sequence, group-committed by backend `B`.
 ///
 /// Lives on its core's event-loop thread for its whole life (shard state is per-core; the
-/// fault backend makes it `!Send`, the system backends do not, but nothing moves it). `append`, `drive`, `poll_event` never block; `read` does a pread on the
-/// calling thread; segment creation (once per `segment_bytes`) and retention deletes are
+/// fault backend makes it `!Send`, the system backends do not, but nothing moves it). `append`, `drive`, `poll_event`, `try_read` never block; `read` does a pread
+/// on the calling thread (tests, tools; `try_read` leaves what the page cache lacks to the
+/// log's reader thread, `reader.rs`); segment creation (once per `segment_bytes`) and retention deletes are
 /// synchronous file operations of a few ms at most.
 ///
 /// Driving it from an event loop:
@@ -323,6 +365,9 @@ pub struct Log<B: Backend> {
     /// The file work of rolls, done off this thread (`ahead.rs`). A `RefCell` so a `read`
     /// (`&self`) that finds damage can wait for it before removing a sidecar.
     ahead: RefCell<Ahead>,
+    /// The read side: fetched chunks, the reader thread (`reader.rs`). A `RefCell` because
+    /// reads take `&self`; the log lives on one thread.
+    reads: RefCell<Reads>,
 }
 
 /// What the log keeps for direct writes (`direct.rs`).
@@ -403,6 +448,7 @@ impl<B: Backend> Log<B> {
             total_bytes: 0,
             direct: DirectState::default(),
             ahead,
+            reads: RefCell::new(Reads::default()),
         }
     }
 
@@ -1409,9 +1455,12 @@ impl<B: Backend> Log<B> {
     /// record when one is available). Committed means synced on on_commit and written on
     /// periodic (see [`Log::committed_offset`]). Quarantined offsets (`quarantine.rs`) are
     /// skipped: the records returned then jump over them, and the skipped offsets are counted
-    /// in `Counters::quarantine_skipped_records`. Does pread on the calling thread (v1), each
-    /// record's CRC checked; a bad committed record is `Corrupt`, which is fatal (and removes
-    /// the segment's sidecar, so the next recovery scans the segment and names the damage).
+    /// in `Counters::quarantine_skipped_records`. Each record's CRC is checked; a bad
+    /// committed record is `Corrupt`, which is fatal (and removes the segment's sidecar, so
+    /// the next recovery scans the segment and names the damage).
+    ///
+    /// Blocks: preads on the calling thread. For tests, tools and shutdown; the core's event
+    /// loop uses [`Log::try_read`].
     pub fn read(
         &self,
         shard: u32,
@@ -1419,7 +1468,107 @@ impl<B: Backend> Log<B> {
         max_records: usize,
         max_bytes: usize,
     ) -> Result<Vec<Record>, StorageError> {
-        let result = self.read_inner(shard, from, max_records, max_bytes);
+        let mut pread = |seg: &Segment, pos: u64, len: usize, _need: usize| {
+            let mut raw = vec![0u8; len];
+            seg.file
+                .read_exact_at(&mut raw, pos)
+                .map_err(|e| StorageError::io(format!("read segment {}", seg.seq), e))?;
+            Ok(Some(Bytes::from(raw)))
+        };
+        match self.read_checked(shard, from, max_records, max_bytes, None, &mut pread)? {
+            Walk::Done(records) => Ok(records),
+            Walk::Missed(_) => unreachable!("a blocking pread never misses"),
+        }
+    }
+
+    /// [`Log::read`] without blocking on the disk: the bytes come from the page cache, read
+    /// with `preadv2(RWF_NOWAIT)`, or from chunks fetched earlier; a chunk in neither is
+    /// handed to the log's reader thread and the read answers [`ReadOutcome::Pending`] (or
+    /// the records gathered before it). The reader thread wakes the caller through
+    /// [`Log::wake_fd`]; then [`Log::poll_reads`] takes the chunk in and the read is asked
+    /// again with its `resume` point. A chunk kept for a retry is dropped after a few later
+    /// fetches (`reader.rs`), so retry soon after `poll_reads`. Counted in
+    /// `Counters::read_cache_hits` and `Counters::read_fetches`.
+    pub fn try_read(
+        &self,
+        shard: u32,
+        from: u64,
+        max_records: usize,
+        max_bytes: usize,
+        resume: Option<ReadResume>,
+    ) -> Result<ReadOutcome, StorageError> {
+        let mut reads = self.reads.borrow_mut();
+        let held = self.backend.held_reads();
+        let hits = &self.counters.read_cache_hits;
+        let wake = || crate::backend::EventFd::duplicate(self.backend.wake_fd());
+        let mut chunk = |seg: &Segment, pos: u64, len: usize, need: usize| match reads.chunk(
+            held.as_ref(),
+            seg.seq,
+            &seg.file,
+            pos,
+            len,
+            need,
+            wake,
+        )? {
+            Chunk::Ready(bytes) => {
+                hits.set(hits.get() + 1);
+                Ok(Some(bytes))
+            }
+            Chunk::Pending => Ok(None),
+        };
+        let walk = self.read_checked(shard, from, max_records, max_bytes, resume, &mut chunk)?;
+        Ok(match walk {
+            Walk::Done(records) => ReadOutcome::Records(records),
+            Walk::Missed(resume) => ReadOutcome::Pending(resume),
+        })
+    }
+
+    /// Takes the chunks the reader thread fetched (after the caller cleared the wake-up, like
+    /// `drive`); returns how many arrived: reads that answered `Pending` may complete now.
+    /// Never blocks.
+    pub fn poll_reads(&self) -> usize {
+        let arrived = self
+            .reads
+            .borrow_mut()
+            .poll(self.backend.held_reads().as_ref());
+        let fetches = &self.counters.read_fetches;
+        fetches.set(fetches.get() + arrived as u64);
+        arrived
+    }
+
+    /// Fetches handed to the reader thread and not taken in by [`Log::poll_reads`] yet.
+    #[must_use]
+    pub fn reads_outstanding(&self) -> usize {
+        self.reads.borrow().outstanding()
+    }
+
+    /// Test hook: every look at the page cache misses, so every chunk not kept from an
+    /// earlier fetch goes through the reader thread (or the fault backend's held fetches).
+    #[doc(hidden)]
+    pub fn force_read_misses(&self, on: bool) {
+        self.reads.borrow_mut().set_force_misses(on);
+    }
+
+    /// The walk and its bookkeeping: quarantine skips counted when the read completes (not
+    /// while it waits), the sidecar removed on `Corrupt`.
+    fn read_checked(
+        &self,
+        shard: u32,
+        from: u64,
+        max_records: usize,
+        max_bytes: usize,
+        resume: Option<ReadResume>,
+        chunk: &mut ChunkSource<'_>,
+    ) -> Result<Walk, StorageError> {
+        let resume = resume.filter(|r| {
+            r.shard == shard && r.from == from && self.segment_index(r.segment).is_some()
+        });
+        let skipped = Cell::new(resume.as_ref().map_or(0, |r| r.skipped));
+        let result = self.read_inner(shard, from, max_records, max_bytes, resume, &skipped, chunk);
+        if !matches!(result, Ok(Walk::Missed(_))) {
+            let counted = &self.counters.quarantine_skipped_records;
+            counted.set(counted.get() + skipped.get());
+        }
         if let Err(StorageError::Corrupt { segment, .. }) = &result
             && self
                 .segments
@@ -1433,16 +1582,24 @@ impl<B: Backend> Log<B> {
         result
     }
 
+    /// The walk of a read: from the index entry at or before `from` (or from `resume`),
+    /// chunk by chunk. `chunk(segment, pos, len, need)` gives bytes from `pos`: up to `len`,
+    /// at least `need` (0: any), or `None` when they are not in memory yet. `skipped` counts
+    /// the quarantined offsets passed (the walk's, from `resume`, plus the start's).
+    #[allow(clippy::too_many_arguments)]
     fn read_inner(
         &self,
         shard: u32,
         from: u64,
         max_records: usize,
         max_bytes: usize,
-    ) -> Result<Vec<Record>, StorageError> {
+        resume: Option<ReadResume>,
+        skipped: &Cell<u64>,
+        chunk: &mut ChunkSource<'_>,
+    ) -> Result<Walk, StorageError> {
         self.check_failed()?;
         let Some(state) = self.shards.get(&shard) else {
-            return Ok(Vec::new());
+            return Ok(Walk::Done(Vec::new()));
         };
         if from < state.oldest {
             return Err(StorageError::OffsetTooOld {
@@ -1453,8 +1610,8 @@ impl<B: Backend> Log<B> {
         }
         let asked = from;
         let from = self.quarantine.skip(shard, asked);
-        let skipped = &self.counters.quarantine_skipped_records;
-        skipped.set(skipped.get() + (from - asked));
+        let skipped_at_start = from - asked;
+        skipped.set(skipped.get() + skipped_at_start);
         // Moves past the quarantined offsets at `next`, counting those at or after `asked`.
         let skip = |next: u64| {
             let to = self.quarantine.skip(shard, next);
@@ -1466,7 +1623,7 @@ impl<B: Backend> Log<B> {
         let end = self.commit_watermark(state);
         let mut out = Vec::new();
         if from >= end || max_records == 0 {
-            return Ok(out);
+            return Ok(Walk::Done(out));
         }
         let corrupt = |segment: u64, position: u64, reason: String| StorageError::Corrupt {
             segment,
@@ -1477,20 +1634,27 @@ impl<B: Backend> Log<B> {
             .index
             .get(&shard)
             .ok_or_else(|| corrupt(0, 0, format!("shard {shard} has records but no index")))?;
-        let entry = ix.seek(from).ok_or_else(|| {
-            corrupt(
-                0,
-                0,
-                format!("shard {shard}: no index entry at or before {from}"),
-            )
-        })?;
         let interval = self.config.index_interval_bytes;
-        let mut expect = entry.offset;
-        let mut seg_seq = entry.segment;
-        let mut pos = entry.position;
-        // Position of the shard's last record seen (or of the entry jumped to).
-        let mut last_hit = entry.position;
-        let mut min_read = 0u64;
+        let (mut expect, mut seg_seq, mut pos, mut last_hit, mut min_read) = match &resume {
+            Some(r) => (r.expect, r.segment, r.pos, r.last_hit, r.min_read),
+            None => {
+                let entry = ix.seek(from).ok_or_else(|| {
+                    corrupt(
+                        0,
+                        0,
+                        format!("shard {shard}: no index entry at or before {from}"),
+                    )
+                })?;
+                // Position of the shard's last record seen (or of the entry jumped to).
+                (
+                    entry.offset,
+                    entry.segment,
+                    entry.position,
+                    entry.position,
+                    0,
+                )
+            }
+        };
         let mut bytes = 0usize;
         // Bounded: every pass consumes at least one frame, jumps forward to an index entry,
         // or returns; a jump never goes backwards (checked).
@@ -1510,7 +1674,7 @@ impl<B: Backend> Log<B> {
                 };
                 let Some(next) = next else {
                     if pos >= seg.tail {
-                        return Ok(out);
+                        return Ok(Walk::Done(out));
                     }
                     return Err(corrupt(
                         seg_seq,
@@ -1534,12 +1698,25 @@ impl<B: Backend> Log<B> {
                 continue;
             }
             let want = READ_CHUNK_BYTES.max(min_read).min(seg.tail - pos);
+            let need = min_read.min(want);
+            let len = usize::try_from(want).unwrap_or(usize::MAX);
+            let Some(chunk) = chunk(seg, pos, len, usize::try_from(need).unwrap_or(len))? else {
+                // Not in memory: what was gathered is an answer; else wait here.
+                if !out.is_empty() {
+                    return Ok(Walk::Done(out));
+                }
+                return Ok(Walk::Missed(ReadResume {
+                    shard,
+                    from: asked,
+                    segment: seg_seq,
+                    pos,
+                    expect,
+                    last_hit,
+                    min_read,
+                    skipped: skipped.get() - skipped_at_start,
+                }));
+            };
             min_read = 0;
-            let mut raw = vec![0u8; want as usize];
-            seg.file
-                .read_exact_at(&mut raw, pos)
-                .map_err(|e| StorageError::io(format!("read segment {seg_seq}"), e))?;
-            let chunk = Bytes::from(raw);
             let mut at = 0usize;
             while at < chunk.len() {
                 match frame::decode(&chunk[at..]) {
@@ -1564,7 +1741,7 @@ impl<B: Backend> Log<B> {
                             if record.offset >= from {
                                 let body = record.key.len() + record.payload.len();
                                 if !out.is_empty() && bytes + body > max_bytes {
-                                    return Ok(out);
+                                    return Ok(Walk::Done(out));
                                 }
                                 let key_start = at + HEADER_BYTES;
                                 let payload_start = key_start + record.key.len();
@@ -1577,7 +1754,7 @@ impl<B: Backend> Log<B> {
                                 });
                                 bytes += body;
                                 if out.len() >= max_records || expect >= end {
-                                    return Ok(out);
+                                    return Ok(Walk::Done(out));
                                 }
                             }
                         }

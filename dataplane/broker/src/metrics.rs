@@ -130,6 +130,10 @@ pub struct DurableMetrics {
     /// `felix_log_direct_tail_reads_total`, `felix_log_direct_padding_bytes_total`,
     /// `felix_log_segments_created_total`, `felix_log_segments_made_ahead_total`.
     writer: WriterCounters,
+    /// Catch-up read chunks found in memory (`felix_read_cache_hits_total`) and read from the
+    /// disk by the logs' reader threads (`felix_read_fetches_total`).
+    total_read_cache_hits: Counter,
+    total_read_fetches: Counter,
     fsync_seconds: Histogram,
 }
 
@@ -158,6 +162,8 @@ pub struct DurableExported {
     records_pending: i64,
     quarantine_skipped: u64,
     released_bytes: u64,
+    read_cache_hits: u64,
+    read_fetches: u64,
     latency_buckets: [u64; felix_storage::LATENCY_BUCKETS],
 }
 
@@ -215,6 +221,16 @@ impl DurableMetrics {
                 &self.writer.segments_made_ahead,
                 counters.segments_made_ahead,
                 &mut exported.segments_made_ahead,
+            ),
+            (
+                &self.total_read_cache_hits,
+                counters.read_cache_hits.get(),
+                &mut exported.read_cache_hits,
+            ),
+            (
+                &self.total_read_fetches,
+                counters.read_fetches.get(),
+                &mut exported.read_fetches,
             ),
         ] {
             if now > *seen {
@@ -839,6 +855,20 @@ fn register_cores(
     ] {
         registry.register(name, help, counter.clone());
     }
+    let total_read_cache_hits = Counter::default();
+    registry.register(
+        "felix_read_cache_hits",
+        "Catch-up read chunks (256 KiB) the durable logs found in memory without blocking: the \
+         page cache, or a chunk fetched for an earlier read (all cores)",
+        total_read_cache_hits.clone(),
+    );
+    let total_read_fetches = Counter::default();
+    registry.register(
+        "felix_read_fetches",
+        "Catch-up read chunks the durable logs' reader threads read from the disk because the \
+         page cache did not hold them; those reads were answered later (all cores)",
+        total_read_fetches.clone(),
+    );
     let fsync_seconds = Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
         FSYNC_SECONDS_FIRST_BUCKET,
         2.0,
@@ -898,6 +928,8 @@ fn register_cores(
                 total_quarantine_skipped: total_quarantine_skipped.clone(),
                 total_released_bytes: total_released.clone(),
                 writer: writer.clone(),
+                total_read_cache_hits: total_read_cache_hits.clone(),
+                total_read_fetches: total_read_fetches.clone(),
                 fsync_seconds: fsync_seconds.clone(),
             },
             wire_bytes: wire.get_or_create_owned(&label),

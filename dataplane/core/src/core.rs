@@ -270,6 +270,10 @@ pub struct Core {
     /// (`PumpReport::held`). Until the next pump (the log's wake-up when a round finished,
     /// or its timer) queued appends are not log work, so the shell does not spin on them.
     pub(crate) appends_held: bool,
+    /// The last log pump left catch-up reads queued in the engine: the reads that wait for
+    /// the log's reader thread are at their bound (`PumpReport::reads_held`). Until the next
+    /// pump (the log's wake-up when a fetch arrived) they are not log work either.
+    pub(crate) reads_held: bool,
     /// Tokens of hellos waiting for the shell's verdict, oldest first. At most one per
     /// connection (its hello stream is parked meanwhile).
     token_checks: VecDeque<TokenCheck>,
@@ -332,6 +336,7 @@ impl Core {
             scratch_shards: Vec::new(),
             log_wanted: false,
             appends_held: false,
+            reads_held: false,
             token_checks: VecDeque::new(),
         }
     }
@@ -402,7 +407,7 @@ impl Core {
     #[must_use]
     pub fn has_log_work(&self) -> bool {
         self.log_wanted
-            || self.engine.has_log_reads()
+            || (self.engine.has_log_reads() && !self.reads_held)
             || (self.engine.has_appends() && !self.appends_held)
     }
 

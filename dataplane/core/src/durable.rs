@@ -16,8 +16,12 @@
 //!    held appends that fit now;
 //! 3. routes the log's events: the commit level (`Synced` on on_commit, `Written` on periodic)
 //!    to `Engine::handle_durable`, `Rejected` (disk full) to `Engine::handle_rejected`;
-//! 4. answers `Engine::poll_log_read` with `Log::read` (catch-up of subscribers resuming
-//!    from offsets on disk), at most [`LOG_READS_PER_PUMP_MAX`];
+//! 4. answers `Engine::poll_log_read` with `Log::try_read` (catch-up of subscribers resuming
+//!    from offsets on disk), at most [`LOG_READS_PER_PUMP_MAX`] tries. A read whose bytes are
+//!    not in the page cache waits (at most [`LOG_READS_WAITING_MAX`]) while the log's reader
+//!    thread fetches them; the fetch wakes the log's eventfd and a later pump answers it
+//!    (`Log::poll_reads`, then the read again from where it stopped). Publishing and other
+//!    reads go on meanwhile;
 //! 5. ([`Core::pump_log`]) lets the core answer what completed: acks written straight to the
 //!    streams they answer, parts answered to the cores that forwarded them.
 //!
@@ -31,25 +35,34 @@
 //! holding only their records give their space back at once) and applies retention. The
 //! offline `felix log` commands use [`log_dirs`] and [`catalogued_shards`].
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::os::fd::BorrowedFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use felix_engine::{AppendRequest, Engine, EngineError, LogRecord, LogShardId, StreamDescription};
+use felix_engine::{
+    AppendRequest, Engine, EngineError, LogRead, LogRecord, LogShardId, StreamDescription,
+};
 use felix_storage::{
-    Backend, BackendChoice, Counters, FsyncMode, Log, LogConfig, LogEvent, RecoveryReport,
-    ReleaseReport, RetentionReport, StorageError, SystemBackend,
+    Backend, BackendChoice, Counters, FsyncMode, Log, LogConfig, LogEvent, ReadOutcome, ReadResume,
+    RecoveryReport, ReleaseReport, RetentionReport, StorageError, SystemBackend,
 };
 
 use crate::catalog::{Catalog, CatalogEntry};
 use crate::config::Now;
 use crate::core::Core;
 
-/// Log reads answered per `pump`: each reads at most 1 MiB (`LOG_READ_BYTES_MAX`) with pread
-/// on the core's thread, so 16 bound one pump's catch-up work to ~16 MiB of reads and keep the
-/// core's other connections served; the rest wait for the next pump (`PumpReport::more`).
+/// Log reads tried per `pump` (new ones and waiting ones retried): each answers at most 1 MiB
+/// (`LOG_READ_BYTES_MAX`) from memory (`Log::try_read` never blocks on the disk), so 16 bound
+/// one pump's catch-up work to ~16 MiB of copies-free decoding and keep the core's other
+/// connections served; the rest wait for the next pump (`PumpReport::more`).
 pub const LOG_READS_PER_PUMP_MAX: usize = 16;
+
+/// Catch-up reads kept waiting for the log's reader thread (their bytes were not in the page
+/// cache). At most [`LOG_READS_PER_PUMP_MAX`], so the pump after a fetch arrived retries them
+/// all while the fetched chunk is still kept (`felix_storage::FETCHED_KEPT_MAX`); further
+/// reads stay queued in the engine (`PumpReport::reads_held`).
+pub const LOG_READS_WAITING_MAX: usize = LOG_READS_PER_PUMP_MAX;
 
 /// Log events routed per `pump`. One round in flight produces at most three events
 /// (`Written`, `Synced`, or `Rejected`) and `drive` reaps at most a few rounds, so 64 is slack
@@ -157,6 +170,9 @@ pub struct PumpReport {
     pub held: bool,
     /// Log reads were left for the next pump: call `pump` again soon.
     pub more: bool,
+    /// Log reads are left queued in the engine because [`LOG_READS_WAITING_MAX`] reads wait
+    /// for the disk: they move at a later pump, after the log's wake-up says a fetch arrived.
+    pub reads_held: bool,
 }
 
 /// What recovery found, kept for the metrics (gauges).
@@ -176,6 +192,12 @@ pub struct DurableLog<B: Backend = SystemBackend> {
     /// Durable stream ids seen live in the engine since start: once gone from the engine
     /// they were deleted, so their log shards may be released.
     seen_live: HashSet<u32>,
+    /// Catch-up reads waiting for their bytes (`ReadOutcome::Pending`), oldest first, at
+    /// most [`LOG_READS_WAITING_MAX`].
+    waiting_reads: VecDeque<(LogRead, ReadResume)>,
+    /// How many of `waiting_reads` (from the front) to retry: set to all of them when fetched
+    /// chunks arrive.
+    retries_due: usize,
 }
 
 impl DurableLog<SystemBackend> {
@@ -222,6 +244,8 @@ impl<B: Backend> DurableLog<B> {
             log,
             recovery,
             seen_live: HashSet::new(),
+            waiting_reads: VecDeque::new(),
+            retries_due: 0,
         })
     }
 
@@ -302,8 +326,8 @@ impl<B: Backend> DurableLog<B> {
     }
 
     /// Steps 1-4 of a pump on `engine` (the engine's finished publishes stay queued in
-    /// `Engine::poll_completed_publish`). Never blocks on the disk (log reads pread on this
-    /// thread, bounded by [`LOG_READS_PER_PUMP_MAX`]). An error is fatal: the caller must not send
+    /// `Engine::poll_completed_publish`). Never blocks on the disk (log reads take what is in
+    /// memory; the rest is read by the log's reader thread and answered at a later pump). An error is fatal: the caller must not send
     /// any ack it has not sent yet.
     pub fn pump(&mut self, engine: &mut Engine, now: Instant) -> Result<PumpReport, StorageError> {
         let mut report = PumpReport::default();
@@ -348,70 +372,112 @@ impl<B: Backend> DurableLog<B> {
         if report.held && !events_left {
             report.held = self.move_appends(engine, &mut report)?;
         }
-        // 4. Log reads for catching-up subscriptions; every read is answered.
-        let mut answered = 0;
-        while answered < LOG_READS_PER_PUMP_MAX {
+        // 4. Log reads for catching-up subscriptions; every read is answered, now or (when
+        //    its bytes are not in memory) once the log's reader thread fetched them: first
+        //    the waiting reads, when fetched chunks arrived, then new ones while there is
+        //    room to wait.
+        if self.log.poll_reads() > 0 {
+            self.retries_due = self.waiting_reads.len();
+        }
+        let mut attempts = 0;
+        while attempts < LOG_READS_PER_PUMP_MAX && self.retries_due > 0 {
+            self.retries_due -= 1;
+            let Some((read, resume)) = self.waiting_reads.pop_front() else {
+                break;
+            };
+            attempts += 1;
+            self.answer_read(engine, read, Some(resume))?;
+        }
+        while attempts < LOG_READS_PER_PUMP_MAX && self.waiting_reads.len() < LOG_READS_WAITING_MAX
+        {
             let Some(read) = engine.poll_log_read() else {
                 break;
             };
-            answered += 1;
-            match self.log.read(
-                read.log_shard.0,
-                read.from_offset,
-                read.max_records,
-                read.max_bytes,
-            ) {
-                Ok(records) => {
-                    // The log skips quarantined offsets (records lost to damage, see
-                    // `felix log repair`). A read that starts past its offset crossed such a
-                    // range: the subscription skips exactly those offsets (a gap its client
-                    // sees, counted). The answer then stops at the next jump; the next read
-                    // goes on from there.
-                    let mut expect = read.from_offset;
-                    if let Some(first) = records.first()
-                        && first.offset > expect
-                    {
-                        tracing::warn!(
-                            core = self.core,
-                            shard = read.log_shard.shard(),
-                            stream_id = read.log_shard.stream_id(),
-                            from = expect,
-                            to = first.offset,
-                            "a catch-up read skips quarantined offsets"
-                        );
-                        engine.handle_log_skip(read.subscription, read.log_shard, first.offset);
-                        expect = first.offset;
-                    }
-                    let mut dense = Vec::with_capacity(records.len());
-                    for record in records {
-                        if record.offset != expect {
-                            break;
-                        }
-                        expect += 1;
-                        dense.push(LogRecord {
-                            offset: record.offset,
-                            timestamp_us: record.timestamp_us,
-                            key: record.key,
-                            payload: record.payload,
-                        });
-                    }
-                    engine.handle_log_records(read.subscription, read.log_shard, dense);
-                }
-                Err(StorageError::OffsetTooOld { oldest, .. }) => {
-                    engine.handle_log_read_too_old(read.subscription, read.log_shard, oldest);
-                }
-                Err(error) if error.is_fatal() => return Err(error),
-                Err(error) => {
-                    // An empty answer: the engine continues from the ring if it covers the
-                    // position, else ends the subscription with StorageFailed.
-                    tracing::warn!(core = self.core, error = %felix_storage::ErrorChain(&error), "log read failed");
-                    engine.handle_log_records(read.subscription, read.log_shard, Vec::new());
-                }
-            }
+            attempts += 1;
+            self.answer_read(engine, read, None)?;
         }
         // At the bound there may be more (a read's answer often asks for the next).
-        report.more = answered == LOG_READS_PER_PUMP_MAX;
+        report.more = attempts == LOG_READS_PER_PUMP_MAX;
+        // No room to wait: the engine's next reads stay queued until a fetch arrives (the
+        // log's wake-up), so the shell does not spin on them meanwhile.
+        report.reads_held =
+            self.waiting_reads.len() >= LOG_READS_WAITING_MAX && engine.has_log_reads();
         Ok(report)
+    }
+
+    /// Tries `read` (again, from `resume`) and answers it, or keeps it waiting for its chunk.
+    fn answer_read(
+        &mut self,
+        engine: &mut Engine,
+        read: LogRead,
+        resume: Option<ReadResume>,
+    ) -> Result<(), StorageError> {
+        match self.log.try_read(
+            read.log_shard.0,
+            read.from_offset,
+            read.max_records,
+            read.max_bytes,
+            resume,
+        ) {
+            Ok(ReadOutcome::Pending(resume)) => {
+                // Answered once its chunk arrived (the subscription may be gone by then: the
+                // engine ignores answers to reads no longer outstanding).
+                self.waiting_reads.push_back((read, resume));
+            }
+            Ok(ReadOutcome::Records(records)) => {
+                // The log skips quarantined offsets (records lost to damage, see
+                // `felix log repair`). A read that starts past its offset crossed such a
+                // range: the subscription skips exactly those offsets (a gap its client
+                // sees, counted). The answer then stops at the next jump; the next read
+                // goes on from there.
+                let mut expect = read.from_offset;
+                if let Some(first) = records.first()
+                    && first.offset > expect
+                {
+                    tracing::warn!(
+                        core = self.core,
+                        shard = read.log_shard.shard(),
+                        stream_id = read.log_shard.stream_id(),
+                        from = expect,
+                        to = first.offset,
+                        "a catch-up read skips quarantined offsets"
+                    );
+                    engine.handle_log_skip(read.subscription, read.log_shard, first.offset);
+                    expect = first.offset;
+                }
+                let mut dense = Vec::with_capacity(records.len());
+                for record in records {
+                    if record.offset != expect {
+                        break;
+                    }
+                    expect += 1;
+                    dense.push(LogRecord {
+                        offset: record.offset,
+                        timestamp_us: record.timestamp_us,
+                        key: record.key,
+                        payload: record.payload,
+                    });
+                }
+                engine.handle_log_records(read.subscription, read.log_shard, dense);
+            }
+            Err(StorageError::OffsetTooOld { oldest, .. }) => {
+                engine.handle_log_read_too_old(read.subscription, read.log_shard, oldest);
+            }
+            Err(error) if error.is_fatal() => return Err(error),
+            Err(error) => {
+                // An empty answer: the engine continues from the ring if it covers the
+                // position, else ends the subscription with StorageFailed.
+                tracing::warn!(core = self.core, error = %felix_storage::ErrorChain(&error), "log read failed");
+                engine.handle_log_records(read.subscription, read.log_shard, Vec::new());
+            }
+        }
+        Ok(())
+    }
+
+    /// Catch-up reads waiting for the log's reader thread.
+    #[must_use]
+    pub fn reads_waiting(&self) -> usize {
+        self.waiting_reads.len()
     }
 
     /// Makes the log's first segment if it has none (a durable shard landed on this core).
@@ -608,6 +674,7 @@ impl Core {
         }
         let report = log.pump(&mut self.engine, now.at)?;
         self.appends_held = report.held;
+        self.reads_held = report.reads_held;
         self.settle(now);
         Ok(report)
     }
@@ -1046,6 +1113,137 @@ mod tests {
         let want: Vec<u64> = (5..600).collect();
         assert_eq!(offsets, want);
         assert!(engine.durable_counters().log_records_read > 0);
+    }
+
+    #[test]
+    fn catch_up_through_the_reader_thread_while_publishing_continues() {
+        // Every look at the page cache misses: the catch-up reads wait for the log's reader
+        // thread and are answered at later pumps (woken through the log's eventfd), while
+        // publishes keep going; the subscriber still gets every offset once, in order.
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut log =
+            DurableLog::open_system(dir.path(), 0, &pwrite_settings(1 << 20)).expect("opens");
+        let mut engine = engine(8);
+        engine
+            .create_durable_stream(STREAM, 1, STREAM_ID)
+            .expect("created");
+        publish_real(&mut log, &mut engine, 1, 40, 10);
+        log.log().force_read_misses(true);
+        let sub = engine
+            .subscribe(
+                STREAM,
+                &ShardSelection::All,
+                &StartPosition::Offsets(vec![(0, 5)]),
+            )
+            .expect("subscribed");
+        let mut offsets = Vec::new();
+        let deadline = Instant::now() + DEADLINE;
+        let mut tag = 1000;
+        let mut waited = 0;
+        while offsets.len() < 395 + 200 {
+            assert!(Instant::now() < deadline, "subscriber did not catch up");
+            if tag < 1020 {
+                engine
+                    .publish_tracked(tag, STREAM, batch(tag, 10, 32), PublishToken(tag))
+                    .expect("published");
+                tag += 1;
+            }
+            pump(&mut log, &mut engine);
+            offsets.extend(drain(&mut engine, sub.id).iter().map(|r| r.offset));
+            if log.reads_waiting() > 0 {
+                waited += 1;
+            }
+            if !log.is_idle() || log.reads_waiting() > 0 {
+                wait_readable(log.wake_fd(), Duration::from_millis(50)).expect("wait");
+            }
+        }
+        let want: Vec<u64> = (5..600).collect();
+        assert_eq!(offsets, want);
+        assert!(waited > 0, "reads waited for the reader thread");
+        assert!(log.counters().read_fetches.get() > 0);
+        assert_eq!(log.reads_waiting(), 0);
+    }
+
+    #[test]
+    fn a_waiting_catch_up_read_holds_up_no_publish_and_tolerates_its_subscription_ending() {
+        // The fault backend holds the read's fetch: meanwhile publishes are acked and
+        // delivered to a live subscriber; once the fetch completes the catch-up resumes with
+        // no gap and no duplicate. A second read waiting when its subscription ends is
+        // answered later and ignored.
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (mut log, fault) = fault_log(dir.path(), FsyncMode::OnCommit);
+        let mut engine = engine(8);
+        engine
+            .create_durable_stream(STREAM, 1, STREAM_ID)
+            .expect("created");
+        let publish = |log: &mut DurableLog<FaultBackend>, engine: &mut Engine, tag: u64| {
+            engine
+                .publish_tracked(tag, STREAM, batch(tag, 10, 48), PublishToken(tag))
+                .expect("published");
+            let mut done = pump(log, engine);
+            let mut rounds = 0;
+            while done.is_empty() {
+                assert!(fault.complete_next(), "a round is held");
+                rounds += 1;
+                assert!(rounds < 100, "the publish was never acked");
+                done.extend(pump(log, engine));
+            }
+            assert!(done.iter().all(|c| c.result.is_ok()));
+        };
+        for tag in 0..30 {
+            publish(&mut log, &mut engine, tag);
+        }
+        fault.set_read_misses(1000, 5);
+        let live = engine
+            .subscribe(STREAM, &ShardSelection::All, &StartPosition::Latest)
+            .expect("subscribed");
+        let sub = engine
+            .subscribe(
+                STREAM,
+                &ShardSelection::All,
+                &StartPosition::Offsets(vec![(0, 3)]),
+            )
+            .expect("subscribed");
+        let gone = engine
+            .subscribe(
+                STREAM,
+                &ShardSelection::All,
+                &StartPosition::Offsets(vec![(0, 100)]),
+            )
+            .expect("subscribed");
+        pump(&mut log, &mut engine);
+        assert_eq!(log.reads_waiting(), 2, "both reads wait for the disk");
+        assert!(fault.held_fetches() >= 1);
+        assert!(drain(&mut engine, sub.id).is_empty());
+        // Publishing goes on while the reads wait.
+        for tag in 30..35 {
+            publish(&mut log, &mut engine, tag);
+        }
+        assert_eq!(drain(&mut engine, live.id).len(), 50);
+        assert_eq!(log.reads_waiting(), 2, "nothing answered them yet");
+        engine.unsubscribe(gone.id);
+        let mut offsets = Vec::new();
+        let mut steps = 0;
+        while offsets.len() < 350 - 3 {
+            steps += 1;
+            assert!(
+                steps < 10_000,
+                "catch-up stalled at {} records",
+                offsets.len()
+            );
+            if !fault.complete_next_fetch() {
+                assert!(
+                    log.reads_waiting() == 0,
+                    "a waiting read has its fetch held"
+                );
+            }
+            pump(&mut log, &mut engine);
+            offsets.extend(drain(&mut engine, sub.id).iter().map(|r| r.offset));
+        }
+        assert_eq!(offsets, (3..350).collect::<Vec<u64>>());
+        assert!(log.counters().read_fetches.get() > 0);
+        assert_eq!(log.reads_waiting(), 0);
+        engine.assert_invariants();
     }
 
     fn pwrite_settings(segment_bytes: u64) -> DurableSettings {

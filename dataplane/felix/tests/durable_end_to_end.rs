@@ -278,6 +278,11 @@ fn resume_from_disk_then_live(io_uring: &'static str) {
         subscription.close().await;
         client.close().await;
     });
+    // The catch-up's chunks were found in memory or fetched by the log's reader thread.
+    let body = broker.metrics();
+    let chunks = metric_value(&body, "felix_read_cache_hits_total").unwrap_or(0)
+        + metric_value(&body, "felix_read_fetches_total").unwrap_or(0);
+    assert!(chunks > 0, "catch-up chunks counted");
 }
 
 // Proves catch-up from the log below the ring, then live delivery, with io_uring.

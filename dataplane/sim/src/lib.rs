@@ -6,7 +6,7 @@
 //! few thousand random steps: clients connect, create and delete streams, publish acked and
 //! fire-and-forget batches, subscribe, lag, resume, close streams and connections; messages
 //! between cores are delivered in a random interleaving (FIFO per pair, as the mesh allows);
-//! log rounds complete late, fdatasync fails, the disk fills up, the power is cut, time
+//! log rounds and catch-up read fetches complete late, fdatasync fails, the disk fills up, the power is cut, time
 //! passes. After every step every core's invariants hold, and every answer a client reads is
 //! checked against what it knows (`oracle.rs`). At the end the run drains to a quiet state
 //! and checks liveness (every request answered, every subscriber caught up), exact publish
@@ -128,7 +128,7 @@ fn take_step(world: &mut World) {
     let clients = world.clients.len();
     match world
         .rng
-        .weighted(&[30, 30, 22, 25, 12, 6, 2, 3, 1, 2, 1, 1])
+        .weighted(&[30, 30, 22, 25, 12, 6, 2, 3, 1, 2, 1, 1, 8])
     {
         0 => {
             let client = world.rng.index(clients);
@@ -222,6 +222,9 @@ fn take_step(world: &mut World) {
                 world.garbage(at);
             }
         }
+        12 => {
+            world.complete_fetch();
+        }
         _ => {
             if world.stats.crashes < u64::from(world.shape.crashes_max)
                 && world.rng.chance(world.shape.fault_rate * 30)
@@ -248,6 +251,7 @@ fn quiesce(world: &mut World) {
         }
         while world.deliver_message() {}
         while world.complete_round(false) {}
+        while world.complete_fetch() {}
         world.advance(wait);
         let mut streams = world.all_streams();
         streams.reverse();

@@ -116,7 +116,7 @@ fn main() -> ExitCode {
          {} lagged ({} resumed), {} messages, {} log rounds, {} crashes ({} power cuts, {} torn), {} \
          fsync failures, {} disk-full writes, {} log pumps holding appends (pending bound full), {} \
          catalogue failures, {} durable records \
-         checked after crashes, {} requests denied by rules",
+         checked after crashes, {} requests denied by rules, {} catch-up read fetches",
         total.frames,
         total.acks,
         total.deliveries,
@@ -135,7 +135,8 @@ fn main() -> ExitCode {
         total.appends_held,
         total.catalog_failures,
         total.durable_checked,
-        total.denied
+        total.denied,
+        total.fetches
     );
     if failures.is_empty() {
         ExitCode::SUCCESS

@@ -56,6 +56,10 @@ pub struct Shape {
     /// Half the runs use the smallest segments, so logs roll many times (the pre-roll round,
     /// the next segment's file made ahead, sidecars, recovery across segments).
     pub small_segments: bool,
+    /// Per mille of the logs' looks at the page cache that miss (0, 300 or 1000): a missed
+    /// catch-up read waits for its fetch, which the fault backend holds until a step
+    /// completes it (`World::complete_fetch`), and is answered at a later pump.
+    pub read_misses: u64,
 }
 
 /// The rules of a secured run: p0 may do everything; p1 publishes and subscribes on s0 and s1
@@ -97,6 +101,7 @@ impl Shape {
                 .then(|| [(4096, 4096), (4096, 8192), (4096, 16384)][rng.index(3)]),
             direct_io: rng.chance(500),
             small_segments: rng.chance(500),
+            read_misses: [0, 300, 1000][rng.index(3)],
         }
     }
 
@@ -148,6 +153,8 @@ pub struct Stats {
     pub durable_checked: u64,
     /// Requests and subscriptions refused by the rules (secured runs).
     pub denied: u64,
+    /// Catch-up read fetches completed (reads that missed the page cache).
+    pub fetches: u64,
 }
 
 impl Stats {
@@ -171,6 +178,7 @@ impl Stats {
         self.rounds += other.rounds;
         self.durable_checked += other.durable_checked;
         self.denied += other.denied;
+        self.fetches += other.fetches;
     }
 }
 
@@ -282,9 +290,11 @@ impl World {
             self.policy.clone(),
             ConnectionLimits::DEFAULT,
         ));
+        let read_seeds: Vec<u64> = (0..cores).map(|_| self.rng.next_u64()).collect();
         self.cores = (0..cores)
             .map(|index| {
                 let (backend, fault) = FaultBackend::new(false).expect("fault backend");
+                fault.set_read_misses(self.shape.read_misses, read_seeds[usize::from(index)]);
                 let mut config = self
                     .shape
                     .durable()
@@ -397,6 +407,12 @@ impl World {
                         "core {index}: appends wait with no round in flight to wake the log"
                     );
                 }
+                if sim.log.reads_waiting() > 0 {
+                    assert!(
+                        sim.fault.held_fetches() > 0,
+                        "core {index}: catch-up reads wait with no fetch in flight to wake the log"
+                    );
+                }
             }
             Err(error) => {
                 assert!(error.is_fatal(), "pump errors are fatal: {error}");
@@ -469,6 +485,27 @@ impl World {
         self.stats.rounds += 1;
         self.trace.line(format!("  core{index} round completes"));
         assert!(self.cores[usize::from(index)].fault.complete_next());
+        self.pump(index);
+        if !self.halted {
+            self.drain(index);
+        }
+        true
+    }
+
+    /// Completes the oldest held read fetch of a random core, then pumps (what the log's
+    /// eventfd does in the broker).
+    pub fn complete_fetch(&mut self) -> bool {
+        let held: Vec<u16> = (0..self.shape.cores)
+            .filter(|&index| self.cores[usize::from(index)].fault.held_fetches() > 0)
+            .collect();
+        if held.is_empty() {
+            return false;
+        }
+        let index = held[self.rng.index(held.len())];
+        self.stats.fetches += 1;
+        self.trace
+            .line(format!("  core{index} read fetch completes"));
+        assert!(self.cores[usize::from(index)].fault.complete_next_fetch());
         self.pump(index);
         if !self.halted {
             self.drain(index);
@@ -640,6 +677,7 @@ impl World {
             && self.cores.iter().all(|sim| {
                 sim.core.outbox_len() == 0
                     && sim.fault.held_rounds() == 0
+                    && sim.fault.held_fetches() == 0
                     && !sim.core.has_log_work()
             })
     }

@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use super::{AheadMode, Backend, EventFd, RoundCompletion, RoundFailure, RoundRequest};
 use crate::StorageError;
+use crate::reader::HeldReads;
 
 /// Simulated write time reported in completions (no real clock in the model).
 const SIM_WRITE_LATENCY: Duration = Duration::from_micros(20);
@@ -60,6 +61,7 @@ struct FaultState {
 pub struct FaultBackend {
     state: Rc<RefCell<FaultState>>,
     wake: Rc<EventFd>,
+    reads: HeldReads,
 }
 
 /// The test's half: inject faults, complete rounds, cut the power.
@@ -67,6 +69,7 @@ pub struct FaultBackend {
 pub struct FaultHandle {
     state: Rc<RefCell<FaultState>>,
     wake: Rc<EventFd>,
+    reads: HeldReads,
 }
 
 impl FaultBackend {
@@ -78,12 +81,14 @@ impl FaultBackend {
             ..FaultState::default()
         }));
         let wake = Rc::new(EventFd::new()?);
+        let reads = HeldReads::default();
         Ok((
             FaultBackend {
                 state: Rc::clone(&state),
                 wake: Rc::clone(&wake),
+                reads: reads.clone(),
             },
-            FaultHandle { state, wake },
+            FaultHandle { state, wake, reads },
         ))
     }
 }
@@ -194,10 +199,14 @@ impl Backend for FaultBackend {
         // The model is single-threaded and deterministic: blanks are made when asked.
         AheadMode::Inline
     }
+
+    fn held_reads(&self) -> Option<HeldReads> {
+        Some(self.reads.clone())
+    }
 }
 
 /// splitmix64: a tiny seeded generator, enough to pick torn sectors reproducibly.
-fn next_random(state: &mut u64) -> u64 {
+pub(crate) fn next_random(state: &mut u64) -> u64 {
     *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
     let mut z = *state;
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -216,6 +225,28 @@ impl FaultHandle {
         s.completed.push_back(c);
         self.wake.notify();
         true
+    }
+
+    /// From now on `per_mille` of the log's looks at the page cache miss (drawn from `seed`):
+    /// those reads answer `ReadOutcome::Pending` and fetch their chunk, held until
+    /// [`FaultHandle::complete_next_fetch`]. 0 (the default): every look hits.
+    pub fn set_read_misses(&self, per_mille: u64, seed: u64) {
+        self.reads.set_misses(per_mille, seed);
+    }
+
+    /// Performs the oldest held read fetch and wakes the log (`Log::poll_reads` then takes
+    /// it). False if none is held.
+    pub fn complete_next_fetch(&self) -> bool {
+        let done = self.reads.complete_next();
+        if done {
+            self.wake.notify();
+        }
+        done
+    }
+
+    /// Read fetches held, not completed yet.
+    pub fn held_fetches(&self) -> usize {
+        self.reads.held()
     }
 
     /// Rounds submitted and held (manual mode).

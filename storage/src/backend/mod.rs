@@ -108,6 +108,13 @@ pub trait Backend {
     fn ahead_mode(&self) -> AheadMode {
         AheadMode::Thread
     }
+
+    /// Reads stepped by this backend instead of the page cache and the log's reader thread
+    /// (`reader.rs`): the fault backend's, so tests and the simulation decide when a read
+    /// misses and when its fetch completes. `None` (the default): real reads.
+    fn held_reads(&self) -> Option<crate::reader::HeldReads> {
+        None
+    }
 }
 
 /// A non-blocking eventfd.
@@ -143,6 +150,15 @@ impl EventFd {
     pub fn as_fd(&self) -> BorrowedFd<'_> {
         use std::os::fd::AsFd;
         self.0.as_fd()
+    }
+
+    /// A second handle on the eventfd behind `fd` (a `dup`): notifying it wakes whoever
+    /// waits on `fd`. The log's reader thread wakes the core through the backend's eventfd
+    /// this way (`reader.rs`).
+    pub fn duplicate(fd: BorrowedFd<'_>) -> Result<Self, StorageError> {
+        fd.try_clone_to_owned()
+            .map(EventFd)
+            .map_err(|e| StorageError::io("dup the log's eventfd", e))
     }
 }
 
