@@ -87,6 +87,10 @@ pub struct LogConfig {
     /// fdatasync. Default true; where the file system refuses O_DIRECT the log warns once
     /// and writes buffered.
     pub direct_io: bool,
+    /// Write rounds in flight at once, 1 or 2 (`backend::ROUNDS_IN_FLIGHT_MAX`). With 2, the
+    /// next records round is written while the previous round's fdatasync runs (once that
+    /// round's write finished). Default 2.
+    pub rounds_in_flight: usize,
 }
 
 impl LogConfig {
@@ -104,6 +108,7 @@ impl LogConfig {
             retention_age: None,
             index_interval_bytes: crate::index::DEFAULT_INDEX_INTERVAL_BYTES,
             direct_io: true,
+            rounds_in_flight: crate::backend::ROUNDS_IN_FLIGHT_MAX,
         }
     }
 
@@ -138,6 +143,13 @@ impl LogConfig {
             return bad(format!(
                 "index_interval_bytes {} outside 4096..=1073741824",
                 self.index_interval_bytes
+            ));
+        }
+        if !(1..=crate::backend::ROUNDS_IN_FLIGHT_MAX).contains(&self.rounds_in_flight) {
+            return bad(format!(
+                "rounds_in_flight {} outside 1..={}",
+                self.rounds_in_flight,
+                crate::backend::ROUNDS_IN_FLIGHT_MAX
             ));
         }
         if self.retention_bytes == Some(0) {

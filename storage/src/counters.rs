@@ -130,6 +130,15 @@ pub struct Counters {
     /// Zeros direct writes put past their rounds: padding to the block, and the zeros
     /// written ahead of small rounds (`log::ZERO_AHEAD_BYTES`).
     pub direct_padding_bytes: u64,
+    /// Records rounds submitted while another round was in flight (its write finished, its
+    /// fdatasync still running; `LogConfig::rounds_in_flight`).
+    pub overlapped_rounds: u64,
+    /// Completions that came back before an older round's and were held until it completed
+    /// (the log applies completions in round order).
+    pub held_completions: u64,
+    /// Rounds rejected because the round before them failed with ENOSPC while they were in
+    /// flight (their bytes sit past the failed write).
+    pub doomed_rounds: u64,
 }
 
 impl Counters {

@@ -19,7 +19,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 
 use crate::ahead::Ahead;
-use crate::backend::{Backend, RoundCompletion, RoundFailure, RoundRequest, wait_readable};
+use crate::backend::{
+    Backend, ROUNDS_IN_FLIGHT_MAX, RoundCompletion, RoundFailure, RoundRequest, wait_readable,
+};
 use crate::counters::Counters;
 use crate::direct::{self, AlignedBuf, DIRECT_ALIGN, DirectWrite};
 use crate::frame::{self, Decoded, HEADER_BYTES, MARK_BYTES};
@@ -33,11 +35,12 @@ use crate::{FsyncMode, LogConfig, StorageError, segment};
 /// Bytes read per pread when a subscriber catches up: 256 KiB amortises the syscall over
 /// many records while one read of a 48-shard interleaved log still stays cache-sized.
 pub const READ_CHUNK_BYTES: u64 = 256 << 10;
-/// Completions reaped per `drive` call. One round is in flight at a time, so more than a
-/// couple in one call would be a backend bug; 4 leaves slack without looping unboundedly.
+/// Completions reaped per `drive` call. At most two rounds are in flight
+/// (`ROUNDS_IN_FLIGHT_MAX`), so more than two in one call would be a backend bug; 4 leaves
+/// slack without looping unboundedly.
 const DRIVE_REAPS_MAX: usize = 4;
-/// Spare round buffers kept for reuse: one being filled, one in flight, one spare.
-const SPARE_BUFFERS_MAX: usize = 3;
+/// Spare round buffers kept for reuse: one being filled, two in flight, one spare.
+const SPARE_BUFFERS_MAX: usize = 4;
 /// How long an on_commit log waits, idle, after a completed fdatasync before it writes a
 /// commit mark of its own (one 28-byte write + fdatasync). While records keep coming, each
 /// round carries the mark for the previous ones at no cost; after a burst the last round's
@@ -308,6 +311,22 @@ struct InFlight {
     mark: Option<u64>,
     attempted_bytes: u64,
     sync: bool,
+    /// The round before it failed with ENOSPC while it was in flight: its records were
+    /// rejected with that round's, and its completion only cleans up.
+    doomed: bool,
+}
+
+impl InFlight {
+    /// The segment's tail once this round is written: its records and its mark (zero fill
+    /// over leftovers, if any, lies past it).
+    fn end(&self) -> u64 {
+        let mark_bytes = if self.mark.is_some() {
+            MARK_BYTES as u64
+        } else {
+            0
+        };
+        self.base + self.record_bytes + mark_bytes
+    }
 }
 
 #[derive(Debug, Default)]
@@ -328,7 +347,8 @@ struct Unsynced {
 ///
 /// Driving it from an event loop:
 /// 1. `append` the records of a turn (they join the pending round);
-/// 2. `drive(now)`: reaps a finished round and starts the next one when none is in flight;
+/// 2. `drive(now)`: reaps finished rounds and starts the next ones (a second records round
+///    joins one in flight once that one's write finished, `LogConfig::rounds_in_flight`);
 /// 3. drain `poll_event` (acks, subscriber releases);
 /// 4. sleep until `wake_fd()` is readable (clear readiness first, then `drive`) or until
 ///    `next_deadline()` (periodic fsync timer).
@@ -348,7 +368,12 @@ pub struct Log<B: Backend> {
     pub(crate) index: FxHashMap<u32, ShardIndex>,
     pending: VecDeque<PendingRound>,
     pending_bytes: usize,
-    in_flight: Option<InFlight>,
+    /// Rounds submitted and not yet applied, oldest first (at most
+    /// `LogConfig::rounds_in_flight`). Each starts where the one before it ends.
+    in_flight: VecDeque<InFlight>,
+    /// Completions that came back before an older round's, held until that one's is
+    /// applied (completions apply in round order).
+    arrived: Vec<RoundCompletion>,
     events: VecDeque<LogEvent>,
     next_round_id: u64,
     failed: Option<StorageError>,
@@ -378,8 +403,10 @@ struct DirectState {
     /// Set when the file system refused O_DIRECT: the log writes buffered from then on.
     unsupported: bool,
     /// The bytes of the active segment's last partial block before its tail, as the last
-    /// round left them: (segment, tail, bytes from the block start to the tail). Read back
-    /// from the file when missing (after recovery, a failed round, a buffered round).
+    /// round submitted leaves them: (segment, tail, bytes from the block start to the tail).
+    /// Kept when a round is staged (the next round may be staged before this one completes),
+    /// dropped when a round fails; read back from the file when missing (after recovery, a
+    /// failed round, a buffered round).
     tail_block: Option<(u64, u64, Vec<u8>)>,
     /// Staged buffers for reuse.
     spare: Vec<AlignedBuf>,
@@ -434,7 +461,8 @@ impl<B: Backend> Log<B> {
             index: FxHashMap::default(),
             pending: VecDeque::new(),
             pending_bytes: 0,
-            in_flight: None,
+            in_flight: VecDeque::with_capacity(ROUNDS_IN_FLIGHT_MAX),
+            arrived: Vec::with_capacity(ROUNDS_IN_FLIGHT_MAX),
             events: VecDeque::new(),
             next_round_id: 1,
             failed: None,
@@ -476,10 +504,11 @@ impl<B: Backend> Log<B> {
     }
 
     /// When `drive` must next be called even without a wake-up (the periodic fsync timer).
-    /// `None` while a round is in flight: its completion wakes the caller through `wake_fd`,
-    /// and a due sync starts right after it.
+    /// `None` while a round is in flight: its completion (and its write's, which lets a
+    /// second round start) wakes the caller through `wake_fd`, and a due sync starts right
+    /// after it.
     pub fn next_deadline(&self) -> Option<Instant> {
-        if self.in_flight.is_some() {
+        if !self.in_flight.is_empty() {
             return None;
         }
         if self.sync_requested || (self.mark_requested && self.mark_possible()) {
@@ -595,7 +624,7 @@ impl<B: Backend> Log<B> {
 
     /// True when nothing is pending or in flight.
     pub fn is_idle(&self) -> bool {
-        self.pending.is_empty() && self.in_flight.is_none()
+        self.pending.is_empty() && self.in_flight.is_empty()
     }
 
     /// The fatal error the log failed with, if it did.
@@ -730,8 +759,9 @@ impl<B: Backend> Log<B> {
         self.mark_requested = true;
     }
 
-    /// Reaps a finished round, if any, and starts the next one when none is in flight.
-    /// Never blocks. A returned error is fatal (`SyncFailed`, `WriteFailed`, IO on segment
+    /// Reaps finished rounds, if any, and starts the next ones: a round when none is in
+    /// flight, a second records round when one is in flight and its write finished
+    /// (`LogConfig::rounds_in_flight`). Never blocks. A returned error is fatal (`SyncFailed`, `WriteFailed`, IO on segment
     /// creation); disk-full rejections arrive as [`LogEvent::Rejected`] instead.
     pub fn drive(&mut self, now: Instant) -> Result<(), StorageError> {
         self.check_failed()?;
@@ -742,8 +772,13 @@ impl<B: Backend> Log<B> {
                 Err(e) => return Err(self.fail(e)),
             }
         }
-        if self.in_flight.is_none() {
+        // Bounded: each pass submits a round or stops.
+        for _ in 0..ROUNDS_IN_FLIGHT_MAX {
+            let before = self.in_flight.len();
             self.start_round(now).map_err(|e| self.fail(e))?;
+            if self.in_flight.len() == before {
+                break;
+            }
         }
         self.ask_ahead();
         Ok(())
@@ -792,7 +827,7 @@ impl<B: Backend> Log<B> {
                     std::io::Error::from(std::io::ErrorKind::TimedOut),
                 ));
             }
-            if self.in_flight.is_some() {
+            if !self.in_flight.is_empty() {
                 wait_readable(self.backend.wake_fd(), deadline - now)?;
             }
         }
@@ -801,6 +836,9 @@ impl<B: Backend> Log<B> {
     // ----- rounds -----
 
     fn start_round(&mut self, now: Instant) -> Result<(), StorageError> {
+        if !self.in_flight.is_empty() {
+            return self.start_overlapped_round(now);
+        }
         let periodic_sync_due = self.sync_requested || self.sync_due_at.is_some_and(|t| now >= t);
         if self.segments.is_empty() {
             // A fresh log: its first segment is made for its first records.
@@ -831,7 +869,8 @@ impl<B: Backend> Log<B> {
                     // Before the log moves on, the old segment must end in zeros and be synced:
                     // recovery trusts a non-last segment up to its first zero header.
                     let buf = vec![0u8; leftovers as usize];
-                    return self.submit(RoundKind::PreRoll, buf, 0, None, true);
+                    let base = active.tail;
+                    return self.submit(RoundKind::PreRoll, buf, base, 0, None, true);
                 }
                 if !self.roll_or_reject(record_bytes)? {
                     return Ok(());
@@ -858,16 +897,19 @@ impl<B: Backend> Log<B> {
             if leftovers > buf.len() as u64 {
                 buf.resize(leftovers as usize, 0);
             }
+            let base = active.tail;
             return self.submit(
                 RoundKind::Records(round.meta),
                 buf,
+                base,
                 record_bytes,
                 mark,
                 sync,
             );
         }
         if self.unsynced.records > 0 && periodic_sync_due {
-            return self.submit(RoundKind::SyncOnly, Vec::new(), 0, None, true);
+            let base = active.tail;
+            return self.submit(RoundKind::SyncOnly, Vec::new(), base, 0, None, true);
         }
         if self.sync_requested && self.unsynced.records == 0 {
             self.sync_requested = false;
@@ -884,7 +926,8 @@ impl<B: Backend> Log<B> {
                 buf.resize(leftovers as usize, 0);
             }
             self.mark_requested = false;
-            return self.submit(RoundKind::Mark, buf, 0, Some(claim), true);
+            let base = active.tail;
+            return self.submit(RoundKind::Mark, buf, base, 0, Some(claim), true);
         }
         if mark_due {
             // Nothing to prove, or no room: a full segment is closed before the next
@@ -895,26 +938,107 @@ impl<B: Backend> Log<B> {
         Ok(())
     }
 
+    /// A second records round while one is in flight (`LogConfig::rounds_in_flight`): only
+    /// when the round in flight is a records round whose write finished (only its fdatasync
+    /// runs, so the two writes never race on the tail block a direct round rewrites), the next
+    /// pending round goes to the same segment right after it, with room and no leftovers of
+    /// a failed write to cover. Pre-roll, sync-only and mark rounds, and segment rolls, wait
+    /// until nothing is in flight.
+    fn start_overlapped_round(&mut self, now: Instant) -> Result<(), StorageError> {
+        let allowed = self.config.rounds_in_flight.min(ROUNDS_IN_FLIGHT_MAX);
+        if self.in_flight.len() >= allowed {
+            return Ok(());
+        }
+        let (Some(last), Some(front), Some(active)) = (
+            self.in_flight.back(),
+            self.pending.front(),
+            self.segments.back(),
+        ) else {
+            return Ok(());
+        };
+        if last.doomed
+            || !matches!(last.kind, RoundKind::Records(_))
+            || last.segment != active.seq
+            || !self.backend.writes_idle()
+        {
+            return Ok(());
+        }
+        let base = last.end();
+        if active.scrub_until > base {
+            return Ok(());
+        }
+        // The claim covers what completed fdatasyncs made durable (`synced_end` moves only
+        // when a sync's completion is applied), so never the rounds in flight; and a claim a
+        // round in flight already carries is not written twice.
+        let mark = active
+            .mark_claim()
+            .filter(|claim| self.in_flight.iter().all(|f| f.mark < Some(*claim)));
+        let record_bytes = front.buf.len() as u64;
+        let mark_bytes = if mark.is_some() { MARK_BYTES as u64 } else { 0 };
+        if base + record_bytes + mark_bytes > active.size {
+            return Ok(());
+        }
+        let sync = match self.config.fsync {
+            FsyncMode::OnCommit => true,
+            FsyncMode::Periodic { .. } => {
+                self.sync_requested || self.sync_due_at.is_some_and(|t| now >= t)
+            }
+        };
+        let Some(round) = self.pending.pop_front() else {
+            unreachable!("front() was Some above");
+        };
+        self.pending_bytes -= round.buf.len();
+        let mut buf = round.buf;
+        if let Some(claim) = mark {
+            frame::encode_mark(&mut buf, claim, now_unix_us());
+        }
+        self.counters.overlapped_rounds += 1;
+        self.submit(
+            RoundKind::Records(round.meta),
+            buf,
+            base,
+            record_bytes,
+            mark,
+            sync,
+        )
+    }
+
+    /// Submits a round writing `buf` at `base` of the active segment: its tail, or the end
+    /// of the round in flight before it.
     fn submit(
         &mut self,
         kind: RoundKind,
         buf: Vec<u8>,
+        base: u64,
         record_bytes: u64,
         mark: Option<u64>,
         sync: bool,
     ) -> Result<(), StorageError> {
-        assert!(self.in_flight.is_none(), "one round in flight");
+        assert!(
+            self.in_flight.len() < ROUNDS_IN_FLIGHT_MAX,
+            "at most ROUNDS_IN_FLIGHT_MAX rounds in flight"
+        );
         let Some(active) = self.segments.back() else {
             unreachable!("at least one segment");
         };
+        let expected_base = self.in_flight.back().map_or(active.tail, InFlight::end);
+        assert_eq!(
+            base, expected_base,
+            "a round starts where the previous one ends"
+        );
         assert!(
-            active.tail + buf.len() as u64 <= active.size,
+            base + buf.len() as u64 <= active.size,
             "round fits the segment"
         );
         let id = self.next_round_id;
         self.next_round_id += 1;
         let attempted_bytes = buf.len() as u64;
-        let direct = self.stage_direct(&buf);
+        let mark_bytes = if mark.is_some() { MARK_BYTES as u64 } else { 0 };
+        let direct = self.stage_direct(&buf, base, base + record_bytes + mark_bytes);
+        if direct.is_none() && !buf.is_empty() {
+            // Written buffered: the kept block is not what this round leaves.
+            self.direct.tail_block = None;
+        }
         let Some(active) = self.segments.back() else {
             unreachable!("at least one segment");
         };
@@ -922,35 +1046,37 @@ impl<B: Backend> Log<B> {
             id,
             segment: active.seq,
             file: Arc::clone(&active.file),
-            file_pos: active.tail,
+            file_pos: base,
             buf,
             sync,
             direct,
         };
-        self.in_flight = Some(InFlight {
+        self.in_flight.push_back(InFlight {
             id,
             kind,
             segment: active.seq,
-            base: active.tail,
+            base,
             record_bytes,
             mark,
             attempted_bytes,
             sync,
+            doomed: false,
         });
         self.backend.submit(request)
     }
 
-    /// Stages `buf` (bound for the active segment's tail) for a direct write: whole blocks
-    /// from the one holding the tail, that block's bytes before the tail first, zeros after
-    /// `buf` (see `direct.rs`). `None` writes the round buffered: direct IO off or refused
-    /// here, an empty round, a segment whose size is not whole blocks, or the tail block
-    /// unreadable.
-    fn stage_direct(&mut self, buf: &[u8]) -> Option<DirectWrite> {
+    /// Stages `buf` (bound for `tail` of the active segment, leaving the segment's tail at
+    /// `end`) for a direct write: whole blocks from the one holding `tail`, that block's
+    /// bytes before `tail` first, zeros after `buf` (see `direct.rs`); keeps the block
+    /// holding `end` for the next round, which may be staged before this one completes.
+    /// `None` writes the round buffered: direct IO off or refused here, an empty round, a
+    /// segment whose size is not whole blocks, or the tail block unreadable.
+    fn stage_direct(&mut self, buf: &[u8], tail: u64, end: u64) -> Option<DirectWrite> {
         if !self.config.direct_io || self.direct.unsupported || buf.is_empty() {
             return None;
         }
         let active = self.segments.back()?;
-        let (seq, tail) = (active.seq, active.tail);
+        let seq = active.seq;
         let start = direct::align_down(tail);
         let prefix = (tail - start) as usize;
         let mut len = (prefix + buf.len()).next_multiple_of(DIRECT_ALIGN);
@@ -1003,6 +1129,25 @@ impl<B: Backend> Log<B> {
         out[prefix + buf.len()..].fill(0);
         self.counters.direct_rounds += 1;
         self.counters.direct_padding_bytes += (len - prefix - buf.len()) as u64;
+        let staged_end = start + len as u64;
+        self.direct.written_until = match self.direct.written_until {
+            Some((s, until)) if s == seq => Some((s, until.max(staged_end))),
+            _ => Some((seq, staged_end)),
+        };
+        // The block holding `end`, for the next round's prefix (`end` lies within the staged
+        // blocks: they reach at least to the end of `buf`, past `end`).
+        let block = direct::align_down(end);
+        let mut kept = self
+            .direct
+            .tail_block
+            .take()
+            .map(|(_, _, bytes)| bytes)
+            .unwrap_or_default();
+        kept.clear();
+        kept.extend_from_slice(
+            &staged.as_slice()[(block - start) as usize..(end - start) as usize],
+        );
+        self.direct.tail_block = Some((seq, end, kept));
         Some(DirectWrite {
             file,
             pos: start,
@@ -1010,41 +1155,18 @@ impl<B: Backend> Log<B> {
         })
     }
 
-    /// After a round's completion: keeps the active segment's tail block from the staged
-    /// bytes (when the write succeeded) and the staged buffer for reuse.
-    /// A round that wrote nothing (an fdatasync alone) leaves the kept block as it is.
-    fn finish_direct(&mut self, c: &mut RoundCompletion, seg_at: usize, base: u64) {
-        let staged = c.direct.take();
-        if staged.is_none() && c.buf.is_empty() {
-            return;
+    /// After a round's completion: keeps the staged buffer for reuse. A failed round (or one
+    /// rejected with the round before it) drops the kept tail block and what the log knows
+    /// it wrote: the file may hold part of the round, and the next round, placed at the
+    /// completed tail, reads its prefix back.
+    fn finish_direct(&mut self, c: &mut RoundCompletion, failed: bool) {
+        if failed {
+            self.direct.tail_block = None;
+            self.direct.written_until = None;
         }
-        let mut kept = self
-            .direct
-            .tail_block
-            .take()
-            .map(|(_, _, bytes)| bytes)
-            .unwrap_or_default();
-        let Some(staged) = staged else {
-            return;
-        };
-        let seg = &self.segments[seg_at];
-        let start = direct::align_down(base);
-        let block = direct::align_down(seg.tail);
-        let is_active = seg_at + 1 == self.segments.len();
-        let end = start + staged.len() as u64;
-        self.direct.written_until = match self.direct.written_until {
-            _ if c.result.is_err() => None,
-            Some((s, until)) if s == seg.seq => Some((s, until.max(end))),
-            _ => Some((seg.seq, end)),
-        };
-        if c.result.is_ok() && is_active && block >= start && seg.tail <= end {
-            kept.clear();
-            kept.extend_from_slice(
-                &staged.as_slice()[(block - start) as usize..(seg.tail - start) as usize],
-            );
-            self.direct.tail_block = Some((seg.seq, seg.tail, kept));
-        }
-        if self.direct.spare.len() < SPARE_BUFFERS_MAX {
+        if let Some(staged) = c.direct.take()
+            && self.direct.spare.len() < SPARE_BUFFERS_MAX
+        {
             self.direct.spare.push(staged);
         }
     }
@@ -1055,7 +1177,7 @@ impl<B: Backend> Log<B> {
         match self.roll(record_bytes) {
             Ok(()) => Ok(true),
             Err(StorageError::Io { source, .. }) if source.raw_os_error() == Some(libc::ENOSPC) => {
-                self.reject(None, StorageError::DiskFull);
+                self.reject(Vec::new(), StorageError::DiskFull);
                 Ok(false)
             }
             Err(e) => Err(e),
@@ -1217,14 +1339,41 @@ impl<B: Backend> Log<B> {
         (at < self.segments.len()).then_some(at)
     }
 
-    fn complete(&mut self, mut c: RoundCompletion, now: Instant) -> Result<(), StorageError> {
-        let Some(inf) = self.in_flight.take() else {
+    /// Takes a completion from the backend and applies every completion it lets through, in
+    /// round order: one for a later round than the oldest in flight waits for the older
+    /// one's.
+    fn complete(&mut self, c: RoundCompletion, now: Instant) -> Result<(), StorageError> {
+        if !self.in_flight.iter().any(|f| f.id == c.id) {
             return Err(self.fail(StorageError::io(
                 "completion",
-                std::io::Error::other("completion without a round"),
+                std::io::Error::other(format!("completion of round {} not in flight", c.id)),
             )));
-        };
-        assert_eq!(inf.id, c.id, "the completion is for the round in flight");
+        }
+        if self.in_flight.front().is_some_and(|f| f.id != c.id) {
+            self.counters.held_completions += 1;
+        }
+        self.arrived.push(c);
+        // Bounded by the rounds in flight: each pass applies one.
+        while let Some(oldest) = self.in_flight.front().map(|f| f.id) {
+            let Some(at) = self.arrived.iter().position(|c| c.id == oldest) else {
+                break;
+            };
+            let c = self.arrived.swap_remove(at);
+            let Some(inf) = self.in_flight.pop_front() else {
+                unreachable!("front() was Some above");
+            };
+            self.apply_completion(inf, c, now)?;
+        }
+        Ok(())
+    }
+
+    /// Applies the completion of the oldest round in flight.
+    fn apply_completion(
+        &mut self,
+        inf: InFlight,
+        mut c: RoundCompletion,
+        now: Instant,
+    ) -> Result<(), StorageError> {
         let Some(seg_at) = self.segment_index(inf.segment) else {
             unreachable!("retention never deletes the segment a round is in");
         };
@@ -1241,17 +1390,36 @@ impl<B: Backend> Log<B> {
             self.counters.write_latency.record(c.write_latency);
         }
         match c.result {
+            Ok(()) | Err(RoundFailure::Write(libc::ENOSPC)) if inf.doomed => {
+                // Its records were rejected with the failed round before it; whatever it
+                // wrote lies past that round's failed write and is zeroed over by the next
+                // round (an fdatasync failure stays fatal, below).
+                self.counters.doomed_rounds += 1;
+                let seg = &mut self.segments[seg_at];
+                seg.scrub_until = seg.scrub_until.max(inf.base + inf.attempted_bytes);
+                self.finish_direct(&mut c, true);
+                self.recycle(c.buf);
+                return Ok(());
+            }
             Ok(()) => {}
             Err(RoundFailure::Write(errno)) if errno == libc::ENOSPC => {
                 self.counters.write_bytes += inf.attempted_bytes - mark_bytes;
                 let seg = &mut self.segments[seg_at];
                 seg.scrub_until = seg.scrub_until.max(inf.base + inf.attempted_bytes);
-                let meta = match inf.kind {
-                    RoundKind::Records(meta) => Some(meta),
-                    RoundKind::PreRoll | RoundKind::SyncOnly | RoundKind::Mark => None,
+                let mut ranges = match inf.kind {
+                    RoundKind::Records(meta) => meta.ranges,
+                    RoundKind::PreRoll | RoundKind::SyncOnly | RoundKind::Mark => Vec::new(),
                 };
-                self.reject(meta, StorageError::DiskFull);
-                self.finish_direct(&mut c, seg_at, inf.base);
+                // A round in flight after it would leave its records past a hole: rejected
+                // too, whatever its own result.
+                for later in self.in_flight.iter_mut() {
+                    later.doomed = true;
+                    if let RoundKind::Records(meta) = &later.kind {
+                        ranges.extend_from_slice(&meta.ranges);
+                    }
+                }
+                self.reject(ranges, StorageError::DiskFull);
+                self.finish_direct(&mut c, true);
                 self.recycle(c.buf);
                 return Ok(());
             }
@@ -1273,6 +1441,10 @@ impl<B: Backend> Log<B> {
         let seg_seq = inf.segment;
         {
             let seg = &mut self.segments[seg_at];
+            assert_eq!(
+                seg.tail, inf.base,
+                "rounds complete in offset order, each where the previous one ended"
+            );
             if inf.base + inf.attempted_bytes >= seg.scrub_until {
                 seg.scrub_until = 0;
             }
@@ -1299,7 +1471,7 @@ impl<B: Backend> Log<B> {
         {
             self.sync_due_at.get_or_insert(now + interval);
         }
-        self.finish_direct(&mut c, seg_at, inf.base);
+        self.finish_direct(&mut c, false);
         self.recycle(c.buf);
         Ok(())
     }
@@ -1414,9 +1586,11 @@ impl<B: Backend> Log<B> {
         }
     }
 
-    /// Drops the failed round and every pending round; shards go back to their written offset.
-    fn reject(&mut self, failed: Option<RoundMeta>, error: StorageError) {
-        let mut ranges: Vec<ShardRange> = failed.map(|m| m.ranges).unwrap_or_default();
+    /// Drops the failed rounds' records (`failed`: the failed round's and those of rounds
+    /// in flight after it) and every pending round; shards go back to their written offset
+    /// (the first rejected one: completions apply in order, so nothing after it is written).
+    fn reject(&mut self, failed: Vec<ShardRange>, error: StorageError) {
+        let mut ranges = failed;
         let rounds: Vec<PendingRound> = self.pending.drain(..).collect();
         for round in rounds {
             ranges.extend_from_slice(&round.meta.ranges);
@@ -1804,11 +1978,7 @@ impl<B: Backend> Log<B> {
             if !over_bytes && !expired {
                 break;
             }
-            if self
-                .in_flight
-                .as_ref()
-                .is_some_and(|f| f.segment == oldest.seq)
-            {
+            if self.in_flight.iter().any(|f| f.segment == oldest.seq) {
                 break;
             }
             let Some(seg) = self.segments.pop_front() else {
@@ -1869,13 +2039,15 @@ impl<B: Backend> Log<B> {
         live: impl Fn(u32) -> bool,
     ) -> Result<ReleaseReport, StorageError> {
         self.check_failed()?;
-        let in_flight: Vec<u32> = match &self.in_flight {
-            Some(InFlight {
-                kind: RoundKind::Records(meta),
-                ..
-            }) => meta.ranges.iter().map(|r| r.shard).collect(),
-            _ => Vec::new(),
-        };
+        let in_flight: Vec<u32> = self
+            .in_flight
+            .iter()
+            .filter_map(|f| match &f.kind {
+                RoundKind::Records(meta) => Some(meta.ranges.iter().map(|r| r.shard)),
+                _ => None,
+            })
+            .flatten()
+            .collect();
         let mut dead: Vec<u32> = self
             .shards
             .iter()

@@ -4,6 +4,15 @@
 //! next fdatasync (e.g. EIO) or the next write (e.g. ENOSPC, after writing part of it), and
 //! hold rounds until the test completes them, so group commit can be stepped by hand.
 //!
+//! Two rounds in flight: a held round's write can be performed alone
+//! ([`FaultHandle::write_next`]), after which the log may submit the next round, whose write
+//! then happens while the first round's fdatasync is outstanding. An fdatasync covers only
+//! the writes performed before it started, and it starts right after its own round's write
+//! (the write and the fdatasync are linked, as in `uring.rs`): so round N's fdatasync never
+//! makes round N+1's bytes durable, while N+1's fdatasync covers N's. Writes are always
+//! performed in submission order; completions may be made visible out of order
+//! ([`FaultHandle::complete_newest`]).
+//!
 //! Single-threaded by design (`Rc`): the log and the test's [`FaultHandle`] live on one thread,
 //! like a per-core log.
 
@@ -40,15 +49,30 @@ pub enum PowerCut {
 #[derive(Debug)]
 struct FileModel {
     file: Arc<File>,
-    /// (position, previous bytes) of every write since the file's last completed sync.
-    undo: Vec<(u64, Vec<u8>)>,
+    /// (write number, position, previous bytes) of every write no completed sync covers,
+    /// oldest first.
+    undo: Vec<(u64, u64, Vec<u8>)>,
+}
+
+/// A round the test has not completed yet.
+#[derive(Debug)]
+struct Held {
+    round: RoundRequest,
+    /// Set once its write was performed (successfully): the number of the last write its
+    /// fdatasync covers (writes are numbered from 1 in the order performed).
+    sync_covers: Option<u64>,
 }
 
 #[derive(Debug, Default)]
 struct FaultState {
     auto_complete: bool,
-    submitted: VecDeque<RoundRequest>,
+    /// Report every write finished as soon as it is submitted (see
+    /// [`FaultHandle::report_writes_early`]).
+    writes_early: bool,
+    submitted: VecDeque<Held>,
     completed: VecDeque<RoundCompletion>,
+    /// Writes performed so far.
+    writes: u64,
     files: HashMap<u64, FileModel>,
     next_write_error: Option<(i32, usize)>,
     next_sync_error: Option<i32>,
@@ -109,7 +133,9 @@ fn read_old(file: &File, pos: u64, len: usize) -> Vec<u8> {
 }
 
 impl FaultState {
-    fn perform(&mut self, round: RoundRequest) -> RoundCompletion {
+    /// Performs a round's write. `Ok` carries the number of the last write performed (what
+    /// an fdatasync starting now covers).
+    fn perform_write(&mut self, round: &RoundRequest) -> Result<u64, RoundFailure> {
         let model = self
             .files
             .entry(round.segment)
@@ -134,7 +160,8 @@ impl FaultState {
         let mut result = Ok(());
         if write_len > 0 {
             let old = read_old(&model.file, pos, write_len);
-            model.undo.push((pos, old));
+            self.writes += 1;
+            model.undo.push((self.writes, pos, old));
             if let Err(e) = model.file.write_all_at(&bytes[..write_len], pos) {
                 result = Err(RoundFailure::Write(e.raw_os_error().unwrap_or(libc::EIO)));
             }
@@ -142,18 +169,35 @@ impl FaultState {
         if let Some(errno) = write_error {
             result = Err(RoundFailure::Write(errno));
         }
+        result.map(|()| self.writes)
+    }
+
+    /// Runs a written round's fdatasync (when it has one), covering the writes up to
+    /// `covers`, and builds its completion.
+    fn perform_sync(&mut self, round: RoundRequest, covers: u64) -> RoundCompletion {
+        let mut result = Ok(());
         let mut sync_latency = None;
-        if result.is_ok() && round.sync {
+        if round.sync {
             sync_latency = Some(SIM_SYNC_LATENCY);
             match self.next_sync_error.take() {
                 // A failed fdatasync leaves the data not durable.
                 Some(errno) => result = Err(RoundFailure::Sync(errno)),
                 None => {
-                    model.undo.clear();
+                    if let Some(model) = self.files.get_mut(&round.segment) {
+                        model.undo.retain(|(n, _, _)| *n > covers);
+                    }
                     self.syncs_completed += 1;
                 }
             }
         }
+        Self::completion(round, result, sync_latency)
+    }
+
+    fn completion(
+        round: RoundRequest,
+        result: Result<(), RoundFailure>,
+        sync_latency: Option<Duration>,
+    ) -> RoundCompletion {
         RoundCompletion {
             id: round.id,
             buf: round.buf,
@@ -162,6 +206,63 @@ impl FaultState {
             write_latency: SIM_WRITE_LATENCY,
             sync_latency,
         }
+    }
+
+    /// Performs the write of the oldest held round not written yet; a failed write
+    /// completes its round at once (its fdatasync never runs). False when every held round
+    /// is written.
+    fn write_next(&mut self) -> bool {
+        let Some(at) = self.submitted.iter().position(|h| h.sync_covers.is_none()) else {
+            return false;
+        };
+        let Some(mut held) = self.submitted.remove(at) else {
+            unreachable!("found above");
+        };
+        match self.perform_write(&held.round) {
+            Ok(covers) => {
+                held.sync_covers = Some(covers);
+                self.submitted.insert(at, held);
+            }
+            Err(failure) => {
+                let c = Self::completion(held.round, Err(failure), None);
+                self.completed.push_back(c);
+            }
+        }
+        true
+    }
+
+    /// Completes held round `at`: performs the writes up to it (in order), then its
+    /// fdatasync. False when there is no such round.
+    fn complete_at(&mut self, at: usize) -> bool {
+        if at >= self.submitted.len() {
+            return false;
+        }
+        let id = self.submitted[at].round.id;
+        // Writes go in submission order: every held round up to this one is written first.
+        // Bounded by the held rounds; each pass writes one or completes a failed one.
+        loop {
+            let target = self.submitted.iter().position(|h| h.round.id == id);
+            let unwritten = self.submitted.iter().position(|h| h.sync_covers.is_none());
+            match (target, unwritten) {
+                (Some(t), Some(u)) if u <= t => {
+                    self.write_next();
+                }
+                _ => break,
+            }
+        }
+        // The round itself may have failed its write (completed above).
+        let Some(at) = self.submitted.iter().position(|h| h.round.id == id) else {
+            return true;
+        };
+        let Some(held) = self.submitted.remove(at) else {
+            unreachable!("found above");
+        };
+        let Some(covers) = held.sync_covers else {
+            unreachable!("written above");
+        };
+        let c = self.perform_sync(held.round, covers);
+        self.completed.push_back(c);
+        true
     }
 }
 
@@ -172,12 +273,14 @@ impl Backend for FaultBackend {
             // The machine is off: the round never happens.
             return Ok(());
         }
+        s.submitted.push_back(Held {
+            round,
+            sync_covers: None,
+        });
         if s.auto_complete {
-            let c = s.perform(round);
-            s.completed.push_back(c);
+            let at = s.submitted.len() - 1;
+            s.complete_at(at);
             self.wake.notify();
-        } else {
-            s.submitted.push_back(round);
         }
         Ok(())
     }
@@ -185,6 +288,16 @@ impl Backend for FaultBackend {
     fn poll_completion(&mut self) -> Result<Option<RoundCompletion>, StorageError> {
         self.wake.drain();
         Ok(self.state.borrow_mut().completed.pop_front())
+    }
+
+    fn writes_idle(&self) -> bool {
+        let s = self.state.borrow();
+        s.writes_early
+            || (s.submitted.iter().all(|h| h.sync_covers.is_some())
+                && !s
+                    .completed
+                    .iter()
+                    .any(|c| matches!(c.result, Err(RoundFailure::Write(_)))))
     }
 
     fn wake_fd(&self) -> BorrowedFd<'_> {
@@ -215,14 +328,26 @@ pub(crate) fn next_random(state: &mut u64) -> u64 {
 }
 
 impl FaultHandle {
-    /// Performs the oldest held round and makes its completion visible. False if none held.
+    /// Performs the oldest held round (its write, if not performed yet, then its
+    /// fdatasync) and makes its completion visible. False if none held.
     pub fn complete_next(&self) -> bool {
+        let done = self.state.borrow_mut().complete_at(0);
+        if done {
+            self.wake.notify();
+        }
+        done
+    }
+
+    /// Performs the newest held round (the writes of the rounds before it first, in order)
+    /// and makes its completion visible, ahead of the older rounds' completions. False if
+    /// none held.
+    pub fn complete_newest(&self) -> bool {
         let mut s = self.state.borrow_mut();
-        let Some(round) = s.submitted.pop_front() else {
+        let Some(at) = s.submitted.len().checked_sub(1) else {
             return false;
         };
-        let c = s.perform(round);
-        s.completed.push_back(c);
+        s.complete_at(at);
+        drop(s);
         self.wake.notify();
         true
     }
@@ -244,6 +369,17 @@ impl FaultHandle {
         done
     }
 
+    /// Performs the write of the oldest held round not written yet, leaving its fdatasync
+    /// outstanding (a failed write completes the round at once). The log may then submit
+    /// another round. False if every held round is written.
+    pub fn write_next(&self) -> bool {
+        let done = self.state.borrow_mut().write_next();
+        if done {
+            self.wake.notify();
+        }
+        done
+    }
+
     /// Read fetches held, not completed yet.
     pub fn held_fetches(&self) -> usize {
         self.reads.held()
@@ -252,6 +388,25 @@ impl FaultHandle {
     /// Rounds submitted and held (manual mode).
     pub fn held_rounds(&self) -> usize {
         self.state.borrow().submitted.len()
+    }
+
+    /// Held rounds whose write was not performed yet (manual mode).
+    pub fn unwritten_rounds(&self) -> usize {
+        self.state
+            .borrow()
+            .submitted
+            .iter()
+            .filter(|h| h.sync_covers.is_none())
+            .count()
+    }
+
+    /// When set, the backend tells the log every write is finished as soon as it is
+    /// submitted, before performing it (the writes still happen in order when the test
+    /// performs them). No real backend does this; it lets a test fail the write of the first
+    /// of two rounds in flight, which the log must handle without relying on the
+    /// backend's ordering (the second round is rejected too).
+    pub fn report_writes_early(&self, early: bool) {
+        self.state.borrow_mut().writes_early = early;
     }
 
     /// The next fdatasync fails with `errno`.
@@ -282,7 +437,7 @@ impl FaultHandle {
         };
         for model in s.files.values_mut() {
             // Newest first, so overlapping writes restore the oldest unsynced content last.
-            for (pos, old) in model.undo.drain(..).rev() {
+            for (_, pos, old) in model.undo.drain(..).rev() {
                 let end = pos + old.len() as u64;
                 let mut at = pos;
                 while at < end {

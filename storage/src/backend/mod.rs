@@ -1,9 +1,12 @@
-//! The IO side of group commit: a [`Backend`] performs one round (a write at the segment's
+//! The IO side of group commit: a [`Backend`] performs rounds (a write at the segment's
 //! tail, optionally linked with an fdatasync) off the calling thread and reports completion.
 //!
 //! Contract, relied on by [`crate::Log`]:
-//! - at most [`ROUNDS_IN_FLIGHT_MAX`] round is submitted and not yet returned by
-//!   [`Backend::poll_completion`];
+//! - at most [`ROUNDS_IN_FLIGHT_MAX`] rounds are submitted and not yet returned by
+//!   [`Backend::poll_completion`], and a round is submitted while another is outstanding only
+//!   when [`Backend::writes_idle`] said every outstanding round's write had finished (so two
+//!   writes never race, e.g. on the tail block a direct round rewrites);
+//! - completions may come back in any order (the log applies them in round order);
 //! - the write covers `buf` entirely at `file_pos` (short writes are continued by the backend)
 //!   and the fdatasync, when `sync` is set, starts only after the write succeeded;
 //! - [`Backend::poll_completion`] never blocks;
@@ -29,10 +32,12 @@ pub use fault::{FaultBackend, FaultHandle, PowerCut};
 pub use pwrite::PwriteBackend;
 pub use uring::UringBackend;
 
-/// Rounds in flight at once. One: a round's write must complete before the next round's
-/// write at the following position, which keeps the tail contiguous and recovery simple;
-/// appends made meanwhile coalesce into the next round (group commit).
-pub const ROUNDS_IN_FLIGHT_MAX: usize = 1;
+/// Rounds in flight at once (`LogConfig::rounds_in_flight`). Two: the write of round N+1
+/// runs during the fdatasync of round N. A round's write still finishes before the next
+/// round's write at the following position starts ([`Backend::writes_idle`]), which keeps
+/// the tail contiguous and recovery simple; appends made meanwhile coalesce into the next
+/// round (group commit).
+pub const ROUNDS_IN_FLIGHT_MAX: usize = 2;
 
 /// One round for the backend.
 #[derive(Debug)]
@@ -97,8 +102,15 @@ pub struct RoundCompletion {
 pub trait Backend {
     /// Starts a round. Must not block on the disk.
     fn submit(&mut self, round: RoundRequest) -> Result<(), StorageError>;
-    /// Returns a finished round, if any, without blocking.
+    /// Returns a finished round, if any, without blocking. With two rounds outstanding the
+    /// later one may come back first.
     fn poll_completion(&mut self) -> Result<Option<RoundCompletion>, StorageError>;
+    /// True when every outstanding round's write has finished successfully (only fdatasyncs
+    /// may still run): the log may then submit the next round at the following position.
+    /// It tells what the backend knew at the last [`Backend::poll_completion`] (which reaps);
+    /// the wake fd fires when a write finishes, so a caller waiting on it learns of it. A
+    /// backend that does one round at a time says true only when nothing is outstanding.
+    fn writes_idle(&self) -> bool;
     /// An eventfd that becomes readable when a completion may be ready.
     fn wake_fd(&self) -> BorrowedFd<'_>;
     /// Short name for logs and benchmarks.
@@ -218,6 +230,12 @@ impl Backend for SystemBackend {
         match self {
             SystemBackend::Uring(b) => b.poll_completion(),
             SystemBackend::Pwrite(b) => b.poll_completion(),
+        }
+    }
+    fn writes_idle(&self) -> bool {
+        match self {
+            SystemBackend::Uring(b) => b.writes_idle(),
+            SystemBackend::Pwrite(b) => b.writes_idle(),
         }
     }
     fn wake_fd(&self) -> BorrowedFd<'_> {

@@ -1,7 +1,10 @@
 //! The io_uring backend: one ring per log; a round is a write linked (IO_LINK) with an
 //! fdatasync; completions are reaped without blocking and announced through an eventfd
-//! registered with the ring.
+//! registered with the ring. Up to two rounds are in flight: the log submits the second once
+//! the first one's write CQE is in ([`Backend::writes_idle`]; the eventfd fires for every
+//! CQE, the write's included), so the second write runs during the first fdatasync.
 
+use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::time::{Duration, Instant};
 
@@ -11,8 +14,8 @@ use super::{Backend, EventFd, RoundCompletion, RoundFailure, RoundRequest};
 use crate::StorageError;
 use crate::direct::DIRECT_ALIGN;
 
-/// Ring size: a round needs 2 entries (write + fdatasync) and only one round is in flight;
-/// 8 leaves room without wasting memory.
+/// Ring size: a round needs 2 entries (write + fdatasync) and at most
+/// `ROUNDS_IN_FLIGHT_MAX` (2) rounds are in flight; 8 leaves room without wasting memory.
 const RING_ENTRIES: u32 = 8;
 /// Short writes continued before the round is failed with EIO. A buffered write to a
 /// preallocated regular file is short only under memory pressure or signals; 64 continuations
@@ -21,8 +24,10 @@ const SHORT_WRITE_CONTINUATIONS_MAX: u32 = 64;
 /// CQEs handled per `poll_completion` call (a round produces at most 2 per submission).
 const REAPS_MAX: usize = 16;
 
+/// A CQE's user data: the round's id shifted left by 2, or'ed with one of these tags.
 const TAG_WRITE: u64 = 1;
 const TAG_SYNC: u64 = 2;
+const TAG_MASK: u64 = 3;
 
 #[derive(Debug)]
 struct InFlight {
@@ -41,17 +46,30 @@ struct InFlight {
     write_latency: Option<Duration>,
 }
 
+impl InFlight {
+    /// The whole write is in (a round without bytes has nothing to write).
+    fn write_done(&self) -> bool {
+        self.failure.is_none() && self.written == self.round.target().1.len()
+    }
+
+    /// Every CQE is in and nothing is left to resubmit.
+    fn finished(&self) -> bool {
+        self.outstanding == 0 && (!self.resubmit || self.failure.is_some())
+    }
+}
+
 /// See the module docs.
 pub struct UringBackend {
     ring: IoUring,
     wake: EventFd,
-    in_flight: Option<InFlight>,
+    /// Oldest first; at most `ROUNDS_IN_FLIGHT_MAX`.
+    in_flight: VecDeque<InFlight>,
 }
 
 impl std::fmt::Debug for UringBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("UringBackend")
-            .field("in_flight", &self.in_flight.is_some())
+            .field("in_flight", &self.in_flight.len())
             .finish()
     }
 }
@@ -67,16 +85,17 @@ impl UringBackend {
         Ok(UringBackend {
             ring,
             wake,
-            in_flight: None,
+            in_flight: VecDeque::with_capacity(super::ROUNDS_IN_FLIGHT_MAX),
         })
     }
 
-    /// Queues the rest of the in-flight round's write (linked with the fsync when asked) or,
+    /// Queues the rest of in-flight round `at`'s write (linked with the fsync when asked) or,
     /// when everything is written, the fsync alone.
-    fn push_current(&mut self) -> Result<(), StorageError> {
-        let Some(f) = self.in_flight.as_mut() else {
+    fn push_current(&mut self, at: usize) -> Result<(), StorageError> {
+        let Some(f) = self.in_flight.get_mut(at) else {
             return Ok(());
         };
+        let id_bits = f.round.id << 2;
         let fd = types::Fd(f.round.file.as_raw_fd());
         let (target, bytes, pos) = f.round.target();
         let target = types::Fd(target.as_raw_fd());
@@ -89,7 +108,7 @@ impl UringBackend {
             let mut write = opcode::Write::new(target, rest.as_ptr(), len)
                 .offset(pos + f.written as u64)
                 .build()
-                .user_data(TAG_WRITE);
+                .user_data(id_bits | TAG_WRITE);
             if f.round.sync {
                 write = write.flags(squeue::Flags::IO_LINK);
             }
@@ -100,7 +119,7 @@ impl UringBackend {
                 opcode::Fsync::new(fd)
                     .flags(types::FsyncFlags::DATASYNC)
                     .build()
-                    .user_data(TAG_SYNC),
+                    .user_data(id_bits | TAG_SYNC),
             );
         }
         f.outstanding = entries.len() as u32;
@@ -129,12 +148,13 @@ impl UringBackend {
         Ok(())
     }
 
-    fn handle_cqe(&mut self, tag: u64, res: i32) {
-        let Some(f) = self.in_flight.as_mut() else {
+    fn handle_cqe(&mut self, user_data: u64, res: i32) {
+        let id = user_data >> 2;
+        let Some(f) = self.in_flight.iter_mut().find(|f| f.round.id == id) else {
             return;
         };
         f.outstanding = f.outstanding.saturating_sub(1);
-        match tag {
+        match user_data & TAG_MASK {
             TAG_WRITE => {
                 let total = f.round.target().1.len();
                 let want = total - f.written;
@@ -173,10 +193,14 @@ impl UringBackend {
 impl Backend for UringBackend {
     fn submit(&mut self, round: RoundRequest) -> Result<(), StorageError> {
         assert!(
-            self.in_flight.is_none(),
-            "one round in flight (ROUNDS_IN_FLIGHT_MAX)"
+            self.in_flight.len() < super::ROUNDS_IN_FLIGHT_MAX,
+            "at most ROUNDS_IN_FLIGHT_MAX rounds in flight"
         );
-        self.in_flight = Some(InFlight {
+        assert!(
+            self.writes_idle(),
+            "a round is submitted only after the previous writes finished"
+        );
+        self.in_flight.push_back(InFlight {
             round,
             written: 0,
             outstanding: 0,
@@ -187,16 +211,17 @@ impl Backend for UringBackend {
             started: Instant::now(),
             write_latency: None,
         });
+        let at = self.in_flight.len() - 1;
         let empty = self
             .in_flight
-            .as_ref()
+            .back()
             .is_some_and(|f| f.round.target().1.is_empty() && !f.round.sync);
         if empty {
             // Nothing to do: complete at the next poll.
             self.wake.notify();
             return Ok(());
         }
-        self.push_current()
+        self.push_current(at)
     }
 
     fn poll_completion(&mut self) -> Result<Option<RoundCompletion>, StorageError> {
@@ -215,20 +240,25 @@ impl Backend for UringBackend {
         for &(tag, res) in &cqes[..n] {
             self.handle_cqe(tag, res);
         }
-        let Some(f) = self.in_flight.as_mut() else {
+        // Short writes continue once their round's CQEs are all in. Bounded by the rounds
+        // in flight.
+        for at in 0..self.in_flight.len() {
+            let f = &mut self.in_flight[at];
+            if f.outstanding == 0 && f.resubmit && f.failure.is_none() {
+                f.resubmit = false;
+                self.push_current(at)?;
+            }
+        }
+        let Some(at) = self.in_flight.iter().position(InFlight::finished) else {
             return Ok(None);
         };
-        if f.outstanding > 0 {
-            return Ok(None);
-        }
-        if f.resubmit && f.failure.is_none() {
-            f.resubmit = false;
-            self.push_current()?;
-            return Ok(None);
-        }
-        let Some(f) = self.in_flight.take() else {
+        let Some(f) = self.in_flight.remove(at) else {
             return Ok(None);
         };
+        if self.in_flight.iter().any(InFlight::finished) {
+            // One completion per call: make sure the caller comes back for the other.
+            self.wake.notify();
+        }
         let result = match f.failure {
             Some(failure) => Err(failure),
             None => Ok(()),
@@ -247,6 +277,10 @@ impl Backend for UringBackend {
         }))
     }
 
+    fn writes_idle(&self) -> bool {
+        self.in_flight.iter().all(InFlight::write_done)
+    }
+
     fn wake_fd(&self) -> BorrowedFd<'_> {
         self.wake.as_fd()
     }
@@ -258,19 +292,17 @@ impl Backend for UringBackend {
 
 impl Drop for UringBackend {
     fn drop(&mut self) {
-        // The kernel may still read the in-flight buffer: wait for its CQEs before the buffer
-        // and the file are freed. Bounded by the ops outstanding (at most 2).
-        while let Some(f) = self.in_flight.as_ref() {
-            if f.outstanding == 0 {
-                break;
-            }
+        // The kernel may still read the in-flight buffers: wait for their CQEs before the
+        // buffers and the files are freed. Bounded by the ops outstanding (at most 2 per
+        // round in flight).
+        while self.in_flight.iter().any(|f| f.outstanding > 0) {
             if let Err(e) = self.ring.submit_and_wait(1) {
                 if e.kind() == std::io::ErrorKind::Interrupted {
                     continue;
                 }
                 // Cannot tell when the kernel is done with the buffer: leak it rather than
                 // free memory the kernel may still read.
-                std::mem::forget(self.in_flight.take());
+                std::mem::forget(std::mem::take(&mut self.in_flight));
                 break;
             }
             let done: Vec<(u64, i32)> = self
