@@ -401,6 +401,7 @@ impl World {
                         fsync,
                         backend: BackendChoice::Pwrite,
                         direct_io: true,
+                        rounds_in_flight: 2,
                         segment_bytes: SEGMENT_BYTES_MIN,
                         retention_bytes: None,
                         retention_age: None,

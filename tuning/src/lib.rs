@@ -155,6 +155,9 @@ pub struct Config {
     /// FELIX_STORAGE_DIRECT_IO: O_DIRECT log writes (1) or the page cache (0). Default 1.
     /// Restart.
     pub storage_direct_io: bool,
+    /// FELIX_STORAGE_ROUNDS_IN_FLIGHT: write rounds in flight per durable log, 1..=2.
+    /// Default 2. Restart.
+    pub storage_rounds_in_flight: u64,
     /// FELIX_DURABLE_SEGMENT_BYTES: log segment size, 16KiB..=64GiB. Default 1GiB. Restart.
     pub durable_segment_bytes: u64,
     /// FELIX_DURABLE_RETENTION_BYTES: per-core log size bound, 0 = none. Default 0. Restart.

@@ -55,6 +55,8 @@ const INGRESS_BYTE_BUDGET_MAX: u64 = 64 * GIB;
 const PUBLISH_QUEUE_WAIT_MS_MAX: u64 = 600_000;
 /// One hour between fsyncs already risks an hour of data on power loss; more is a typo.
 const DURABLE_FSYNC_INTERVAL_MS_MAX: u64 = 3_600_000;
+/// `felix_storage::ROUNDS_IN_FLIGHT_MAX` (this crate does not depend on the storage crate).
+const STORAGE_ROUNDS_IN_FLIGHT_MAX: u64 = 2;
 /// The storage crate's segment bounds (felix_storage::SEGMENT_BYTES_MIN / SEGMENT_BYTES_MAX):
 /// 16 KiB holds a few records (tests), 64 GiB keeps one deleted segment a bounded amount.
 const DURABLE_SEGMENT_BYTES_MIN: u64 = 16 * KIB;
@@ -501,6 +503,16 @@ settings! {
               device (no page-cache copy, no writeback at fdatasync); where the file system \
               refuses O_DIRECT the log warns once and writes through the page cache. 0 always \
               writes through the page cache.",
+    }
+    storage_rounds_in_flight {
+        env: "FELIX_STORAGE_ROUNDS_IN_FLIGHT",
+        kind: Kind::Count { min: 1, max: STORAGE_ROUNDS_IN_FLIGHT_MAX },
+        default: Fixed("2"),
+        restart: Restart::Broker,
+        doc: "Write rounds in flight per durable log. 2: the next round's write runs while \
+              the previous round's fdatasync does (once that round's write finished), so a \
+              core's log writes and syncs at the same time; 1: one write + fdatasync at a \
+              time.",
     }
     durable_segment_bytes {
         env: "FELIX_DURABLE_SEGMENT_BYTES",

@@ -83,6 +83,7 @@ fn defaults_are_the_documented_values() {
     assert_eq!(config.durable_fsync_interval_ms, 250);
     assert!(config.storage_io_uring);
     assert!(config.storage_direct_io);
+    assert_eq!(config.storage_rounds_in_flight, 2);
     assert_eq!(config.durable_segment_bytes, 1 << 30);
     assert_eq!(config.durable_retention_bytes, 0);
     assert_eq!(config.durable_retention_seconds, 0);

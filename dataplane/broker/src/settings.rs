@@ -42,8 +42,8 @@ pub fn core_plan(config: &Config) -> Result<CorePlan, BrokerError> {
     Ok(CorePlan::new(&topology, &plan_options(config)?)?)
 }
 
-/// The durable settings (FELIX_DURABLE_*, FELIX_STORAGE_IO_URING, FELIX_STORAGE_DIRECT_IO) as
-/// the logs use them.
+/// The durable settings (FELIX_DURABLE_*, FELIX_STORAGE_IO_URING, FELIX_STORAGE_DIRECT_IO,
+/// FELIX_STORAGE_ROUNDS_IN_FLIGHT) as the logs use them.
 pub fn durable_settings(config: &Config) -> Result<DurableSettings, BrokerError> {
     let fsync = match config.durable_fsync_mode.as_str() {
         "on_commit" => felix_storage::FsyncMode::OnCommit,
@@ -66,6 +66,8 @@ pub fn durable_settings(config: &Config) -> Result<DurableSettings, BrokerError>
             felix_storage::BackendChoice::Pwrite
         },
         direct_io: config.storage_direct_io,
+        // 1..=2, checked by the settings table (tuning/src/settings.rs).
+        rounds_in_flight: usize::try_from(config.storage_rounds_in_flight).unwrap_or(1),
         segment_bytes: config.durable_segment_bytes,
         retention_bytes: (config.durable_retention_bytes > 0)
             .then_some(config.durable_retention_bytes),

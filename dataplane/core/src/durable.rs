@@ -64,9 +64,9 @@ pub const LOG_READS_PER_PUMP_MAX: usize = 16;
 /// reads stay queued in the engine (`PumpReport::reads_held`).
 pub const LOG_READS_WAITING_MAX: usize = LOG_READS_PER_PUMP_MAX;
 
-/// Log events routed per `pump`. One round in flight produces at most three events
-/// (`Written`, `Synced`, or `Rejected`) and `drive` reaps at most a few rounds, so 64 is slack
-/// that still bounds the loop.
+/// Log events routed per `pump`. A round produces at most three events (`Written`, `Synced`,
+/// or `Rejected`), at most two are in flight and `drive` reaps at most a few rounds, so 64 is
+/// slack that still bounds the loop.
 const LOG_EVENTS_PER_PUMP_MAX: usize = 64;
 
 /// Durable settings shared by every core (from FELIX_DURABLE_* and FELIX_STORAGE_IO_URING).
@@ -76,6 +76,8 @@ pub struct DurableSettings {
     pub backend: BackendChoice,
     /// Write rounds with O_DIRECT (`LogConfig::direct_io`).
     pub direct_io: bool,
+    /// Write rounds in flight per log, 1 or 2 (`LogConfig::rounds_in_flight`).
+    pub rounds_in_flight: usize,
     pub segment_bytes: u64,
     /// Delete the oldest segments while a core's log exceeds this; `None` keeps everything.
     pub retention_bytes: Option<u64>,
@@ -90,6 +92,7 @@ impl DurableSettings {
         let mut config = LogConfig::new(log_dir(data_dir, core));
         config.fsync = self.fsync;
         config.direct_io = self.direct_io;
+        config.rounds_in_flight = self.rounds_in_flight;
         config.segment_bytes = self.segment_bytes;
         // A round never exceeds half a segment (LogConfig::validate); the default 4 MiB fits
         // any segment of 8 MiB or more, smaller (test) segments get half their size.
@@ -1004,6 +1007,7 @@ mod tests {
                 fsync: FsyncMode::OnCommit,
                 backend: choice,
                 direct_io: true,
+                rounds_in_flight: 2,
                 segment_bytes: 256 << 10,
                 retention_bytes: None,
                 retention_age: None,
@@ -1076,6 +1080,7 @@ mod tests {
             fsync: FsyncMode::OnCommit,
             backend: BackendChoice::Pwrite,
             direct_io: true,
+            rounds_in_flight: 2,
             segment_bytes: 1 << 20,
             retention_bytes: None,
             retention_age: None,
@@ -1251,6 +1256,7 @@ mod tests {
             fsync: FsyncMode::OnCommit,
             backend: BackendChoice::Pwrite,
             direct_io: true,
+            rounds_in_flight: 2,
             segment_bytes,
             retention_bytes: None,
             retention_age: None,

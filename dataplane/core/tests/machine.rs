@@ -272,6 +272,7 @@ fn a_durable_ack_is_written_to_its_stream_once_the_round_is_synced() {
         fsync: FsyncMode::OnCommit,
         backend: BackendChoice::Pwrite,
         direct_io: true,
+        rounds_in_flight: 2,
         segment_bytes: 1 << 20,
         retention_bytes: None,
         retention_age: None,

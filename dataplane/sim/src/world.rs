@@ -110,6 +110,7 @@ impl Shape {
             fsync: self.fsync,
             backend: BackendChoice::Pwrite,
             direct_io: self.direct_io,
+            rounds_in_flight: 2,
             segment_bytes: if self.small_segments {
                 SMALL_SEGMENT_BYTES
             } else {
