@@ -1364,7 +1364,7 @@ impl Core {
         }
         assert_eq!(
             self.tracked.len(),
-            self.engine.tracked_publishes(),
+            self.engine.unreported_publishes(),
             "every engine-tracked publish is registered once"
         );
         // Each admitted publish holds one job until it is finished.

@@ -272,6 +272,14 @@ impl Tracker {
         self.slots.len() - self.free.len()
     }
 
+    /// Tracked publishes whose outcome is not reported yet: a failed publish whose other
+    /// ranges still wait (e.g. queued for the log on a shard the rejection did not touch)
+    /// stays tracked until they resolve, but its failure is already reported.
+    #[must_use]
+    pub(crate) fn unreported(&self) -> usize {
+        self.slots.iter().flatten().filter(|t| !t.failed).count()
+    }
+
     /// Checks that each tracked publish has exactly `remaining` waiters among `waiters`.
     pub(crate) fn assert_invariants<'a>(&self, waiters: impl Iterator<Item = &'a Waiter>) {
         let mut counted = vec![0u32; self.slots.len()];

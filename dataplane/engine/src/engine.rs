@@ -1245,6 +1245,14 @@ impl Engine {
         self.tracker.len()
     }
 
+    /// Tracked publishes whose completion was not reported yet (failed publishes whose
+    /// other shard ranges still wait are not counted: their failure was reported). O(tracked
+    /// publishes): for invariant checks.
+    #[must_use]
+    pub fn unreported_publishes(&self) -> usize {
+        self.tracker.unreported()
+    }
+
     /// Checks every invariant of the engine (dense offsets, ring and queue byte sums, the
     /// links between streams, shards and subscriptions). O(everything held): for tests and
     /// debugging, not the hot path.

@@ -113,7 +113,8 @@ fn main() -> ExitCode {
     );
     println!(
         "felix-sim: exercised {} frames, {} acks, {} deliveries, {} refused, {} shed, {} waits, \
-         {} lagged ({} resumed), {} messages, {} log rounds, {} crashes ({} power cuts, {} torn), {} \
+         {} lagged ({} resumed), {} messages, {} log rounds ({} writes alone, {} newest first, {} pumps \
+         leaving two in flight), {} crashes ({} power cuts, {} torn), {} \
          fsync failures, {} disk-full writes, {} log pumps holding appends (pending bound full), {} \
          catalogue failures, {} durable records \
          checked after crashes, {} requests denied by rules, {} catch-up read fetches",
@@ -127,6 +128,9 @@ fn main() -> ExitCode {
         total.resumed,
         total.messages,
         total.rounds,
+        total.writes_alone,
+        total.newest_first,
+        total.two_in_flight,
         total.crashes,
         total.power_cuts,
         total.torn_cuts,

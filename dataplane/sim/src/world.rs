@@ -60,6 +60,10 @@ pub struct Shape {
     /// catch-up read waits for its fetch, which the fault backend holds until a step
     /// completes it (`World::complete_fetch`), and is answered at a later pump.
     pub read_misses: u64,
+    /// Write rounds in flight per log (1 or 2, `LogConfig::rounds_in_flight`); with 2 the
+    /// steps also perform a held round's write alone (the log may then submit a second
+    /// round) and complete the newer of two rounds first.
+    pub rounds_in_flight: usize,
 }
 
 /// The rules of a secured run: p0 may do everything; p1 publishes and subscribes on s0 and s1
@@ -102,6 +106,7 @@ impl Shape {
             direct_io: rng.chance(500),
             small_segments: rng.chance(500),
             read_misses: [0, 300, 1000][rng.index(3)],
+            rounds_in_flight: if rng.chance(500) { 2 } else { 1 },
         }
     }
 
@@ -110,7 +115,7 @@ impl Shape {
             fsync: self.fsync,
             backend: BackendChoice::Pwrite,
             direct_io: self.direct_io,
-            rounds_in_flight: 2,
+            rounds_in_flight: self.rounds_in_flight,
             segment_bytes: if self.small_segments {
                 SMALL_SEGMENT_BYTES
             } else {
@@ -151,6 +156,12 @@ pub struct Stats {
     pub catalog_failures: u64,
     pub messages: u64,
     pub rounds: u64,
+    /// Round writes performed alone (their fdatasync left outstanding), and rounds completed
+    /// ahead of an older one (two in flight).
+    pub writes_alone: u64,
+    pub newest_first: u64,
+    /// Log pumps that left two rounds in flight.
+    pub two_in_flight: u64,
     pub durable_checked: u64,
     /// Requests and subscriptions refused by the rules (secured runs).
     pub denied: u64,
@@ -177,6 +188,9 @@ impl Stats {
         self.catalog_failures += other.catalog_failures;
         self.messages += other.messages;
         self.rounds += other.rounds;
+        self.writes_alone += other.writes_alone;
+        self.newest_first += other.newest_first;
+        self.two_in_flight += other.two_in_flight;
         self.durable_checked += other.durable_checked;
         self.denied += other.denied;
         self.fetches += other.fetches;
@@ -396,6 +410,9 @@ impl World {
         let max_pending = sim.log.log().config().max_pending_bytes;
         match sim.core.pump_log(&mut sim.log, now) {
             Ok(report) => {
+                if sim.fault.held_rounds() > 1 {
+                    self.stats.two_in_flight += 1;
+                }
                 assert!(
                     sim.log.log().pending_bytes() <= max_pending,
                     "core {index}: {} bytes pending over the bound {max_pending}",
@@ -483,9 +500,25 @@ impl World {
                     .fail_next_write(libc::ENOSPC, written);
             }
         }
-        self.stats.rounds += 1;
-        self.trace.line(format!("  core{index} round completes"));
-        assert!(self.cores[usize::from(index)].fault.complete_next());
+        let fault = &self.cores[usize::from(index)].fault;
+        if self.shape.rounds_in_flight > 1 && fault.unwritten_rounds() > 0 && self.rng.chance(400) {
+            // The write alone: the round's fdatasync stays outstanding and the log may submit
+            // a second round, whose write then runs during this fdatasync.
+            self.stats.writes_alone += 1;
+            self.trace
+                .line(format!("  core{index} round write completes"));
+            assert!(fault.write_next());
+        } else if fault.held_rounds() > 1 && self.rng.chance(300) {
+            self.stats.rounds += 1;
+            self.stats.newest_first += 1;
+            self.trace
+                .line(format!("  core{index} newest round completes first"));
+            assert!(fault.complete_newest());
+        } else {
+            self.stats.rounds += 1;
+            self.trace.line(format!("  core{index} round completes"));
+            assert!(fault.complete_next());
+        }
         self.pump(index);
         if !self.halted {
             self.drain(index);
