@@ -12,11 +12,16 @@
 //! A round rarely starts or ends on a block boundary, so the log stages it
 //! ([`crate::Log`], `stage_direct`): the staged buffer starts at the block holding the
 //! segment's tail, with the bytes already in that block before the tail (kept from the
-//! previous round, or read back), then the round's bytes, then zeros up to the next block
+//! previous round's staged bytes, or read back), then the round's bytes, then zeros up to the next block
 //! boundary. The zeros land past the tail, where a preallocated segment reads as zeros anyway
 //! (recovery stops at the first all-zero header), and the next round rewrites that block with
 //! the same prefix. Rewriting the tail block is what buffered writeback does too (it writes
 //! whole pages), so the power-loss exposure of synced records in that block is unchanged.
+//!
+//! With two rounds in flight the tail (and the kept block) is the previous round's end as
+//! staged, not as completed; the next round is submitted only after the previous round's
+//! write finished, so two writes to the tail block never race (see docs/storage-format.md,
+//! Two rounds in flight).
 
 use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::fs::{File, OpenOptions};
