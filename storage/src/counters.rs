@@ -130,6 +130,9 @@ pub struct Counters {
     /// Zeros direct writes put past their rounds: padding to the block, and the zeros
     /// written ahead of small rounds (`log::ZERO_AHEAD_BYTES`).
     pub direct_padding_bytes: u64,
+    /// Direct rounds submitted with nothing behind them, whose write the backend may make
+    /// durable itself (RWF_DSYNC on io_uring) instead of an fdatasync after it.
+    pub sync_by_write_rounds: u64,
     /// Records rounds submitted while another round was in flight (its write finished, its
     /// fdatasync still running; `LogConfig::rounds_in_flight`).
     pub overlapped_rounds: u64,

@@ -698,8 +698,16 @@ fn direct_writes_keep_the_bytes_of_buffered_ones<B: Backend>(mk: &dyn Fn() -> Op
                 c.direct_tail_reads, 0,
                 "the tail block is kept between rounds"
             );
+            // Each flushed round had nothing behind it: its write may carry the sync
+            // (RWF_DSYNC on io_uring), and the records read back below all the same.
+            assert!(
+                c.sync_by_write_rounds >= 60,
+                "lone rounds synced by their write: {}",
+                c.sync_by_write_rounds
+            );
         } else {
             assert_eq!(c.direct_rounds, 0);
+            assert_eq!(c.sync_by_write_rounds, 0, "only direct rounds");
         }
         drop(log);
         let (segs, placed) = parse_files(dir.path());

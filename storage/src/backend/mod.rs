@@ -60,6 +60,11 @@ pub struct RoundRequest {
     /// `file_pos` (it covers `buf`'s range, widened to whole blocks); the fdatasync still
     /// goes to `file`.
     pub direct: Option<DirectWrite>,
+    /// With `sync` and `direct`: the backend may make the write itself durable (RWF_DSYNC)
+    /// instead of following it with an fdatasync. The log sets it only for a round nothing
+    /// else waits behind, on_commit (see `Log::submit`); a backend may ignore it and run the
+    /// fdatasync.
+    pub sync_by_write: bool,
 }
 
 impl RoundRequest {

@@ -101,20 +101,27 @@ impl UringBackend {
         let target = types::Fd(target.as_raw_fd());
         let rest = &bytes[f.written..];
         let mut entries = Vec::with_capacity(2);
+        // A lone direct round: the write is made durable by the device itself (RWF_DSYNC: a
+        // FUA write, or the block layer's flush after it), no fdatasync behind it. That saves
+        // the hop through an io-wq worker that every fdatasync takes (docs/design/durable.md,
+        // "Lone rounds written with RWF_DSYNC").
+        let dsync =
+            f.round.sync && f.round.sync_by_write && f.round.direct.is_some() && !rest.is_empty();
         if !rest.is_empty() {
             // A u32 length: rounds are bounded far below 4 GiB (LogConfig::max_round_bytes).
             let len = u32::try_from(rest.len())
                 .map_err(|_| StorageError::Config("round above 4 GiB".into()))?;
             let mut write = opcode::Write::new(target, rest.as_ptr(), len)
                 .offset(pos + f.written as u64)
+                .rw_flags(if dsync { libc::RWF_DSYNC } else { 0 })
                 .build()
                 .user_data(id_bits | TAG_WRITE);
-            if f.round.sync {
+            if f.round.sync && !dsync {
                 write = write.flags(squeue::Flags::IO_LINK);
             }
             entries.push(write);
         }
-        if f.round.sync {
+        if f.round.sync && !dsync {
             entries.push(
                 opcode::Fsync::new(fd)
                     .flags(types::FsyncFlags::DATASYNC)
