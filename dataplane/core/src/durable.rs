@@ -1071,60 +1071,13 @@ mod tests {
         }
     }
 
-    #[test]
-    fn resume_below_the_ring_catches_up_from_the_log_then_live() {
-        // A subscriber starting at an offset older than the ring reads the log, then takes
-        // live records, with no gap and no duplicate, while publishing continues.
-        let dir = tempfile::tempdir().expect("temp dir");
-        let settings = DurableSettings {
-            fsync: FsyncMode::OnCommit,
-            backend: BackendChoice::Pwrite,
-            direct_io: true,
-            rounds_in_flight: 2,
-            segment_bytes: 1 << 20,
-            retention_bytes: None,
-            retention_age: None,
-        };
-        let mut log = DurableLog::open_system(dir.path(), 0, &settings).expect("opens");
-        let mut engine = engine(8);
-        engine
-            .create_durable_stream(STREAM, 1, STREAM_ID)
-            .expect("created");
-        publish_real(&mut log, &mut engine, 1, 40, 10);
-        let sub = engine
-            .subscribe(
-                STREAM,
-                &ShardSelection::All,
-                &StartPosition::Offsets(vec![(0, 5)]),
-            )
-            .expect("subscribed");
-        let mut offsets = Vec::new();
-        let deadline = Instant::now() + DEADLINE;
-        let mut tag = 1000;
-        while offsets.len() < 395 + 200 {
-            assert!(Instant::now() < deadline, "subscriber did not catch up");
-            if tag < 1020 {
-                engine
-                    .publish_tracked(tag, STREAM, batch(tag, 10, 32), PublishToken(tag))
-                    .expect("published");
-                tag += 1;
-            }
-            pump(&mut log, &mut engine);
-            offsets.extend(drain(&mut engine, sub.id).iter().map(|r| r.offset));
-            if !log.is_idle() {
-                wait_readable(log.wake_fd(), Duration::from_millis(50)).expect("wait");
-            }
-        }
-        let want: Vec<u64> = (5..600).collect();
-        assert_eq!(offsets, want);
-        assert!(engine.durable_counters().log_records_read > 0);
-    }
-
-    #[test]
-    fn catch_up_through_the_reader_thread_while_publishing_continues() {
-        // Every look at the page cache misses: the catch-up reads wait for the log's reader
-        // thread and are answered at later pumps (woken through the log's eventfd), while
-        // publishes keep going; the subscriber still gets every offset once, in order.
+    /// A subscriber starting at an offset older than the ring reads the log, then takes live
+    /// records, with no gap and no duplicate, while publishing continues (pwrite backend, a
+    /// real reader thread). With `force_read_misses` every look at the page cache misses, so
+    /// the catch-up reads wait for the log's reader thread and are answered at later pumps
+    /// (woken through the log's eventfd). Returns how many pumps left a read waiting, and the
+    /// chunks the reader thread fetched.
+    fn catch_up_below_the_ring_while_publishing(force_read_misses: bool) -> (u32, u64) {
         let dir = tempfile::tempdir().expect("temp dir");
         let mut log =
             DurableLog::open_system(dir.path(), 0, &pwrite_settings(1 << 20)).expect("opens");
@@ -1133,7 +1086,7 @@ mod tests {
             .create_durable_stream(STREAM, 1, STREAM_ID)
             .expect("created");
         publish_real(&mut log, &mut engine, 1, 40, 10);
-        log.log().force_read_misses(true);
+        log.log().force_read_misses(force_read_misses);
         let sub = engine
             .subscribe(
                 STREAM,
@@ -1164,9 +1117,26 @@ mod tests {
         }
         let want: Vec<u64> = (5..600).collect();
         assert_eq!(offsets, want);
+        assert!(engine.durable_counters().log_records_read > 0);
+        if force_read_misses {
+            assert_eq!(log.reads_waiting(), 0);
+        }
+        (waited, log.counters().read_fetches.get())
+    }
+
+    #[test]
+    fn resume_below_the_ring_catches_up_from_the_log_then_live() {
+        // See the helper: reads served without waiting or through the reader thread alike.
+        catch_up_below_the_ring_while_publishing(false);
+    }
+
+    #[test]
+    fn catch_up_through_the_reader_thread_while_publishing_continues() {
+        // See the helper: every read misses the page cache, and still every offset arrives
+        // once, in order, while publishes keep going.
+        let (waited, fetches) = catch_up_below_the_ring_while_publishing(true);
         assert!(waited > 0, "reads waited for the reader thread");
-        assert!(log.counters().read_fetches.get() > 0);
-        assert_eq!(log.reads_waiting(), 0);
+        assert!(fetches > 0);
     }
 
     #[test]
