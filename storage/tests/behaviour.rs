@@ -488,13 +488,7 @@ fn segments_are_made_ahead<B: Backend>(mk: &dyn Fn() -> Option<B>) {
                 }
                 // A crash now would leave this blank behind: keep a copy of the directory.
                 let copy = tempfile::tempdir().expect("tempdir");
-                for entry in std::fs::read_dir(dir.path()).expect("list") {
-                    let entry = entry.expect("entry");
-                    if entry.file_type().expect("type").is_file() {
-                        std::fs::copy(entry.path(), copy.path().join(entry.file_name()))
-                            .expect("copy");
-                    }
-                }
+                copy_dir(dir.path(), copy.path());
                 copied = Some((copy, model.clone()));
             }
         }
@@ -548,17 +542,11 @@ fn segments_are_made_ahead<B: Backend>(mk: &dyn Fn() -> Option<B>) {
     copy_cfg.dir = copy.path().to_path_buf();
     let (log, report) = Log::open(copy_cfg, backend).expect("reopen the copy");
     assert_eq!(report.removed_temp_files, 1, "recovery removed the blank");
-    for (shard, want) in &at_copy.shards {
-        let got = read_all(&log, *shard, 0, 50);
-        assert!(got.len() == want.len() && got.iter().zip(want).all(|(g, e)| same(g, e)));
-    }
+    at_copy.assert_read_back(&log);
     drop(log);
     let Some(backend) = mk() else { return };
     let (log, _) = Log::open(cfg, backend).expect("reopen");
-    for (shard, want) in &model.shards {
-        let got = read_all(&log, *shard, 0, 50);
-        assert!(got.len() == want.len() && got.iter().zip(want).all(|(g, e)| same(g, e)));
-    }
+    model.assert_read_back(&log);
 }
 
 fn periodic_small_rounds_are_buffered_big_rounds_direct<B: Backend>(mk: &dyn Fn() -> Option<B>) {
@@ -596,10 +584,7 @@ fn periodic_small_rounds_are_buffered_big_rounds_direct<B: Backend>(mk: &dyn Fn(
     drop(log);
     let Some(backend) = mk() else { return };
     let (log, _) = Log::open(config, backend).expect("reopen");
-    for (shard, want) in &model.shards {
-        let got = read_all(&log, *shard, 0, 50);
-        assert!(got.len() == want.len() && got.iter().zip(want).all(|(g, e)| same(g, e)));
-    }
+    model.assert_read_back(&log);
 }
 
 fn tokio_current_thread_loop_drives_the_log<B: Backend>(mk: &dyn Fn() -> Option<B>) {

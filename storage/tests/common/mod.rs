@@ -58,6 +58,14 @@ pub struct Model {
 }
 
 impl Model {
+    /// Every shard of the model reads back from `log` from offset 0, record for record.
+    pub fn assert_read_back<B: Backend>(&self, log: &Log<B>) {
+        for (shard, want) in &self.shards {
+            let got = read_all(log, *shard, 0, 50);
+            assert!(got.len() == want.len() && got.iter().zip(want).all(|(g, e)| same(g, e)));
+        }
+    }
+
     pub fn next_offset(&self, shard: u32) -> u64 {
         self.shards.get(&shard).map_or(0, |v| v.len() as u64)
     }
