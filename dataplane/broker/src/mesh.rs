@@ -302,10 +302,16 @@ mod tests {
         // retry), it never waits longer than the bound (a lost wake-up), and it waits no more
         // often than the receiver drained from it.
         const MESSAGES: u64 = 20 * QUEUE_CAPACITY as u64;
+        //
+        // The receiver starts draining only once the sender is committed to waiting (its send
+        // and retry both failed), so the queue fills and the sender waits at least once however
+        // the two threads are scheduled on a loaded machine.
         let mesh = std::sync::Arc::new(Mesh::new(2).expect("mesh"));
+        let (sender_waits, first_wait) = std::sync::mpsc::channel::<()>();
         let receiver = {
             let mesh = std::sync::Arc::clone(&mesh);
             std::thread::spawn(move || {
+                first_wait.recv().expect("the sender waits once");
                 let mut got = Vec::with_capacity(MESSAGES as usize);
                 let mut batch = Vec::new();
                 let mut drains = 0u64;
@@ -351,6 +357,9 @@ mod tests {
                     Err(back) => message = back,
                 }
                 failed_sends += 1;
+                if waits == 0 {
+                    sender_waits.send(()).expect("receiver alive");
+                }
                 assert!(
                     readable(&mesh, 0, WAKE_BOUND_MS),
                     "a blocked sender was never woken (lost wake-up)"
