@@ -1,0 +1,16 @@
+//! felix-cluster: three or more brokers that keep a replicated control plane (membership,
+//! streams, shard placement and leaders) through Raft, over QUIC+TLS peer connections with
+//! mutual TLS.
+//!
+//! - `raft_log`: Raft's log and hard state kept in a Felix log (`felix-storage`): entries are
+//!   records, a rewritten index supersedes what followed it, recovery replays the records.
+//! - `transport`: the peer connections (s2n-quic, mutual TLS against the cluster CA), one per
+//!   peer, carrying length-prefixed frames; best effort (Raft retries what is lost).
+//! - `pki`: the cluster CA and node certificates for development and tests.
+//! - `control`: the control plane's replicated state machine and its commands.
+//! - `placement`: where each stream's shards and leaders go.
+//! - `node`: the sans-IO Raft node (raft-rs `RawNode`): ticks, messages and proposals in,
+//!   messages, persistence and applied commands out; driven by the broker's cluster thread and
+//!   by the seeded simulation alike.
+//!
+//! The design and its trade-offs are in `docs/cluster.md`.
