@@ -14,3 +14,7 @@
 //!   by the seeded simulation alike.
 //!
 //! The design and its trade-offs are in `docs/cluster.md`.
+
+pub mod control;
+pub mod node;
+pub mod placement;

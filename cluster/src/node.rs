@@ -1,0 +1,587 @@
+//! The control plane's Raft node as a sans-IO state machine: ticks, peer messages and
+//! proposals go in; messages to send and applied commands come out of [`Node::advance`]. It
+//! owns raft-rs's `RawNode` (TiKV's Raft engine: elections, log matching, commit), its log
+//! store and the applied [`ControlState`]. It never does network IO and never reads a clock:
+//! the broker's cluster thread (`service.rs`) feeds it real time and real QUIC frames, and the
+//! seeded simulation (`tests/control_sim.rs`) feeds it a simulated network and clock.
+//!
+//! The `Ready` handling follows raft-rs's contract: messages of a leader go out before its
+//! entries are persisted (Raft allows the leader's own write to overlap replication);
+//! entries and hard state are persisted (fsynced) before the messages that depend on them
+//! (`persisted_messages`: votes, append responses) leave; committed entries are applied in
+//! index order.
+
+use raft::prelude::{ConfState, Entry, EntryType, HardState, Message, Snapshot};
+use raft::{RawNode, StateRole, Storage};
+
+use crate::control::{self, Command, ControlState, Outcome, Proposal};
+
+/// Where a node keeps its Raft log durably. `persist` returns once the entries and hard state
+/// are on stable storage (fsynced): a vote or an append acknowledged before that could be
+/// lost by a crash, which breaks Raft's safety.
+pub trait LogStore: Storage {
+    /// Stores the group's voters when the log is new (a static peer list bootstraps every
+    /// member with the same configuration).
+    fn bootstrap(&mut self, conf_state: ConfState) -> Result<(), NodeError>;
+    /// Appends `entries` (an entry at index `i` replaces `i` and everything after it) and
+    /// stores `hard_state`, durably.
+    fn persist(
+        &mut self,
+        entries: &[Entry],
+        hard_state: Option<&HardState>,
+    ) -> Result<(), NodeError>;
+    /// Stores a newer commit index (its loss is harmless: Raft learns it again).
+    fn persist_commit(&mut self, commit: u64) -> Result<(), NodeError>;
+    /// Replaces the log up to the snapshot's index with the snapshot, durably.
+    fn apply_snapshot(&mut self, snapshot: Snapshot) -> Result<(), NodeError>;
+    /// Drops entries up to `upto` (applied), keeping `data` as the snapshot at `upto`.
+    fn compact(&mut self, upto: u64, data: Vec<u8>) -> Result<(), NodeError>;
+}
+
+/// Why the node cannot go on.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error("raft: {0}")]
+    Raft(#[from] raft::Error),
+    #[error("log store: {0}")]
+    Store(String),
+    #[error("entry {index} cannot be read by this broker (a different version?): {error}")]
+    Undecodable { index: u64, error: String },
+}
+
+/// Why a proposal was not taken.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProposeError {
+    #[error("no control-plane leader is known yet; retry")]
+    NoLeader,
+}
+
+/// Timing and identity of a node.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    pub id: u64,
+    /// Every member's id, this one included (the static peer list).
+    pub voters: Vec<u64>,
+    /// Ticks without a leader's word before a follower campaigns.
+    pub election_tick: usize,
+    /// Ticks between a leader's heartbeats.
+    pub heartbeat_tick: usize,
+    /// Election timeouts drawn in `[election_tick, 2 * election_tick)` (raft-rs draws them
+    /// with its own thread-local generator), or fixed at `election_tick` when false: the
+    /// simulation fixes them per node from its seed so its runs replay exactly.
+    pub randomized_timeouts: bool,
+    /// Applied entries kept in the log behind the snapshot before a compaction.
+    pub compact_after: u64,
+}
+
+impl NodeConfig {
+    /// The broker's defaults for `id` among `voters` (with a 100 ms tick: elections after 1-2 s
+    /// of silence, heartbeats every 200 ms).
+    #[must_use]
+    pub fn new(id: u64, voters: Vec<u64>) -> Self {
+        NodeConfig {
+            id,
+            voters,
+            election_tick: 10,
+            heartbeat_tick: 2,
+            randomized_timeouts: true,
+            compact_after: 10_000,
+        }
+    }
+}
+
+/// An applied entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Applied {
+    pub index: u64,
+    pub proposal: Proposal,
+    pub outcome: Outcome,
+}
+
+/// What one `advance` produced.
+#[derive(Debug, Default)]
+pub struct Output {
+    /// Messages to deliver to their `to` member, in order per member.
+    pub messages: Vec<Message>,
+    /// Commands applied, in index order.
+    pub applied: Vec<Applied>,
+}
+
+/// The node's role as `felix cluster status` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    Follower,
+    Candidate,
+    PreCandidate,
+    Leader,
+}
+
+/// A peer's replication progress, seen from the leader.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PeerProgress {
+    pub id: u64,
+    /// Highest index known to be in the peer's log.
+    pub matched: u64,
+    /// Entries the peer is behind the leader's last index.
+    pub lag: u64,
+}
+
+/// A node's view of the group.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct NodeStatus {
+    pub id: u64,
+    pub role: Role,
+    /// The leader this node knows of, if any.
+    pub leader: Option<u64>,
+    pub term: u64,
+    pub commit: u64,
+    pub applied: u64,
+    pub last_index: u64,
+    /// Every member's progress when this node leads; empty otherwise.
+    pub peers: Vec<PeerProgress>,
+}
+
+/// The control plane's Raft node.
+pub struct Node<S: LogStore> {
+    raw: RawNode<S>,
+    state: ControlState,
+    next_sequence: u64,
+    compact_after: u64,
+}
+
+impl<S: LogStore> std::fmt::Debug for Node<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node")
+            .field("id", &self.raw.raft.id)
+            .field("applied", &self.state.applied)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: LogStore> Node<S> {
+    /// Starts a node on `store`: a new store is bootstrapped with the voters; a recovered one
+    /// restores the state from its snapshot and re-applies the committed entries after it
+    /// (they come out of the first `advance` calls).
+    pub fn new(config: &NodeConfig, mut store: S) -> Result<Self, NodeError> {
+        let initial = store.initial_state()?;
+        if initial.conf_state.voters.is_empty() {
+            let mut voters = config.voters.clone();
+            voters.sort_unstable();
+            voters.dedup();
+            store.bootstrap(ConfState::from((voters, vec![])))?;
+        }
+        let snapshot = store.snapshot(0, config.id);
+        let (state, applied) = match snapshot {
+            Ok(snapshot) if snapshot.get_metadata().index > 0 => {
+                let state: ControlState =
+                    serde_json::from_slice(snapshot.get_data()).map_err(|error| {
+                        NodeError::Undecodable {
+                            index: snapshot.get_metadata().index,
+                            error: error.to_string(),
+                        }
+                    })?;
+                let applied = state.applied;
+                (state, applied)
+            }
+            _ => (ControlState::default(), 0),
+        };
+        let raft_config = raft::Config {
+            id: config.id,
+            election_tick: config.election_tick,
+            heartbeat_tick: config.heartbeat_tick,
+            min_election_tick: config.election_tick,
+            max_election_tick: if config.randomized_timeouts {
+                2 * config.election_tick
+            } else {
+                config.election_tick + 1
+            },
+            applied,
+            // A partitioned leader steps down once it has not heard from a majority for an
+            // election timeout, and a partitioned follower's campaigns (pre-votes) do not
+            // disturb the majority when it comes back.
+            check_quorum: true,
+            pre_vote: true,
+            max_size_per_msg: 1 << 20,
+            max_inflight_msgs: 256,
+            ..raft::Config::default()
+        };
+        raft_config.validate()?;
+        let logger = slog::Logger::root(slog::Discard, slog::o!());
+        let raw = RawNode::new(&raft_config, store, &logger)?;
+        Ok(Node {
+            raw,
+            state,
+            next_sequence: 1,
+            compact_after: config.compact_after.max(1),
+        })
+    }
+
+    /// This node's id.
+    #[must_use]
+    pub fn id(&self) -> u64 {
+        self.raw.raft.id
+    }
+
+    /// The applied control-plane state.
+    #[must_use]
+    pub fn state(&self) -> &ControlState {
+        &self.state
+    }
+
+    /// The log store.
+    pub fn store(&self) -> &S {
+        self.raw.store()
+    }
+
+    /// One tick of the logical clock (the service ticks every 100 ms).
+    pub fn tick(&mut self) {
+        self.raw.tick();
+    }
+
+    /// A message from a peer. Messages from a stale term or for another node are ignored by
+    /// raft-rs; an error here is the peer's fault and is dropped by the caller.
+    pub fn step(&mut self, message: Message) -> Result<(), NodeError> {
+        Ok(self.raw.step(message)?)
+    }
+
+    /// Proposes `command`; returns the proposal's sequence, which comes back in an
+    /// [`Applied`] once committed and applied here (a follower forwards it to the leader).
+    /// A proposal can still be lost (a leader change before it commits): callers wait with a
+    /// deadline and propose again.
+    pub fn propose(&mut self, command: Command) -> Result<u64, ProposeError> {
+        if self.raw.raft.leader_id == raft::INVALID_ID {
+            return Err(ProposeError::NoLeader);
+        }
+        let sequence = self.next_sequence;
+        self.next_sequence += 1;
+        let data = control::encode(&Proposal {
+            proposer: self.id(),
+            sequence,
+            command,
+        });
+        self.raw
+            .propose(vec![], data)
+            .map_err(|_| ProposeError::NoLeader)?;
+        Ok(sequence)
+    }
+
+    /// Tells Raft a peer could not be reached (it then probes instead of streaming).
+    pub fn report_unreachable(&mut self, id: u64) {
+        self.raw.report_unreachable(id);
+    }
+
+    /// Tells Raft whether a snapshot sent to `id` arrived (`finished`) or was lost: until told,
+    /// the leader waits for it and sends `id` nothing else. The transport reports each
+    /// `MsgSnapshot` it delivered or dropped.
+    pub fn report_snapshot(&mut self, id: u64, finished: bool) {
+        let status = if finished {
+            raft::SnapshotStatus::Finish
+        } else {
+            raft::SnapshotStatus::Failure
+        };
+        self.raw.report_snapshot(id, status);
+    }
+
+    /// Handles everything Raft has ready: persists, applies, and returns the messages to send
+    /// and the commands applied. Call after every tick, step and propose.
+    pub fn advance(&mut self) -> Result<Output, NodeError> {
+        let mut output = Output::default();
+        // Bounded: each pass consumes one `Ready`; raft-rs produces a new one only after
+        // more input or a persisted append, which a few passes exhaust.
+        for _ in 0..8 {
+            if !self.raw.has_ready() {
+                break;
+            }
+            self.advance_once(&mut output)?;
+        }
+        self.maybe_compact()?;
+        Ok(output)
+    }
+
+    fn advance_once(&mut self, output: &mut Output) -> Result<(), NodeError> {
+        let mut ready = self.raw.ready();
+        output.messages.extend(ready.take_messages());
+        if !ready.snapshot().is_empty() {
+            let snapshot = ready.snapshot().clone();
+            let state: ControlState =
+                serde_json::from_slice(snapshot.get_data()).map_err(|error| {
+                    NodeError::Undecodable {
+                        index: snapshot.get_metadata().index,
+                        error: error.to_string(),
+                    }
+                })?;
+            self.raw.mut_store().apply_snapshot(snapshot)?;
+            self.state = state;
+        }
+        let committed = ready.take_committed_entries();
+        self.apply(committed, output)?;
+        self.raw.mut_store().persist(ready.entries(), ready.hs())?;
+        output.messages.extend(ready.take_persisted_messages());
+        let mut light = self.raw.advance(ready);
+        if let Some(commit) = light.commit_index() {
+            self.raw.mut_store().persist_commit(commit)?;
+        }
+        output.messages.extend(light.take_messages());
+        self.apply(light.take_committed_entries(), output)?;
+        self.raw.advance_apply();
+        Ok(())
+    }
+
+    fn apply(&mut self, entries: Vec<Entry>, output: &mut Output) -> Result<(), NodeError> {
+        for entry in entries {
+            if entry.index <= self.state.applied {
+                continue;
+            }
+            if entry.get_entry_type() != EntryType::EntryNormal || entry.data.is_empty() {
+                // A new leader's empty entry (or a membership change, which the static peer
+                // list never proposes): nothing to apply, but the index is taken.
+                self.state.applied = entry.index;
+                continue;
+            }
+            let proposal =
+                control::decode(&entry.data).map_err(|error| NodeError::Undecodable {
+                    index: entry.index,
+                    error: error.to_string(),
+                })?;
+            let outcome = self.state.apply(entry.index, &proposal.command);
+            output.applied.push(Applied {
+                index: entry.index,
+                proposal,
+                outcome,
+            });
+        }
+        Ok(())
+    }
+
+    fn maybe_compact(&mut self) -> Result<(), NodeError> {
+        let first = self.raw.store().first_index()?;
+        let applied = self.state.applied;
+        if applied >= first && applied - first + 1 > self.compact_after {
+            let data = serde_json::to_vec(&self.state).expect("the state always serializes");
+            self.raw.mut_store().compact(applied, data)?;
+        }
+        Ok(())
+    }
+
+    /// The node's view of the group.
+    pub fn status(&self) -> NodeStatus {
+        let raft = &self.raw.raft;
+        let role = match raft.state {
+            StateRole::Follower => Role::Follower,
+            StateRole::Candidate => Role::Candidate,
+            StateRole::PreCandidate => Role::PreCandidate,
+            StateRole::Leader => Role::Leader,
+        };
+        let last_index = raft.raft_log.last_index();
+        let peers = if role == Role::Leader {
+            let mut peers: Vec<PeerProgress> = raft
+                .prs()
+                .iter()
+                .map(|(id, progress)| PeerProgress {
+                    id: *id,
+                    matched: progress.matched,
+                    lag: last_index.saturating_sub(progress.matched),
+                })
+                .collect();
+            peers.sort_by_key(|p| p.id);
+            peers
+        } else {
+            Vec::new()
+        };
+        NodeStatus {
+            id: raft.id,
+            role,
+            leader: (raft.leader_id != raft::INVALID_ID).then_some(raft.leader_id),
+            term: raft.term,
+            commit: raft.raft_log.committed,
+            applied: self.state.applied,
+            last_index,
+            peers,
+        }
+    }
+}
+
+/// Encodes a Raft message for the peer transport.
+#[must_use]
+pub fn encode_message(message: &Message) -> Vec<u8> {
+    protobuf::Message::write_to_bytes(message).expect("a raft message always encodes")
+}
+
+/// Decodes a Raft message from a peer frame.
+pub fn decode_message(bytes: &[u8]) -> Result<Message, protobuf::ProtobufError> {
+    protobuf::Message::parse_from_bytes(bytes)
+}
+
+/// An in-memory log store, for the simulation and unit tests: `persist` is immediate, and the
+/// store is the "disk" a simulated crash keeps (the node restarts on it).
+#[derive(Debug, Clone, Default)]
+pub struct MemLog {
+    hard_state: HardState,
+    conf_state: ConfState,
+    /// The snapshot the entries follow (index 0: none), its data the state at its index.
+    snapshot: Snapshot,
+    entries: Vec<Entry>,
+}
+
+impl MemLog {
+    /// Index of the snapshot the entries follow.
+    fn snapshot_index(&self) -> u64 {
+        self.snapshot.get_metadata().index
+    }
+}
+
+fn store_error(error: raft::StorageError) -> raft::Error {
+    raft::Error::Store(error)
+}
+
+impl Storage for MemLog {
+    fn initial_state(&self) -> raft::Result<raft::RaftState> {
+        Ok(raft::RaftState::new(
+            self.hard_state.clone(),
+            self.conf_state.clone(),
+        ))
+    }
+
+    fn entries(
+        &self,
+        low: u64,
+        high: u64,
+        max_size: impl Into<Option<u64>>,
+        _context: raft::GetEntriesContext,
+    ) -> raft::Result<Vec<Entry>> {
+        if low <= self.snapshot_index() {
+            return Err(store_error(raft::StorageError::Compacted));
+        }
+        assert!(
+            high <= self.last_index()? + 1,
+            "entries past the last index asked for"
+        );
+        let offset = self.snapshot_index() + 1;
+        let from = usize::try_from(low - offset).expect("an index in memory");
+        let to = usize::try_from(high - offset).expect("an index in memory");
+        let mut entries = self.entries[from..to].to_vec();
+        if let Some(max) = max_size.into() {
+            // At least one entry, then as many as fit (raft-rs's `limit_size`).
+            let mut size = 0u64;
+            let keep = entries
+                .iter()
+                .take_while(|entry| {
+                    size += u64::from(protobuf::Message::compute_size(*entry));
+                    size <= max
+                })
+                .count()
+                .max(1);
+            entries.truncate(keep);
+        }
+        Ok(entries)
+    }
+
+    fn term(&self, index: u64) -> raft::Result<u64> {
+        let snapshot_index = self.snapshot_index();
+        if index == snapshot_index {
+            return Ok(self.snapshot.get_metadata().term);
+        }
+        if index < snapshot_index {
+            return Err(store_error(raft::StorageError::Compacted));
+        }
+        let position = usize::try_from(index - snapshot_index - 1).expect("an index in memory");
+        self.entries
+            .get(position)
+            .map(|entry| entry.term)
+            .ok_or(store_error(raft::StorageError::Unavailable))
+    }
+
+    fn first_index(&self) -> raft::Result<u64> {
+        Ok(self.snapshot_index() + 1)
+    }
+
+    fn last_index(&self) -> raft::Result<u64> {
+        Ok(self.snapshot_index() + self.entries.len() as u64)
+    }
+
+    fn snapshot(&self, request_index: u64, _to: u64) -> raft::Result<Snapshot> {
+        if self.snapshot_index() < request_index {
+            return Err(store_error(
+                raft::StorageError::SnapshotTemporarilyUnavailable,
+            ));
+        }
+        let mut snapshot = self.snapshot.clone();
+        snapshot
+            .mut_metadata()
+            .set_conf_state(self.conf_state.clone());
+        Ok(snapshot)
+    }
+}
+
+impl LogStore for MemLog {
+    fn bootstrap(&mut self, conf_state: ConfState) -> Result<(), NodeError> {
+        self.conf_state = conf_state;
+        Ok(())
+    }
+
+    fn persist(
+        &mut self,
+        entries: &[Entry],
+        hard_state: Option<&HardState>,
+    ) -> Result<(), NodeError> {
+        if let Some(first) = entries.first() {
+            let snapshot_index = self.snapshot_index();
+            assert!(
+                first.index > snapshot_index,
+                "append below the snapshot: raft-rs never asks for it"
+            );
+            let keep = usize::try_from(first.index - snapshot_index - 1).expect("in memory");
+            assert!(keep <= self.entries.len(), "append leaves no gap");
+            self.entries.truncate(keep);
+            self.entries.extend_from_slice(entries);
+        }
+        if let Some(hard_state) = hard_state {
+            self.hard_state = hard_state.clone();
+        }
+        Ok(())
+    }
+
+    fn persist_commit(&mut self, commit: u64) -> Result<(), NodeError> {
+        self.hard_state.commit = commit;
+        Ok(())
+    }
+
+    fn apply_snapshot(&mut self, mut snapshot: Snapshot) -> Result<(), NodeError> {
+        let metadata = snapshot.get_metadata().clone();
+        if metadata.index <= self.snapshot_index() {
+            return Ok(());
+        }
+        // Entries past the snapshot that agree with it stay (the log matching property);
+        // otherwise the log restarts at the snapshot.
+        let agrees = self.term(metadata.index).ok() == Some(metadata.term);
+        if agrees {
+            let drop = usize::try_from(metadata.index - self.snapshot_index()).expect("in memory");
+            self.entries.drain(..drop);
+        } else {
+            self.entries.clear();
+        }
+        self.hard_state.term = self.hard_state.term.max(metadata.term);
+        self.hard_state.commit = self.hard_state.commit.max(metadata.index);
+        self.conf_state = snapshot.mut_metadata().take_conf_state();
+        self.snapshot = snapshot;
+        Ok(())
+    }
+
+    fn compact(&mut self, upto: u64, data: Vec<u8>) -> Result<(), NodeError> {
+        if upto <= self.snapshot_index() {
+            return Ok(());
+        }
+        let term = self.term(upto)?;
+        let mut snapshot = Snapshot::default();
+        snapshot.set_data(data.into());
+        let metadata = snapshot.mut_metadata();
+        metadata.index = upto;
+        metadata.term = term;
+        metadata.set_conf_state(self.conf_state.clone());
+        let drop = usize::try_from(upto - self.snapshot_index()).expect("in memory");
+        self.entries.drain(..drop);
+        self.snapshot = snapshot;
+        Ok(())
+    }
+}
