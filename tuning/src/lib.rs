@@ -210,6 +210,18 @@ pub struct Config {
     /// FELIX_MAX_PAYLOAD_BYTES: largest record payload, 1 KiB..=64 MiB and at most
     /// FELIX_MAX_FRAME_BYTES. Default 4 MiB. Restart.
     pub max_payload_bytes: u32,
+    // ---- cluster ----
+    /// FELIX_CLUSTER_NODE_ID: this broker's member id, 1..=65535; 0 = no cluster. Default 0.
+    /// Restart.
+    pub cluster_node_id: u16,
+    /// FELIX_CLUSTER_PEERS: every member as `ID=IP:PORT`, this broker included; parsed by the
+    /// broker. Default empty. Restart.
+    pub cluster_peers: String,
+    /// FELIX_CLUSTER_CA / FELIX_CLUSTER_CERT / FELIX_CLUSTER_KEY: the cluster CA and this
+    /// broker's peer certificate and key (PEM). Default unset. Restart.
+    pub cluster_ca: Option<PathBuf>,
+    pub cluster_cert: Option<PathBuf>,
+    pub cluster_key: Option<PathBuf>,
     // ---- client / CLI ----
     /// FELIX_ADDR: broker address the CLI connects to. Default 127.0.0.1:7400.
     pub addr: SocketAddr,

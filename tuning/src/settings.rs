@@ -67,6 +67,8 @@ const DURABLE_RETENTION_BYTES_MAX: u64 = 1024 * TIB;
 const DURABLE_RETENTION_SECONDS_MAX: u64 = 10 * 366 * 24 * 3600;
 /// The fsync modes of docs/semantics.md, 3 Publishing.
 const FSYNC_MODES: &[&str] = &["periodic", "on_commit"];
+/// Member ids fit the broker's u16 node numbering; 0 means no cluster.
+const CLUSTER_NODE_ID_MAX: u64 = 65_535;
 /// The host profiles of `felix tune` and `felix preflight` (felix_tuning::host::Profile).
 const HOST_PROFILES: &[&str] = &["azure", "baremetal", "test"];
 /// The authentication modes of docs/security.md: `off` admits clients without credentials.
@@ -699,6 +701,51 @@ settings! {
         restart: Restart::Broker,
         doc: "Largest record payload, in bytes; a record must also fit in \
               FELIX_MAX_FRAME_BYTES, and a larger value than that stops start-up.",
+    }
+    // ---- cluster (docs/cluster.md) ----
+    cluster_node_id {
+        env: "FELIX_CLUSTER_NODE_ID",
+        kind: Kind::Count { min: 0, max: CLUSTER_NODE_ID_MAX },
+        default: Fixed("0"),
+        restart: Restart::Broker,
+        doc: "This broker's id in its cluster, 1..=65535; 0 (the default) runs a single \
+              broker with no cluster. Set: FELIX_CLUSTER_PEERS, FELIX_CLUSTER_CA, \
+              FELIX_CLUSTER_CERT and FELIX_CLUSTER_KEY are required.",
+    }
+    cluster_peers {
+        env: "FELIX_CLUSTER_PEERS",
+        kind: Kind::TextList {
+            what: "members `ID=IP:PORT` separated by commas, semicolons or newlines",
+        },
+        default: Fixed(""),
+        restart: Restart::Broker,
+        doc: "Every member of the cluster, this broker included, as `ID=IP:PORT` peer \
+              addresses (the same list on every broker, e.g. \
+              `1=10.0.0.1:7500,2=10.0.0.2:7500,3=10.0.0.3:7500`). This broker's peer endpoint \
+              binds its own entry's address (port 0: any free port, for tests).",
+    }
+    cluster_ca {
+        env: "FELIX_CLUSTER_CA",
+        kind: Kind::OptionalPath,
+        default: Fixed(""),
+        restart: Restart::Broker,
+        doc: "PEM CA certificate every member's peer certificate must chain to (mutual TLS \
+              between brokers). `felix cluster dev-certs` writes one for development.",
+    }
+    cluster_cert {
+        env: "FELIX_CLUSTER_CERT",
+        kind: Kind::OptionalPath,
+        default: Fixed(""),
+        restart: Restart::Broker,
+        doc: "This broker's peer certificate (PEM), issued by FELIX_CLUSTER_CA with the \
+              common name `felix-node-<FELIX_CLUSTER_NODE_ID>`.",
+    }
+    cluster_key {
+        env: "FELIX_CLUSTER_KEY",
+        kind: Kind::OptionalPath,
+        default: Fixed(""),
+        restart: Restart::Broker,
+        doc: "PEM private key of FELIX_CLUSTER_CERT.",
     }
     // ---- client / CLI ----
     addr {
