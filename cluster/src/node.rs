@@ -16,6 +16,55 @@ use raft::{RawNode, StateRole, Storage};
 
 use crate::control::{self, Command, ControlState, Outcome, Proposal};
 
+/// The replicated state a Raft group applies its committed entries to: the control plane's
+/// [`ControlState`], or a replicated shard. Applying must be deterministic: every member
+/// applies the same entries in the same order and must reach the same state.
+pub trait Machine: Sized {
+    /// What applying one entry produced (the proposer answers its caller with it).
+    type Applied;
+    /// Index of the last entry applied.
+    fn applied_index(&self) -> u64;
+    /// Applies the data of entry `index` (never empty). An error means this member cannot
+    /// read the entry (another version wrote it): fatal, never skipped.
+    fn apply(&mut self, index: u64, data: &[u8]) -> Result<Self::Applied, String>;
+    /// Entry `index` carries nothing to apply (a new leader's empty entry).
+    fn skip(&mut self, index: u64);
+    /// The state, for a snapshot at `applied_index`.
+    fn snapshot(&self) -> Vec<u8>;
+    /// The state a snapshot holds.
+    fn restore(data: &[u8]) -> Result<Self, String>;
+}
+
+impl Machine for ControlState {
+    type Applied = Applied;
+
+    fn applied_index(&self) -> u64 {
+        self.applied
+    }
+
+    fn apply(&mut self, index: u64, data: &[u8]) -> Result<Applied, String> {
+        let proposal = control::decode(data).map_err(|error| error.to_string())?;
+        let outcome = ControlState::apply(self, index, &proposal.command);
+        Ok(Applied {
+            index,
+            proposal,
+            outcome,
+        })
+    }
+
+    fn skip(&mut self, index: u64) {
+        self.applied = index;
+    }
+
+    fn snapshot(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("the state always serializes")
+    }
+
+    fn restore(data: &[u8]) -> Result<Self, String> {
+        serde_json::from_slice(data).map_err(|error| error.to_string())
+    }
+}
+
 /// Where a node keeps its Raft log durably. `persist` returns once the entries and hard state
 /// are on stable storage (fsynced): a vote or an append acknowledged before that could be
 /// lost by a crash, which breaks Raft's safety.
@@ -99,12 +148,21 @@ pub struct Applied {
 }
 
 /// What one `advance` produced.
-#[derive(Debug, Default)]
-pub struct Output {
+#[derive(Debug)]
+pub struct Output<A = Applied> {
     /// Messages to deliver to their `to` member, in order per member.
     pub messages: Vec<Message>,
-    /// Commands applied, in index order.
-    pub applied: Vec<Applied>,
+    /// Entries applied, in index order.
+    pub applied: Vec<A>,
+}
+
+impl<A> Default for Output<A> {
+    fn default() -> Self {
+        Output {
+            messages: Vec::new(),
+            applied: Vec::new(),
+        }
+    }
 }
 
 /// The node's role as `felix cluster status` shows it.
@@ -142,28 +200,51 @@ pub struct NodeStatus {
     pub peers: Vec<PeerProgress>,
 }
 
-/// The control plane's Raft node.
-pub struct Node<S: LogStore> {
+/// A Raft group member: the control plane's (`Node<S>`), or a replicated shard's.
+pub struct Node<S: LogStore, M: Machine = ControlState> {
     raw: RawNode<S>,
-    state: ControlState,
+    state: M,
     next_sequence: u64,
     compact_after: u64,
 }
 
-impl<S: LogStore> std::fmt::Debug for Node<S> {
+impl<S: LogStore, M: Machine> std::fmt::Debug for Node<S, M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Node")
             .field("id", &self.raw.raft.id)
-            .field("applied", &self.state.applied)
+            .field("applied", &self.state.applied_index())
             .finish_non_exhaustive()
     }
 }
 
-impl<S: LogStore> Node<S> {
+impl<S: LogStore> Node<S, ControlState> {
+    /// Starts a control-plane member (see [`Node::with_machine`]).
+    pub fn new(config: &NodeConfig, store: S) -> Result<Self, NodeError> {
+        Node::with_machine(config, store, ControlState::default())
+    }
+
+    /// Proposes `command`; returns the proposal's sequence, which comes back in an
+    /// [`Applied`] once committed and applied here (a follower forwards it to the leader).
+    /// A proposal can still be lost (a leader change before it commits): callers wait with a
+    /// deadline and propose again.
+    pub fn propose(&mut self, command: Command) -> Result<u64, ProposeError> {
+        let sequence = self.next_sequence;
+        let data = control::encode(&Proposal {
+            proposer: self.id(),
+            sequence,
+            command,
+        });
+        self.propose_data(data)?;
+        self.next_sequence += 1;
+        Ok(sequence)
+    }
+}
+
+impl<S: LogStore, M: Machine> Node<S, M> {
     /// Starts a node on `store`: a new store is bootstrapped with the voters; a recovered one
-    /// restores the state from its snapshot and re-applies the committed entries after it
-    /// (they come out of the first `advance` calls).
-    pub fn new(config: &NodeConfig, mut store: S) -> Result<Self, NodeError> {
+    /// restores the state from its snapshot (else starts from `fresh`) and re-applies the
+    /// committed entries after it (they come out of the first `advance` calls).
+    pub fn with_machine(config: &NodeConfig, mut store: S, fresh: M) -> Result<Self, NodeError> {
         let initial = store.initial_state()?;
         if initial.conf_state.voters.is_empty() {
             let mut voters = config.voters.clone();
@@ -174,17 +255,15 @@ impl<S: LogStore> Node<S> {
         let snapshot = store.snapshot(0, config.id);
         let (state, applied) = match snapshot {
             Ok(snapshot) if snapshot.get_metadata().index > 0 => {
-                let state: ControlState =
-                    serde_json::from_slice(snapshot.get_data()).map_err(|error| {
-                        NodeError::Undecodable {
-                            index: snapshot.get_metadata().index,
-                            error: error.to_string(),
-                        }
+                let state =
+                    M::restore(snapshot.get_data()).map_err(|error| NodeError::Undecodable {
+                        index: snapshot.get_metadata().index,
+                        error,
                     })?;
-                let applied = state.applied;
+                let applied = state.applied_index();
                 (state, applied)
             }
-            _ => (ControlState::default(), 0),
+            _ => (fresh, 0),
         };
         let raft_config = raft::Config {
             id: config.id,
@@ -223,9 +302,9 @@ impl<S: LogStore> Node<S> {
         self.raw.raft.id
     }
 
-    /// The applied control-plane state.
+    /// The applied state.
     #[must_use]
-    pub fn state(&self) -> &ControlState {
+    pub fn state(&self) -> &M {
         &self.state
     }
 
@@ -245,25 +324,28 @@ impl<S: LogStore> Node<S> {
         Ok(self.raw.step(message)?)
     }
 
-    /// Proposes `command`; returns the proposal's sequence, which comes back in an
-    /// [`Applied`] once committed and applied here (a follower forwards it to the leader).
-    /// A proposal can still be lost (a leader change before it commits): callers wait with a
-    /// deadline and propose again.
-    pub fn propose(&mut self, command: Command) -> Result<u64, ProposeError> {
+    /// Whether this member leads the group now.
+    #[must_use]
+    pub fn is_leader(&self) -> bool {
+        self.raw.raft.state == StateRole::Leader
+    }
+
+    /// The leader this member knows of.
+    #[must_use]
+    pub fn leader(&self) -> Option<u64> {
+        let leader = self.raw.raft.leader_id;
+        (leader != raft::INVALID_ID).then_some(leader)
+    }
+
+    /// Proposes an entry's data (a follower forwards it to the leader). It may still be lost
+    /// to a leader change before it commits.
+    pub fn propose_data(&mut self, data: Vec<u8>) -> Result<(), ProposeError> {
         if self.raw.raft.leader_id == raft::INVALID_ID {
             return Err(ProposeError::NoLeader);
         }
-        let sequence = self.next_sequence;
-        self.next_sequence += 1;
-        let data = control::encode(&Proposal {
-            proposer: self.id(),
-            sequence,
-            command,
-        });
         self.raw
             .propose(vec![], data)
-            .map_err(|_| ProposeError::NoLeader)?;
-        Ok(sequence)
+            .map_err(|_| ProposeError::NoLeader)
     }
 
     /// Tells Raft a peer could not be reached (it then probes instead of streaming).
@@ -285,7 +367,7 @@ impl<S: LogStore> Node<S> {
 
     /// Handles everything Raft has ready: persists, applies, and returns the messages to send
     /// and the commands applied. Call after every tick, step and propose.
-    pub fn advance(&mut self) -> Result<Output, NodeError> {
+    pub fn advance(&mut self) -> Result<Output<M::Applied>, NodeError> {
         let mut output = Output::default();
         // Bounded: each pass consumes one `Ready`; raft-rs produces a new one only after
         // more input or a persisted append, which a few passes exhaust.
@@ -299,17 +381,15 @@ impl<S: LogStore> Node<S> {
         Ok(output)
     }
 
-    fn advance_once(&mut self, output: &mut Output) -> Result<(), NodeError> {
+    fn advance_once(&mut self, output: &mut Output<M::Applied>) -> Result<(), NodeError> {
         let mut ready = self.raw.ready();
         output.messages.extend(ready.take_messages());
         if !ready.snapshot().is_empty() {
             let snapshot = ready.snapshot().clone();
-            let state: ControlState =
-                serde_json::from_slice(snapshot.get_data()).map_err(|error| {
-                    NodeError::Undecodable {
-                        index: snapshot.get_metadata().index,
-                        error: error.to_string(),
-                    }
+            let state =
+                M::restore(snapshot.get_data()).map_err(|error| NodeError::Undecodable {
+                    index: snapshot.get_metadata().index,
+                    error,
                 })?;
             self.raw.mut_store().apply_snapshot(snapshot)?;
             self.state = state;
@@ -328,37 +408,38 @@ impl<S: LogStore> Node<S> {
         Ok(())
     }
 
-    fn apply(&mut self, entries: Vec<Entry>, output: &mut Output) -> Result<(), NodeError> {
+    fn apply(
+        &mut self,
+        entries: Vec<Entry>,
+        output: &mut Output<M::Applied>,
+    ) -> Result<(), NodeError> {
         for entry in entries {
-            if entry.index <= self.state.applied {
+            if entry.index <= self.state.applied_index() {
                 continue;
             }
             if entry.get_entry_type() != EntryType::EntryNormal || entry.data.is_empty() {
                 // A new leader's empty entry (or a membership change, which the static peer
                 // list never proposes): nothing to apply, but the index is taken.
-                self.state.applied = entry.index;
+                self.state.skip(entry.index);
                 continue;
             }
-            let proposal =
-                control::decode(&entry.data).map_err(|error| NodeError::Undecodable {
+            let applied = self
+                .state
+                .apply(entry.index, &entry.data)
+                .map_err(|error| NodeError::Undecodable {
                     index: entry.index,
-                    error: error.to_string(),
+                    error,
                 })?;
-            let outcome = self.state.apply(entry.index, &proposal.command);
-            output.applied.push(Applied {
-                index: entry.index,
-                proposal,
-                outcome,
-            });
+            output.applied.push(applied);
         }
         Ok(())
     }
 
     fn maybe_compact(&mut self) -> Result<(), NodeError> {
         let first = self.raw.store().first_index()?;
-        let applied = self.state.applied;
+        let applied = self.state.applied_index();
         if applied >= first && applied - first + 1 > self.compact_after {
-            let data = serde_json::to_vec(&self.state).expect("the state always serializes");
+            let data = self.state.snapshot();
             self.raw.mut_store().compact(applied, data)?;
         }
         Ok(())
@@ -395,7 +476,7 @@ impl<S: LogStore> Node<S> {
             leader: (raft.leader_id != raft::INVALID_ID).then_some(raft.leader_id),
             term: raft.term,
             commit: raft.raft_log.committed,
-            applied: self.state.applied,
+            applied: self.state.applied_index(),
             last_index,
             peers,
         }
