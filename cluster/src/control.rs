@@ -68,11 +68,14 @@ pub enum Command {
     DeleteStream { name: String },
 }
 
-/// A command with the proposal it answers: `(proposer, sequence)` is unique per proposal, so
-/// the broker that proposed it can answer its caller once the entry is applied there.
+/// A command with the proposal it answers: `(proposer, boot, sequence)` is unique per
+/// proposal, so the broker that proposed it can answer its caller once the entry is applied
+/// there. `boot` tells the proposer's runs apart: its sequence restarts at each start, and an
+/// entry it proposed before a restart may still commit after it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Proposal {
     pub proposer: u64,
+    pub boot: u64,
     pub sequence: u64,
     pub command: Command,
 }
@@ -278,6 +281,7 @@ mod tests {
     fn proposals_round_trip() {
         let proposal = Proposal {
             proposer: 2,
+            boot: 5,
             sequence: 9,
             command: create("orders", 3),
         };

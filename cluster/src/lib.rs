@@ -18,3 +18,4 @@
 pub mod control;
 pub mod node;
 pub mod placement;
+pub mod shard;

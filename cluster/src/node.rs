@@ -33,6 +33,8 @@ pub trait Machine: Sized {
     fn snapshot(&self) -> Vec<u8>;
     /// The state a snapshot holds.
     fn restore(data: &[u8]) -> Result<Self, String>;
+    /// The log store dropped the entries up to `index` (they are in the snapshot now).
+    fn compacted(&mut self, _index: u64) {}
 }
 
 impl Machine for ControlState {
@@ -121,6 +123,9 @@ pub struct NodeConfig {
     pub randomized_timeouts: bool,
     /// Applied entries kept in the log behind the snapshot before a compaction.
     pub compact_after: u64,
+    /// Tells this run of the member from its earlier ones in its proposals (`Proposal::boot`):
+    /// the start time in nanoseconds by default; the simulation draws it from its seed.
+    pub boot: u64,
 }
 
 impl NodeConfig {
@@ -135,6 +140,11 @@ impl NodeConfig {
             heartbeat_tick: 2,
             randomized_timeouts: true,
             compact_after: 10_000,
+            boot: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |since| {
+                    u64::try_from(since.as_nanos()).unwrap_or(u64::MAX)
+                }),
         }
     }
 }
@@ -204,6 +214,7 @@ pub struct NodeStatus {
 pub struct Node<S: LogStore, M: Machine = ControlState> {
     raw: RawNode<S>,
     state: M,
+    boot: u64,
     next_sequence: u64,
     compact_after: u64,
 }
@@ -231,12 +242,19 @@ impl<S: LogStore> Node<S, ControlState> {
         let sequence = self.next_sequence;
         let data = control::encode(&Proposal {
             proposer: self.id(),
+            boot: self.boot,
             sequence,
             command,
         });
         self.propose_data(data)?;
         self.next_sequence += 1;
         Ok(sequence)
+    }
+
+    /// Whether this run of this member proposed `proposal` (its caller waits for it).
+    #[must_use]
+    pub fn proposed(&self, proposal: &Proposal) -> bool {
+        proposal.proposer == self.id() && proposal.boot == self.boot
     }
 }
 
@@ -291,6 +309,7 @@ impl<S: LogStore, M: Machine> Node<S, M> {
         Ok(Node {
             raw,
             state,
+            boot: config.boot,
             next_sequence: 1,
             compact_after: config.compact_after.max(1),
         })
@@ -441,6 +460,7 @@ impl<S: LogStore, M: Machine> Node<S, M> {
         if applied >= first && applied - first + 1 > self.compact_after {
             let data = self.state.snapshot();
             self.raw.mut_store().compact(applied, data)?;
+            self.state.compacted(applied);
         }
         Ok(())
     }

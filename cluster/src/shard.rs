@@ -1,0 +1,372 @@
+//! A replicated shard: the [`Machine`] a shard's Raft group applies (docs/cluster.md,
+//! "Replicated shards"). Each Raft entry carries one publish batch; applying an entry gives
+//! its records the shard's next dense offsets, so offsets are dense and in one order on every
+//! replica and across leader changes (a new leader applies the same committed entries).
+//!
+//! Publishers are idempotent: a batch carries its producer id and a sequence number that
+//! grows by one per batch. A batch whose sequence was already applied (a retry after a lost
+//! ack or a leader change, which may commit both the original and the retry) is applied as a
+//! *duplicate*: it takes no offsets and answers with the offsets the original got, so every
+//! acknowledged record is in the shard exactly once.
+//!
+//! Only applied (committed) entries get offsets, so a reader that reads by offset reads
+//! committed records only, on any replica.
+
+use std::collections::BTreeMap;
+
+use bytes::{Buf, BufMut, Bytes};
+use serde::{Deserialize, Serialize};
+
+use crate::node::Machine;
+
+/// Bytes before the records of an encoded batch: producer, sequence, record count.
+const BATCH_HEADER_BYTES: usize = 8 + 8 + 4;
+/// Bytes before each record's key: key length, payload length, timestamp.
+const RECORD_HEADER_BYTES: usize = 2 + 4 + 8;
+
+/// One record of a batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardRecord {
+    pub timestamp_us: u64,
+    pub key: Bytes,
+    pub payload: Bytes,
+}
+
+/// A publish batch as a Raft entry carries it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Batch {
+    pub producer: u64,
+    /// The producer's batch number on this shard, from 1, one more per batch.
+    pub sequence: u64,
+    pub records: Vec<ShardRecord>,
+}
+
+impl Batch {
+    /// The entry data of this batch.
+    #[must_use]
+    pub fn encode(&self) -> Vec<u8> {
+        let body: usize = self
+            .records
+            .iter()
+            .map(|r| RECORD_HEADER_BYTES + r.key.len() + r.payload.len())
+            .sum();
+        let mut out = Vec::with_capacity(BATCH_HEADER_BYTES + body);
+        out.put_u64(self.producer);
+        out.put_u64(self.sequence);
+        out.put_u32(u32::try_from(self.records.len()).expect("a batch below 2^32 records"));
+        for record in &self.records {
+            out.put_u16(u16::try_from(record.key.len()).expect("a key below 64 KiB"));
+            out.put_u32(u32::try_from(record.payload.len()).expect("a payload below 4 GiB"));
+            out.put_u64(record.timestamp_us);
+            out.put_slice(&record.key);
+            out.put_slice(&record.payload);
+        }
+        out
+    }
+
+    /// Reads only the header: producer, sequence and record count.
+    pub fn header(data: &[u8]) -> Result<(u64, u64, u32), String> {
+        if data.len() < BATCH_HEADER_BYTES {
+            return Err(format!("a batch of {} bytes has no header", data.len()));
+        }
+        let mut buf = data;
+        Ok((buf.get_u64(), buf.get_u64(), buf.get_u32()))
+    }
+
+    /// Decodes an entry's data; the records share `data`'s buffer.
+    pub fn decode(data: &Bytes) -> Result<Batch, String> {
+        let (producer, sequence, count) = Batch::header(data)?;
+        let mut at = BATCH_HEADER_BYTES;
+        let mut records = Vec::with_capacity(usize::try_from(count).unwrap_or(0).min(1 << 16));
+        for index in 0..count {
+            let short = || format!("record {index} of {count} runs past the batch's end");
+            let header = data.get(at..at + RECORD_HEADER_BYTES).ok_or_else(short)?;
+            let mut header = header;
+            let key_len = usize::from(header.get_u16());
+            let payload_len = header.get_u32() as usize;
+            let timestamp_us = header.get_u64();
+            at += RECORD_HEADER_BYTES;
+            let end = at + key_len + payload_len;
+            if end > data.len() {
+                return Err(short());
+            }
+            records.push(ShardRecord {
+                timestamp_us,
+                key: data.slice(at..at + key_len),
+                payload: data.slice(at + key_len..end),
+            });
+            at = end;
+        }
+        if at != data.len() {
+            return Err(format!(
+                "{} bytes after the batch's records",
+                data.len() - at
+            ));
+        }
+        Ok(Batch {
+            producer,
+            sequence,
+            records,
+        })
+    }
+}
+
+/// What applying a batch did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardApplied {
+    /// Raft index of the entry.
+    pub index: u64,
+    pub producer: u64,
+    pub sequence: u64,
+    /// Offsets of the batch's records: `first_offset..first_offset + count`.
+    pub first_offset: u64,
+    pub count: u32,
+    /// The batch was applied before (a retry): it took no offsets, these are the original's.
+    pub duplicate: bool,
+    /// A sequence that skips ahead of the producer's next one: refused, nothing applied.
+    pub out_of_order: bool,
+}
+
+/// Where a committed entry's records are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Span {
+    pub first_offset: u64,
+    pub count: u32,
+    pub index: u64,
+}
+
+/// A producer's last applied batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProducerState {
+    pub sequence: u64,
+    pub first_offset: u64,
+    pub count: u32,
+}
+
+/// The applied state of a replicated shard.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardState {
+    applied: u64,
+    next_offset: u64,
+    producers: BTreeMap<u64, ProducerState>,
+    /// The spans of entries applied since the last snapshot, in offset order (records before
+    /// the first span were compacted away).
+    spans: Vec<Span>,
+}
+
+impl ShardState {
+    /// The next offset a record will get: every offset below is committed.
+    #[must_use]
+    pub fn next_offset(&self) -> u64 {
+        self.next_offset
+    }
+
+    /// The entry holding `offset` and the record's position in it, if still in the log.
+    #[must_use]
+    pub fn locate(&self, offset: u64) -> Option<(Span, usize)> {
+        let position = self
+            .spans
+            .partition_point(|span| span.first_offset + u64::from(span.count) <= offset);
+        let span = *self.spans.get(position)?;
+        (span.first_offset <= offset).then(|| {
+            let within = usize::try_from(offset - span.first_offset).expect("within a batch");
+            (span, within)
+        })
+    }
+
+    /// Reads up to `max_records` committed records from `from` out of the group's log store:
+    /// `(offset, record)` in offset order. Empty when `from` is at the end; an error when
+    /// `from` was compacted away (the reader is told the oldest offset it can still read).
+    pub fn read<S: raft::Storage>(
+        &self,
+        store: &S,
+        from: u64,
+        max_records: usize,
+    ) -> Result<Vec<(u64, ShardRecord)>, String> {
+        let mut out = Vec::new();
+        let mut offset = from;
+        while out.len() < max_records && offset < self.next_offset {
+            let Some((span, within)) = self.locate(offset) else {
+                let oldest = self
+                    .spans
+                    .first()
+                    .map_or(self.next_offset, |s| s.first_offset);
+                return Err(format!(
+                    "offset {offset} is no longer in the log; the oldest is {oldest}"
+                ));
+            };
+            let entries = store
+                .entries(
+                    span.index,
+                    span.index + 1,
+                    None,
+                    raft::GetEntriesContext::empty(false),
+                )
+                .map_err(|error| format!("entry {}: {error}", span.index))?;
+            let entry = entries
+                .first()
+                .ok_or_else(|| format!("entry {} is missing", span.index))?;
+            let batch = Batch::decode(&entry.data)?;
+            for (position, record) in batch.records.into_iter().enumerate().skip(within) {
+                if out.len() == max_records {
+                    break;
+                }
+                out.push((span.first_offset + position as u64, record));
+            }
+            offset = span.first_offset + u64::from(span.count);
+        }
+        Ok(out)
+    }
+
+    /// Forgets the spans of entries up to `index` (compacted).
+    pub fn compacted(&mut self, index: u64) {
+        let keep = self.spans.partition_point(|span| span.index <= index);
+        self.spans.drain(..keep);
+    }
+}
+
+impl Machine for ShardState {
+    type Applied = ShardApplied;
+
+    fn applied_index(&self) -> u64 {
+        self.applied
+    }
+
+    fn apply(&mut self, index: u64, data: &[u8]) -> Result<ShardApplied, String> {
+        let (producer, sequence, count) = Batch::header(data)?;
+        self.applied = index;
+        let mut applied = ShardApplied {
+            index,
+            producer,
+            sequence,
+            first_offset: self.next_offset,
+            count,
+            duplicate: false,
+            out_of_order: false,
+        };
+        let last = self
+            .producers
+            .get(&producer)
+            .copied()
+            .filter(|_| sequence != 0);
+        match last {
+            Some(last) if sequence <= last.sequence => {
+                applied.duplicate = true;
+                if sequence == last.sequence {
+                    applied.first_offset = last.first_offset;
+                    applied.count = last.count;
+                } else {
+                    // Older than the last batch: applied long ago; its offsets are not kept.
+                    applied.count = 0;
+                }
+                return Ok(applied);
+            }
+            Some(last) if sequence > last.sequence + 1 => {
+                applied.out_of_order = true;
+                applied.count = 0;
+                return Ok(applied);
+            }
+            // An unknown producer may start at any sequence (it may have published to this
+            // shard before its state was dropped); sequence 0 is a producer that does not ask
+            // for idempotence: never a duplicate.
+            _ => {}
+        }
+        if sequence != 0 {
+            self.producers.insert(
+                producer,
+                ProducerState {
+                    sequence,
+                    first_offset: self.next_offset,
+                    count,
+                },
+            );
+        }
+        if count > 0 {
+            self.spans.push(Span {
+                first_offset: self.next_offset,
+                count,
+                index,
+            });
+        }
+        self.next_offset += u64::from(count);
+        Ok(applied)
+    }
+
+    fn skip(&mut self, index: u64) {
+        self.applied = index;
+    }
+
+    fn snapshot(&self) -> Vec<u8> {
+        let mut state = self.clone();
+        state.spans.clear();
+        serde_json::to_vec(&state).expect("the state always serializes")
+    }
+
+    fn restore(data: &[u8]) -> Result<Self, String> {
+        serde_json::from_slice(data).map_err(|error| error.to_string())
+    }
+
+    fn compacted(&mut self, index: u64) {
+        ShardState::compacted(self, index);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn batch(producer: u64, sequence: u64, n: usize) -> Batch {
+        Batch {
+            producer,
+            sequence,
+            records: (0..n)
+                .map(|i| ShardRecord {
+                    timestamp_us: i as u64,
+                    key: Bytes::from(format!("k{i}")),
+                    payload: Bytes::from(vec![i as u8; i * 3]),
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn batches_round_trip_and_damage_is_named() {
+        let original = batch(7, 3, 5);
+        let data = Bytes::from(original.encode());
+        assert_eq!(Batch::decode(&data).unwrap(), original);
+        assert!(Batch::decode(&data.slice(..data.len() - 1)).is_err());
+        let mut longer = data.to_vec();
+        longer.push(0);
+        assert!(Batch::decode(&Bytes::from(longer)).is_err());
+        assert!(Batch::decode(&Bytes::from_static(b"short")).is_err());
+    }
+
+    #[test]
+    fn offsets_are_dense_and_retries_take_none() {
+        let mut state = ShardState::default();
+        let a = state.apply(1, &batch(1, 1, 3).encode()).unwrap();
+        assert_eq!((a.first_offset, a.count, a.duplicate), (0, 3, false));
+        state.skip(2);
+        let b = state.apply(3, &batch(2, 1, 2).encode()).unwrap();
+        assert_eq!(b.first_offset, 3);
+        // Producer 1 retries batch 1 (its ack was lost): the original's offsets, no new ones.
+        let retry = state.apply(4, &batch(1, 1, 3).encode()).unwrap();
+        assert_eq!(
+            (retry.first_offset, retry.count, retry.duplicate),
+            (0, 3, true)
+        );
+        assert_eq!(state.next_offset(), 5);
+        // A gap in a producer's sequence is refused.
+        let gap = state.apply(5, &batch(1, 3, 1).encode()).unwrap();
+        assert!(gap.out_of_order);
+        assert_eq!(state.next_offset(), 5);
+        assert_eq!(state.locate(4).unwrap().0.index, 3);
+        assert_eq!(state.locate(0).unwrap(), (state.spans[0], 0));
+        assert!(state.locate(5).is_none());
+        state.compacted(1);
+        assert!(state.locate(0).is_none());
+        let restored = ShardState::restore(&state.snapshot()).unwrap();
+        assert_eq!(restored.next_offset(), 5);
+        assert_eq!(restored.applied_index(), 5);
+    }
+}
