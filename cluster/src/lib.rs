@@ -14,3 +14,5 @@
 //!   by the seeded simulation alike.
 //!
 //! The design and its trade-offs are in `docs/cluster.md`.
+
+pub mod raft_log;
