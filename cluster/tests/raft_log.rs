@@ -16,11 +16,12 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 fn entry(index: u64, term: u64, data: &[u8]) -> Entry {
-    let mut e = Entry::default();
-    e.index = index;
-    e.term = term;
-    e.data = data.to_vec().into();
-    e
+    Entry {
+        index,
+        term,
+        data: data.to_vec().into(),
+        ..Default::default()
+    }
 }
 
 fn entries(range: std::ops::RangeInclusive<u64>, term: u64) -> Vec<Entry> {
@@ -30,17 +31,19 @@ fn entries(range: std::ops::RangeInclusive<u64>, term: u64) -> Vec<Entry> {
 }
 
 fn hard_state(term: u64, vote: u64, commit: u64) -> HardState {
-    let mut hs = HardState::default();
-    hs.term = term;
-    hs.vote = vote;
-    hs.commit = commit;
-    hs
+    HardState {
+        term,
+        vote,
+        commit,
+        ..Default::default()
+    }
 }
 
 fn conf_state(voters: &[u64]) -> ConfState {
-    let mut cs = ConfState::default();
-    cs.voters = voters.to_vec();
-    cs
+    ConfState {
+        voters: voters.to_vec(),
+        ..Default::default()
+    }
 }
 
 fn ctx() -> GetEntriesContext {
@@ -222,7 +225,7 @@ fn compaction_keeps_a_snapshot_and_frees_disk() {
             snap.get_metadata().get_conf_state(),
             &conf_state(&[1, 2, 3])
         );
-        assert_eq!(&snap.get_data()[..], b"state machine at 50");
+        assert_eq!(snap.get_data(), b"state machine at 50");
         assert!(is_store(
             log.snapshot(60, 2).expect_err("older than asked"),
             raft::StorageError::SnapshotTemporarilyUnavailable
@@ -535,7 +538,7 @@ fn compare(log: &RaftLog, model: &Model, rng: &mut StdRng, step: usize) {
         Ok(snap) => {
             assert_eq!(snap.get_metadata().index, model.snapshot_index);
             assert_eq!(snap.get_metadata().term, model.snapshot_term);
-            assert_eq!(&snap.get_data()[..], &model.snapshot_data[..]);
+            assert_eq!(snap.get_data(), &model.snapshot_data[..]);
         }
         Err(e) => {
             assert_eq!(model.snapshot_index, 0, "step {step}");
@@ -728,10 +731,7 @@ fn interrupted_generation_switch_recovers() {
     let log = open_small(dir.path());
     assert_eq!(log.generation(), 2);
     assert_eq!(log.first_index().expect("first"), 6);
-    assert_eq!(
-        &log.snapshot(0, 1).expect("snapshot").get_data()[..],
-        b"mine"
-    );
+    assert_eq!(log.snapshot(0, 1).expect("snapshot").get_data(), b"mine");
 
     // Sealed: the new generation is the log; the old one is released at open.
     let dir = tempfile::tempdir().expect("tempdir");
