@@ -18,4 +18,5 @@
 pub mod control;
 pub mod node;
 pub mod placement;
+pub mod raft_log;
 pub mod shard;

@@ -1,0 +1,845 @@
+//! Raft's durable state for one Raft group (log entries, hard state, conf state and the latest
+//! snapshot) kept in a Felix log (`felix_storage::Log`, `storage/src/log.rs`), with raft-rs's
+//! [`raft::Storage`] read side served from memory.
+//!
+//! # Records
+//!
+//! The storage log is append-only with dense per-shard offsets and no truncation
+//! (`storage/src/log.rs`, `Log::append`), so Raft's rewrites are expressed as appends:
+//!
+//! - **Entries**: one record per entry in the generation's entries shard; the payload is the
+//!   protobuf-encoded [`Entry`] (it carries its index and term), the key is empty. Replaying
+//!   the records in order with the Raft rule rebuilds the log: an entry with index `i` replaces
+//!   the entry held at `i` *and every entry after it*. A follower that overwrites a conflicting
+//!   suffix therefore simply appends the new entries.
+//! - **State**: records in the generation's state shard, key `h` (protobuf [`HardState`]),
+//!   key `c` (protobuf [`ConfState`]) or key `g` (the generation's seal, see below); the last
+//!   `h` and the last `c` read back win. Entries and hard state live in the same Felix log, so
+//!   one fdatasync (on_commit fsync, `storage/src/config.rs`) covers both; entries are appended
+//!   before the hard state, so a torn write never leaves a commit index above the entries.
+//! - **Snapshot**: at most one record in the generation's snapshot shard: the protobuf-encoded
+//!   [`Snapshot`] (metadata and data).
+//!
+//! # Generations
+//!
+//! Generation `k` uses the log shards `3k` (entries), `3k + 1` (state) and `3k + 2`
+//! (snapshot); generation 0 is therefore shard 0 for entries and shard 1 for state. Every
+//! change of the snapshot ([`RaftLog::compact`], [`RaftLog::apply_snapshot`]) starts a new
+//! generation: its snapshot record, conf state, hard state, the entries that stay live, and
+//! last a seal record (key `g`, payload the generation number, little-endian `u32`) are
+//! appended and fdatasynced together; only then are all older generations' shards released
+//! (`Log::release_shards`, `storage/src/log.rs`), which gives back every closed segment left
+//! without a live record. Generation numbers only grow: a released shard id is never used
+//! again (`storage/src/quarantine.rs`, `Released`), so the next generation is one past the
+//! highest shard id the log knows or has released.
+//!
+//! Recovery ([`RaftLog::open`]) opens the Felix log (`storage/src/recovery.rs`: a torn tail is
+//! cut), then picks the newest *sealed* generation present (generation 0 needs no seal: it
+//! is the one a fresh log starts in). A crash during a switch leaves either an unsealed newer
+//! generation (ignored and released: the old one is still complete) or a sealed newer one
+//! next to the old (the old one is released). Records of a generation's entries shard must
+//! start right after its snapshot and never rewrite an index at or below it; recovery refuses
+//! a log that breaks this ([`RaftLogError::Corrupt`]).
+//!
+//! # Limits
+//!
+//! - The live entries are held in memory (the control plane's log stays small: compaction
+//!   follows the applied index).
+//! - A snapshot is one record: its encoding must fit the frame format's body limit
+//!   (`felix_storage::frame::BODY_BYTES_MAX`, 64 MiB).
+//! - Each generation switch rewrites the live entries (those past the snapshot) and adds three
+//!   shard ids (12 bytes) to the log's `released` file.
+//!
+//! # Failure
+//!
+//! A write returns only once its records are fdatasynced. Any failure while writing (failed
+//! write or fdatasync, disk full, a timeout) leaves the in-memory view as it was, returns
+//! the error, and makes every later write return [`RaftLogError::Failed`]: what reached the
+//! disk is unknown until the directory is reopened (recovery then tells).
+//!
+//! Threads: blocking, used from one thread (the broker's cluster thread); no threads of its
+//! own beyond those the Felix log's backend spawns.
+
+use std::path::Path;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use felix_storage::{
+    Backend, BackendChoice, FsyncMode, Log, LogConfig, LogEvent, RecoveryReport, StorageError,
+    SystemBackend,
+};
+use protobuf::Message as _;
+use raft::prelude::{ConfState, Entry, HardState, Snapshot};
+use raft::{GetEntriesContext, RaftState};
+
+/// Segment size of a Raft log: the control plane's log is small, so small segments let a
+/// generation switch give space back soon.
+pub const RAFT_LOG_SEGMENT_BYTES: u64 = 16 << 20;
+
+/// How long a write waits for its fdatasync before the log counts as failed.
+pub const FLUSH_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Records read per call while recovering a shard.
+const READ_BATCH_RECORDS: usize = 1024;
+/// Bytes read per call while recovering a shard (at least one record is always returned).
+const READ_BATCH_BYTES: usize = 8 << 20;
+
+/// Log shards per generation: entries, state, snapshot.
+const SHARDS_PER_GENERATION: u32 = 3;
+
+/// State record keys.
+const KEY_HARD_STATE: &[u8] = b"h";
+const KEY_CONF_STATE: &[u8] = b"c";
+const KEY_SEAL: &[u8] = b"g";
+
+/// Everything [`RaftLog`] can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum RaftLogError {
+    /// The Felix log failed (open, recovery, append, write, fdatasync, release).
+    #[error("raft log storage: {0}")]
+    Storage(#[from] StorageError),
+    /// A write failed earlier; the log refuses writes until it is reopened.
+    #[error("the raft log failed earlier and refuses writes until reopened: {0}")]
+    Failed(String),
+    /// The Felix log rejected a round (disk full): the write is not durable.
+    #[error("the storage log rejected the write: {0}")]
+    Rejected(StorageError),
+    /// After the flush a shard was not synced up to what was appended (never expected).
+    #[error("shard {shard} is synced up to offset {synced}, below the appended {next}")]
+    NotSynced { shard: u32, synced: u64, next: u64 },
+    /// A record could not be encoded or decoded as protobuf.
+    #[error("protobuf: {0}")]
+    Protobuf(#[from] protobuf::ProtobufError),
+    /// The records on disk break the rules of the module documentation.
+    #[error("raft log is corrupt: {0}")]
+    Corrupt(String),
+    /// Entries passed to `persist` do not have consecutive indexes.
+    #[error("entries are not consecutive: index {got} follows {previous}")]
+    NotConsecutive { previous: u64, got: u64 },
+    /// An append would rewrite compacted entries (raft-rs `MemStorage` panics there).
+    #[error("append at index {index} rewrites compacted entries (first index {first_index})")]
+    AppendCompacted { index: u64, first_index: u64 },
+    /// An append would leave a gap after the last entry (raft-rs `MemStorage` panics there).
+    #[error("append at index {index} leaves a gap after the last index {last_index}")]
+    AppendGap { index: u64, last_index: u64 },
+    /// `compact` past the last entry (raft-rs `MemStorage` panics there).
+    #[error("compact to {upto} beyond the last index {last_index}")]
+    CompactBeyondLast { upto: u64, last_index: u64 },
+    /// `compact` past the commit index: uncommitted entries may still be rewritten.
+    #[error("compact to {upto} beyond the commit index {commit}")]
+    CompactBeyondCommit { upto: u64, commit: u64 },
+    /// `apply_snapshot` of a snapshot older than the log (raft-rs `SnapshotOutOfDate`).
+    #[error("snapshot at index {index} is older than the first index {first_index}")]
+    SnapshotOutOfDate { index: u64, first_index: u64 },
+}
+
+/// Result of [`RaftLog`]'s operations.
+pub type Result<T> = std::result::Result<T, RaftLogError>;
+
+/// One Raft group's durable log, hard state, conf state and latest snapshot (see the module
+/// documentation for the records and the generation scheme).
+pub struct RaftLog<B: Backend = SystemBackend> {
+    log: Log<B>,
+    /// The current generation.
+    generation: u32,
+    /// The next generation to write (past every shard id known or released).
+    next_generation: u32,
+    /// The latest snapshot (index 0 = none).
+    snapshot: Snapshot,
+    hard_state: HardState,
+    conf_state: ConfState,
+    /// Live entries, consecutive, the first at `snapshot.index + 1`.
+    entries: Vec<Entry>,
+    /// Nothing was ever stored.
+    is_new: bool,
+    /// Set by a failed write: later writes are refused.
+    failed: Option<String>,
+    /// What the Felix log's recovery found at open.
+    recovery: RecoveryReport,
+}
+
+impl<B: Backend> std::fmt::Debug for RaftLog<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RaftLog")
+            .field("dir", &self.log.config().dir)
+            .field("generation", &self.generation)
+            .field("snapshot_index", &self.snapshot.get_metadata().index)
+            .field("first_index", &self.first())
+            .field("last_index", &self.last())
+            .field("hard_state", &self.hard_state)
+            .field("failed", &self.failed)
+            .finish()
+    }
+}
+
+fn entries_shard(generation: u32) -> u32 {
+    generation * SHARDS_PER_GENERATION
+}
+
+fn state_shard(generation: u32) -> u32 {
+    generation * SHARDS_PER_GENERATION + 1
+}
+
+fn snapshot_shard(generation: u32) -> u32 {
+    generation * SHARDS_PER_GENERATION + 2
+}
+
+fn generation_of(shard: u32) -> u32 {
+    shard / SHARDS_PER_GENERATION
+}
+
+fn now_unix_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}
+
+/// The configuration [`RaftLog::open`] uses for `dir`: on_commit fsync (every write is
+/// fdatasynced before it returns) and [`RAFT_LOG_SEGMENT_BYTES`] segments.
+pub fn raft_log_config(dir: &Path) -> LogConfig {
+    let mut config = LogConfig::new(dir);
+    config.fsync = FsyncMode::OnCommit;
+    config.segment_bytes = RAFT_LOG_SEGMENT_BYTES;
+    config
+}
+
+impl RaftLog<SystemBackend> {
+    /// Opens (creating if needed) the Raft log in `dir` with [`raft_log_config`] and the
+    /// system backend (io_uring, or the pwrite writer thread; FELIX_STORAGE_IO_URING picks,
+    /// `storage/src/config.rs`), and recovers it; the directory is created if missing (the
+    /// log's lock does it, `storage/src/lock.rs`). Blocks.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let backend = SystemBackend::open(BackendChoice::from_env()?)?;
+        Self::open_with(raft_log_config(dir), backend)
+    }
+}
+
+impl<B: Backend> RaftLog<B> {
+    /// Opens the Raft log with an explicit Felix log configuration and backend (tests use
+    /// small segments and the fault-injecting backend). `config.fsync` must be on_commit.
+    pub fn open_with(config: LogConfig, backend: B) -> Result<Self> {
+        if config.fsync != FsyncMode::OnCommit {
+            return Err(StorageError::Config("a raft log needs on_commit fsync".into()).into());
+        }
+        let (log, report) = Log::open(config, backend)?;
+        if !report.truncations.is_empty() {
+            tracing::warn!(
+                dir = %log.config().dir.display(),
+                truncated_bytes = report.truncated_bytes,
+                "raft log recovery cut a torn tail"
+            );
+        }
+        let ids = log.shard_ids();
+        let highest_known = ids.iter().copied().chain(log.released().shards()).max();
+        let next_generation = highest_known.map_or(1, |id| generation_of(id) + 1);
+        let mut generations: Vec<u32> = ids.iter().map(|id| generation_of(*id)).collect();
+        generations.sort_unstable();
+        generations.dedup();
+
+        let mut chosen: Option<(u32, StateRecords)> = None;
+        for &generation in generations.iter().rev() {
+            let state = read_state(&log, generation)?;
+            if generation == 0 || state.sealed {
+                chosen = Some((generation, state));
+                break;
+            }
+        }
+        let (generation, state) = match chosen {
+            Some(c) => c,
+            None => {
+                // No sealed generation: only generation 0 can be current, and only if it was
+                // never released (releasing it needs a sealed newer one).
+                if log.released().shards().any(|id| generation_of(id) == 0) {
+                    return Err(RaftLogError::Corrupt(
+                        "generation 0 was released but no sealed generation is left".into(),
+                    ));
+                }
+                (0, StateRecords::default())
+            }
+        };
+        let snapshot = read_snapshot(&log, generation)?;
+        let entries = read_entries(&log, generation, snapshot.get_metadata().index)?;
+        let is_new = generation == 0
+            && snapshot.get_metadata().index == 0
+            && state.hard_state.is_none()
+            && state.conf_state.is_none()
+            && entries.is_empty();
+        let mut raft_log = RaftLog {
+            log,
+            generation,
+            next_generation,
+            snapshot,
+            hard_state: state.hard_state.unwrap_or_default(),
+            conf_state: state.conf_state.unwrap_or_default(),
+            entries,
+            is_new,
+            failed: None,
+            recovery: report,
+        };
+        if generations.iter().any(|g| *g != generation) {
+            // Left by a switch a crash interrupted: an older generation not yet released, or
+            // an unsealed newer one.
+            raft_log.release_other_generations()?;
+        }
+        Ok(raft_log)
+    }
+
+    /// True when nothing was ever stored (a fresh directory): the node must be bootstrapped.
+    pub fn initial_state_is_new(&self) -> bool {
+        self.is_new
+    }
+
+    /// The hard state as last persisted.
+    pub fn hard_state(&self) -> &HardState {
+        &self.hard_state
+    }
+
+    /// The conf state as last persisted.
+    pub fn conf_state(&self) -> &ConfState {
+        &self.conf_state
+    }
+
+    /// The latest snapshot (metadata index 0 when there is none).
+    pub fn latest_snapshot(&self) -> &Snapshot {
+        &self.snapshot
+    }
+
+    /// The current generation (see the module documentation).
+    pub fn generation(&self) -> u32 {
+        self.generation
+    }
+
+    /// What the Felix log's recovery found when this log was opened (torn tails cut, ...).
+    pub fn recovery_report(&self) -> &RecoveryReport {
+        &self.recovery
+    }
+
+    /// Bytes of the Felix log's segment files.
+    pub fn disk_bytes(&self) -> u64 {
+        self.log.total_bytes()
+    }
+
+    /// The error that made the log refuse writes, if one did.
+    pub fn failure(&self) -> Option<&str> {
+        self.failed.as_deref()
+    }
+
+    fn first(&self) -> u64 {
+        self.entries
+            .first()
+            .map_or(self.snapshot.get_metadata().index + 1, |e| e.index)
+    }
+
+    fn last(&self) -> u64 {
+        self.entries
+            .last()
+            .map_or(self.snapshot.get_metadata().index, |e| e.index)
+    }
+
+    fn term_of(&self, index: u64) -> Option<u64> {
+        let meta = self.snapshot.get_metadata();
+        if index == meta.index {
+            return Some(meta.term);
+        }
+        let first = self.first();
+        if index < first || index > self.last() {
+            return None;
+        }
+        usize::try_from(index - first)
+            .ok()
+            .and_then(|at| self.entries.get(at))
+            .map(|e| e.term)
+    }
+
+    /// Appends `entries` (which replace the entries held at and after their first index, as
+    /// raft-rs `MemStorage::append` does) and `hard_state` if given, and returns once both
+    /// are fdatasynced; then updates the view served through [`raft::Storage`]. Entries must
+    /// be consecutive, start no lower than the first index and leave no gap after the last
+    /// index (errors, not writes, where `MemStorage` panics).
+    pub fn persist(&mut self, entries: &[Entry], hard_state: Option<&HardState>) -> Result<()> {
+        self.check_failed()?;
+        if let Some(first) = entries.first() {
+            let first_index = self.first();
+            let last_index = self.last();
+            if first.index < first_index {
+                return Err(RaftLogError::AppendCompacted {
+                    index: first.index,
+                    first_index,
+                });
+            }
+            if first.index > last_index + 1 {
+                return Err(RaftLogError::AppendGap {
+                    index: first.index,
+                    last_index,
+                });
+            }
+            for pair in entries.windows(2) {
+                if pair[1].index != pair[0].index + 1 {
+                    return Err(RaftLogError::NotConsecutive {
+                        previous: pair[0].index,
+                        got: pair[1].index,
+                    });
+                }
+            }
+        }
+        let mut records = Vec::with_capacity(entries.len() + 1);
+        for e in entries {
+            records.push((entries_shard(self.generation), &[][..], e.write_to_bytes()?));
+        }
+        if let Some(hs) = hard_state {
+            records.push((
+                state_shard(self.generation),
+                KEY_HARD_STATE,
+                hs.write_to_bytes()?,
+            ));
+        }
+        if records.is_empty() {
+            return Ok(());
+        }
+        self.write_durably(&records)?;
+        if let Some(first) = entries.first() {
+            let keep = usize::try_from(first.index - self.first()).unwrap_or(usize::MAX);
+            self.entries.truncate(keep);
+            self.entries.extend_from_slice(entries);
+        }
+        if let Some(hs) = hard_state {
+            self.hard_state = hs.clone();
+        }
+        self.is_new = false;
+        Ok(())
+    }
+
+    /// Stores the conf state durably (returns once fdatasynced).
+    pub fn set_conf_state(&mut self, cs: ConfState) -> Result<()> {
+        self.check_failed()?;
+        let record = (
+            state_shard(self.generation),
+            KEY_CONF_STATE,
+            cs.write_to_bytes()?,
+        );
+        self.write_durably(&[record])?;
+        self.conf_state = cs;
+        self.is_new = false;
+        Ok(())
+    }
+
+    /// Stores a snapshot received from the leader, as raft-rs `MemStorage::apply_snapshot`
+    /// does: every entry is dropped, the hard state's term becomes the larger of its own and
+    /// the snapshot's, its commit the snapshot's index, and the conf state the snapshot's. A
+    /// snapshot below the first index is [`RaftLogError::SnapshotOutOfDate`]. Durable (a new
+    /// generation) before it returns.
+    pub fn apply_snapshot(&mut self, snapshot: Snapshot) -> Result<()> {
+        self.check_failed()?;
+        let meta = snapshot.get_metadata();
+        let first_index = self.first();
+        if first_index > meta.index {
+            return Err(RaftLogError::SnapshotOutOfDate {
+                index: meta.index,
+                first_index,
+            });
+        }
+        let mut hard_state = self.hard_state.clone();
+        hard_state.term = hard_state.term.max(meta.term);
+        hard_state.commit = meta.index;
+        let conf_state = meta.get_conf_state().clone();
+        self.switch_generation(snapshot, hard_state, conf_state, Vec::new())
+    }
+
+    /// Takes a snapshot at `upto` (its term, the current conf state, and `snapshot_data`, the
+    /// application's state at `upto`) and drops the entries up to and including it: the
+    /// first index becomes `upto + 1` and `term(upto)` stays answered from the snapshot.
+    /// `upto` at or below the current snapshot's index does nothing (as `MemStorage::compact`
+    /// does for an index already compacted); past the last index or the commit index it is an
+    /// error. The caller compacts at its applied index, whose conf state is the current one.
+    /// Durable (a new generation, the old one's disk space released) before it returns.
+    pub fn compact(&mut self, upto: u64, snapshot_data: Vec<u8>) -> Result<()> {
+        self.check_failed()?;
+        if upto <= self.snapshot.get_metadata().index {
+            return Ok(());
+        }
+        let last_index = self.last();
+        if upto > last_index {
+            return Err(RaftLogError::CompactBeyondLast { upto, last_index });
+        }
+        if upto > self.hard_state.commit {
+            return Err(RaftLogError::CompactBeyondCommit {
+                upto,
+                commit: self.hard_state.commit,
+            });
+        }
+        let Some(term) = self.term_of(upto) else {
+            unreachable!("snapshot index < upto <= last index: the entry is held");
+        };
+        let mut snapshot = Snapshot::default();
+        snapshot.set_data(snapshot_data.into());
+        let meta = snapshot.mut_metadata();
+        meta.index = upto;
+        meta.term = term;
+        meta.set_conf_state(self.conf_state.clone());
+        let keep_from = usize::try_from(upto + 1 - self.first()).unwrap_or(usize::MAX);
+        let live = self.entries.get(keep_from..).unwrap_or_default().to_vec();
+        self.switch_generation(
+            snapshot,
+            self.hard_state.clone(),
+            self.conf_state.clone(),
+            live,
+        )
+    }
+
+    /// A clean stop: asks for a commit mark covering everything (so the next recovery can
+    /// tell damage in the last records from a torn write) and waits for it.
+    pub fn close(mut self) -> Result<()> {
+        self.check_failed()?;
+        self.log.sync_now();
+        self.log.flush(FLUSH_TIMEOUT)?;
+        while self.log.poll_event().is_some() {}
+        Ok(())
+    }
+
+    fn check_failed(&self) -> Result<()> {
+        match &self.failed {
+            Some(why) => Err(RaftLogError::Failed(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// Writes a new generation holding `snapshot`, the states and `entries` (which must
+    /// follow the snapshot), seals it, and releases every other generation.
+    fn switch_generation(
+        &mut self,
+        snapshot: Snapshot,
+        hard_state: HardState,
+        conf_state: ConfState,
+        entries: Vec<Entry>,
+    ) -> Result<()> {
+        let generation = self.next_generation;
+        let mut records = Vec::with_capacity(entries.len() + 4);
+        records.push((
+            snapshot_shard(generation),
+            &[][..],
+            snapshot.write_to_bytes()?,
+        ));
+        records.push((
+            state_shard(generation),
+            KEY_CONF_STATE,
+            conf_state.write_to_bytes()?,
+        ));
+        records.push((
+            state_shard(generation),
+            KEY_HARD_STATE,
+            hard_state.write_to_bytes()?,
+        ));
+        for e in &entries {
+            records.push((entries_shard(generation), &[][..], e.write_to_bytes()?));
+        }
+        // Last: a generation counts only once everything before the seal is on disk.
+        records.push((
+            state_shard(generation),
+            KEY_SEAL,
+            generation.to_le_bytes().to_vec(),
+        ));
+        self.next_generation = generation + 1;
+        self.write_durably(&records)?;
+        let old = self.generation;
+        self.generation = generation;
+        self.snapshot = snapshot;
+        self.hard_state = hard_state;
+        self.conf_state = conf_state;
+        self.entries = entries;
+        self.is_new = false;
+        tracing::debug!(
+            old,
+            generation,
+            snapshot_index = self.snapshot.get_metadata().index,
+            live_entries = self.entries.len(),
+            "raft log switched generation"
+        );
+        self.release_other_generations()
+    }
+
+    /// Releases the shards of every generation but the current one.
+    fn release_other_generations(&mut self) -> Result<()> {
+        let current = self.generation;
+        match self.log.release_shards(|id| generation_of(id) == current) {
+            Ok(report) => {
+                tracing::debug!(
+                    shards = ?report.shards,
+                    bytes_freed = report.bytes_freed,
+                    "raft log released old generations"
+                );
+                Ok(())
+            }
+            Err(e) => Err(self.fail(e.into())),
+        }
+    }
+
+    /// Appends `records` (shard, key, payload) in order and waits until all are fdatasynced.
+    /// Sizes are checked before anything is appended; any later failure fails the log.
+    fn write_durably(&mut self, records: &[(u32, &[u8], Vec<u8>)]) -> Result<()> {
+        for (_, key, payload) in records {
+            felix_storage::frame::check_sizes(key.len(), payload.len())?;
+        }
+        let result = self.append_and_sync(records);
+        result.map_err(|e| self.fail(e))
+    }
+
+    fn append_and_sync(&mut self, records: &[(u32, &[u8], Vec<u8>)]) -> Result<()> {
+        let timestamp_us = now_unix_us();
+        let mut shards: Vec<u32> = Vec::new();
+        for (shard, key, payload) in records {
+            if !self.log.can_append(key.len(), payload.len()) {
+                // The pending bound is reached: write what is queued first.
+                self.sync()?;
+            }
+            let offset = self.log.shard_offsets(*shard).map_or(0, |o| o.next);
+            self.log
+                .append(*shard, offset, timestamp_us, key, payload)?;
+            if !shards.contains(shard) {
+                shards.push(*shard);
+            }
+        }
+        self.sync()?;
+        for shard in shards {
+            if let Some(o) = self.log.shard_offsets(shard)
+                && o.synced != o.next
+            {
+                return Err(RaftLogError::NotSynced {
+                    shard,
+                    synced: o.synced,
+                    next: o.next,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until everything appended is written and fdatasynced; a rejected round is an
+    /// error.
+    fn sync(&mut self) -> Result<()> {
+        self.log.flush(FLUSH_TIMEOUT)?;
+        let mut rejected = None;
+        while let Some(event) = self.log.poll_event() {
+            if let LogEvent::Rejected { error, .. } = event {
+                rejected = Some(error);
+            }
+        }
+        match rejected {
+            Some(error) => Err(RaftLogError::Rejected(error)),
+            None => Ok(()),
+        }
+    }
+
+    fn fail(&mut self, e: RaftLogError) -> RaftLogError {
+        tracing::error!(error = %e, dir = %self.log.config().dir.display(), "raft log write failed; refusing further writes");
+        if self.failed.is_none() {
+            self.failed = Some(e.to_string());
+        }
+        e
+    }
+}
+
+/// What a generation's state shard holds.
+#[derive(Debug, Default)]
+struct StateRecords {
+    hard_state: Option<HardState>,
+    conf_state: Option<ConfState>,
+    sealed: bool,
+}
+
+/// Every record of `shard`, in offset order, checked dense.
+fn read_shard<B: Backend>(
+    log: &Log<B>,
+    shard: u32,
+    mut each: impl FnMut(felix_storage::Record) -> Result<()>,
+) -> Result<()> {
+    let Some(offsets) = log.shard_offsets(shard) else {
+        return Ok(());
+    };
+    let mut next = offsets.oldest;
+    // Bounded: each pass reads at least one record until `next` reaches the shard's end.
+    while next < offsets.next {
+        let records = log.read(shard, next, READ_BATCH_RECORDS, READ_BATCH_BYTES)?;
+        if records.is_empty() {
+            return Err(RaftLogError::Corrupt(format!(
+                "shard {shard} ends at offset {next}, below its next offset {}",
+                offsets.next
+            )));
+        }
+        for record in records {
+            if record.offset != next {
+                return Err(RaftLogError::Corrupt(format!(
+                    "shard {shard}: offset {} follows {} (skipped records)",
+                    record.offset,
+                    next.wrapping_sub(1)
+                )));
+            }
+            next += 1;
+            each(record)?;
+        }
+    }
+    Ok(())
+}
+
+fn read_state<B: Backend>(log: &Log<B>, generation: u32) -> Result<StateRecords> {
+    let mut state = StateRecords::default();
+    let shard = state_shard(generation);
+    read_shard(log, shard, |record| {
+        match &record.key[..] {
+            KEY_HARD_STATE => {
+                state.hard_state = Some(HardState::parse_from_bytes(&record.payload)?)
+            }
+            KEY_CONF_STATE => {
+                state.conf_state = Some(ConfState::parse_from_bytes(&record.payload)?)
+            }
+            KEY_SEAL => {
+                if record.payload[..] != generation.to_le_bytes() {
+                    return Err(RaftLogError::Corrupt(format!(
+                        "shard {shard}: the seal names another generation than {generation}"
+                    )));
+                }
+                state.sealed = true;
+            }
+            other => {
+                return Err(RaftLogError::Corrupt(format!(
+                    "shard {shard} offset {}: unknown state key {other:?}",
+                    record.offset
+                )));
+            }
+        }
+        Ok(())
+    })?;
+    Ok(state)
+}
+
+fn read_snapshot<B: Backend>(log: &Log<B>, generation: u32) -> Result<Snapshot> {
+    let shard = snapshot_shard(generation);
+    let Some(offsets) = log.shard_offsets(shard) else {
+        return Ok(Snapshot::default());
+    };
+    if offsets.next == offsets.oldest {
+        return Ok(Snapshot::default());
+    }
+    // Only the last record counts (a generation holds one).
+    let records = log.read(shard, offsets.next - 1, 1, READ_BATCH_BYTES)?;
+    match records.last() {
+        Some(record) if record.offset == offsets.next - 1 => {
+            Ok(Snapshot::parse_from_bytes(&record.payload)?)
+        }
+        _ => Err(RaftLogError::Corrupt(format!(
+            "shard {shard}: the snapshot record at offset {} is missing",
+            offsets.next - 1
+        ))),
+    }
+}
+
+/// Replays the entries shard of `generation` with the Raft rule (an entry at `i` replaces `i`
+/// and everything after it) on top of a snapshot at `snapshot_index`.
+fn read_entries<B: Backend>(
+    log: &Log<B>,
+    generation: u32,
+    snapshot_index: u64,
+) -> Result<Vec<Entry>> {
+    let mut entries: Vec<Entry> = Vec::new();
+    let shard = entries_shard(generation);
+    read_shard(log, shard, |record| {
+        let entry = Entry::parse_from_bytes(&record.payload)?;
+        let first = snapshot_index + 1;
+        let last = entries.last().map_or(snapshot_index, |e| e.index);
+        if entry.index < first || entry.index > last + 1 {
+            return Err(RaftLogError::Corrupt(format!(
+                "shard {shard} offset {}: entry index {} outside {first}..={}",
+                record.offset,
+                entry.index,
+                last + 1
+            )));
+        }
+        let keep = usize::try_from(entry.index - first).unwrap_or(usize::MAX);
+        entries.truncate(keep);
+        entries.push(entry);
+        Ok(())
+    })?;
+    Ok(entries)
+}
+
+fn store_error(e: raft::StorageError) -> raft::Error {
+    raft::Error::Store(e)
+}
+
+impl<B: Backend> raft::Storage for RaftLog<B> {
+    /// The hard state and conf state as last persisted.
+    fn initial_state(&self) -> raft::Result<RaftState> {
+        Ok(RaftState::new(
+            self.hard_state.clone(),
+            self.conf_state.clone(),
+        ))
+    }
+
+    /// Entries `[low, high)`, limited to `max_size` bytes (at least one entry), as
+    /// `MemStorage::entries`: `low` below the first index is `Compacted`. Where `MemStorage`
+    /// panics (`high` past the last index + 1) this returns `Unavailable`. Never
+    /// asynchronous: every live entry is in memory.
+    fn entries(
+        &self,
+        low: u64,
+        high: u64,
+        max_size: impl Into<Option<u64>>,
+        _context: GetEntriesContext,
+    ) -> raft::Result<Vec<Entry>> {
+        let first = self.first();
+        if low < first {
+            return Err(store_error(raft::StorageError::Compacted));
+        }
+        if high > self.last() + 1 {
+            return Err(store_error(raft::StorageError::Unavailable));
+        }
+        if low >= high {
+            return Ok(Vec::new());
+        }
+        let lo = usize::try_from(low - first).unwrap_or(usize::MAX);
+        let hi = usize::try_from(high - first).unwrap_or(usize::MAX);
+        let mut entries = self
+            .entries
+            .get(lo..hi)
+            .ok_or_else(|| store_error(raft::StorageError::Unavailable))?
+            .to_vec();
+        raft::util::limit_size(&mut entries, max_size.into());
+        Ok(entries)
+    }
+
+    /// The term of entry `idx`, as `MemStorage::term`: the snapshot's index answers with the
+    /// snapshot's term, below the first index is `Compacted`, past the last `Unavailable`.
+    fn term(&self, idx: u64) -> raft::Result<u64> {
+        let meta = self.snapshot.get_metadata();
+        if idx == meta.index {
+            return Ok(meta.term);
+        }
+        if idx < self.first() {
+            return Err(store_error(raft::StorageError::Compacted));
+        }
+        self.term_of(idx)
+            .ok_or_else(|| store_error(raft::StorageError::Unavailable))
+    }
+
+    /// The snapshot's index + 1, or the first live entry's index.
+    fn first_index(&self) -> raft::Result<u64> {
+        Ok(self.first())
+    }
+
+    /// The last entry's index, or the snapshot's index when no entry is live.
+    fn last_index(&self) -> raft::Result<u64> {
+        Ok(self.last())
+    }
+
+    /// The latest stored snapshot (with its data). Unlike `MemStorage`, which fabricates a
+    /// data-less snapshot at the commit index, a snapshot below `request_index` (or none at
+    /// all) is `SnapshotTemporarilyUnavailable`: the application compacts, then raft-rs asks
+    /// again.
+    fn snapshot(&self, request_index: u64, _to: u64) -> raft::Result<Snapshot> {
+        let index = self.snapshot.get_metadata().index;
+        if index == 0 || index < request_index {
+            return Err(store_error(
+                raft::StorageError::SnapshotTemporarilyUnavailable,
+            ));
+        }
+        Ok(self.snapshot.clone())
+    }
+}
