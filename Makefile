@@ -32,6 +32,18 @@ sim: deps
 		$(CARGO) run -q -p felix-sim -- --seeds $(SEEDS) --first $(FIRST) --steps $(STEPS); \
 	fi
 
+# The cluster's tests (docs/cluster.md): the seeded simulations of the control plane and of a
+# replicated shard with CLUSTER_SEEDS seeds each (make test runs 60), the Raft log store and
+# peer transport tests, and the three-broker process tests (election, placement, SIGKILL of the
+# leader and rejoin, a paused majority). CLUSTER_SEED=<n> replays one simulation seed.
+CLUSTER_SEEDS ?= 1000
+.PHONY: cluster-test
+cluster-test: deps
+	FELIX_CLUSTER_SIM_SEEDS=$(if $(CLUSTER_SEED),1,$(CLUSTER_SEEDS)) \
+	FELIX_CLUSTER_SIM_FIRST=$(if $(CLUSTER_SEED),$(CLUSTER_SEED),0) \
+		$(CARGO) test -p felix-cluster --all-targets
+	$(CARGO) test -p felix --test cluster
+
 # The Debian package (packaging/, cargo-deb): target/debian/felix_<version>_<arch>.deb with the
 # release binary, /etc/felix/felix.toml, felix.service, completions and the man page. Installs cargo-deb once if it is missing.
 deb: deps

@@ -15,8 +15,12 @@
 //!
 //! The design and its trade-offs are in `docs/cluster.md`.
 
+pub mod admin;
 pub mod control;
 pub mod node;
+pub mod pki;
 pub mod placement;
 pub mod raft_log;
+pub mod service;
 pub mod shard;
+pub mod transport;

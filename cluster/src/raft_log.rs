@@ -63,6 +63,7 @@
 use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use crate::node::NodeError;
 use felix_storage::{
     Backend, BackendChoice, FsyncMode, Log, LogConfig, LogEvent, RecoveryReport, StorageError,
     SystemBackend,
@@ -842,4 +843,42 @@ impl<B: Backend> raft::Storage for RaftLog<B> {
         }
         Ok(self.snapshot.clone())
     }
+}
+
+/// The node's view of the store: every write is durable when it returns (`persist` fsyncs).
+impl<B: Backend> crate::node::LogStore for RaftLog<B> {
+    fn bootstrap(&mut self, conf_state: ConfState) -> std::result::Result<(), NodeError> {
+        self.set_conf_state(conf_state).map_err(node_error)
+    }
+
+    fn persist(
+        &mut self,
+        entries: &[Entry],
+        hard_state: Option<&HardState>,
+    ) -> std::result::Result<(), NodeError> {
+        RaftLog::persist(self, entries, hard_state).map_err(node_error)
+    }
+
+    fn persist_commit(&mut self, commit: u64) -> std::result::Result<(), NodeError> {
+        // The commit index is written with the hard state: compaction never goes past the
+        // stored commit, and a restart re-applies up to it at once.
+        if commit <= self.hard_state().commit {
+            return Ok(());
+        }
+        let mut hard_state = self.hard_state().clone();
+        hard_state.commit = commit;
+        RaftLog::persist(self, &[], Some(&hard_state)).map_err(node_error)
+    }
+
+    fn apply_snapshot(&mut self, snapshot: Snapshot) -> std::result::Result<(), NodeError> {
+        RaftLog::apply_snapshot(self, snapshot).map_err(node_error)
+    }
+
+    fn compact(&mut self, upto: u64, data: Vec<u8>) -> std::result::Result<(), NodeError> {
+        RaftLog::compact(self, upto, data).map_err(node_error)
+    }
+}
+
+fn node_error(error: RaftLogError) -> NodeError {
+    NodeError::Store(error.to_string())
 }

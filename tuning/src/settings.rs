@@ -722,7 +722,7 @@ settings! {
         doc: "Every member of the cluster, this broker included, as `ID=IP:PORT` peer \
               addresses (the same list on every broker, e.g. \
               `1=10.0.0.1:7500,2=10.0.0.2:7500,3=10.0.0.3:7500`). This broker's peer endpoint \
-              binds its own entry's address (port 0: any free port, for tests).",
+              binds its own entry's address.",
     }
     cluster_ca {
         env: "FELIX_CLUSTER_CA",

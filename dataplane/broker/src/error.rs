@@ -37,6 +37,8 @@ pub enum BrokerError {
     Catalog(#[from] felix_core::CatalogError),
     #[error("durable log")]
     Storage(#[from] felix_storage::StorageError),
+    #[error("cluster: {0}")]
+    Cluster(String),
     #[error("{env}={value:?}: {reason}")]
     Setting {
         env: &'static str,

@@ -30,6 +30,7 @@
 //! fdatasync) exits the process.
 
 mod auth;
+mod cluster;
 mod connection;
 mod error;
 // Public only so benches/mesh.rs can drive it; not part of the broker's API.
@@ -50,7 +51,7 @@ use felix_tuning::Config;
 
 pub use auth::{TokenReloader, load_tokens};
 pub use error::BrokerError;
-pub use metrics::{CoreMetrics, Metrics, MetricsServer};
+pub use metrics::{ClusterSlot, CoreMetrics, Metrics, MetricsServer};
 pub use runtime::{CoreReport, CoreRuntime};
 pub use settings::{
     ConnectionSettings, MTU_UPPER_BOUND_CLAMP, MTU_UPPER_BOUND_MIN, STREAMS_REFUSED_SLACK,
@@ -83,6 +84,8 @@ pub struct Broker {
     plan: CorePlan,
     mtu: u16,
     tokens: TokenReloader,
+    // The control plane's service of a cluster member; stopped when the broker is dropped.
+    cluster: Option<Arc<felix_cluster::service::Service>>,
     // Held so the metrics thread lives as long as the broker; stopped on drop.
     _metrics_server: Option<MetricsServer>,
 }
@@ -123,8 +126,13 @@ impl Broker {
         let next_stream_id = catalog.next_stream_id();
         let mut catalog = Some(catalog);
         let metrics = Metrics::new(core_count);
+        let cluster_slot = ClusterSlot::default();
         let metrics_server = match config.metrics_bind {
-            Some(addr) => Some(MetricsServer::start(addr, metrics.clone())?),
+            Some(addr) => Some(MetricsServer::start(
+                addr,
+                metrics.clone(),
+                Arc::clone(&cluster_slot),
+            )?),
             None => None,
         };
         let metrics_addr = metrics_server.as_ref().map(MetricsServer::local_addr);
@@ -161,6 +169,12 @@ impl Broker {
             own_sockets.push(socket);
         }
         let core_ports: Vec<u16> = own_sockets.iter().map(|s| s.local_addr.port()).collect();
+        // The control plane, when this broker is a cluster member: started once the client
+        // address is known, before the cores serve.
+        let cluster = cluster::start(config, shared_addr, core_count)?;
+        if let Some(service) = &cluster {
+            let _ = cluster_slot.set(Arc::clone(service));
+        }
         let mesh =
             Arc::new(mesh::Mesh::new(core_count).map_err(|error| {
                 BrokerError::Core(format!("cannot build the core mesh: {error}"))
@@ -242,6 +256,7 @@ impl Broker {
             plan,
             mtu,
             tokens,
+            cluster,
             _metrics_server: metrics_server,
         })
     }
@@ -277,6 +292,12 @@ impl Broker {
     #[must_use]
     pub fn mtu(&self) -> u16 {
         self.mtu
+    }
+
+    /// The control plane's service, when this broker is a cluster member.
+    #[must_use]
+    pub fn cluster(&self) -> Option<&Arc<felix_cluster::service::Service>> {
+        self.cluster.as_ref()
     }
 
     /// The TCP address of the metrics endpoint, if enabled.

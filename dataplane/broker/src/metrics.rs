@@ -980,8 +980,13 @@ impl std::fmt::Debug for MetricsServer {
 const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 impl MetricsServer {
-    /// Binds `addr` and starts serving `GET /metrics` from `registry`.
-    pub fn start(addr: SocketAddr, metrics: Metrics) -> Result<MetricsServer, BrokerError> {
+    /// Binds `addr` and starts serving `GET /metrics` from `registry`, and the cluster's
+    /// admin requests once `cluster` holds the service (`cluster.rs`).
+    pub fn start(
+        addr: SocketAddr,
+        metrics: Metrics,
+        cluster: ClusterSlot,
+    ) -> Result<MetricsServer, BrokerError> {
         let bind_error = |reason: String| BrokerError::MetricsBind { addr, reason };
         let server =
             tiny_http::Server::http(addr).map_err(|error| bind_error(error.to_string()))?;
@@ -993,7 +998,7 @@ impl MetricsServer {
         let serving = Arc::clone(&server);
         let thread = std::thread::Builder::new()
             .name("felix-metrics".to_owned())
-            .spawn(move || serve(&serving, &metrics))
+            .spawn(move || serve(&serving, &metrics, &cluster))
             .map_err(|source| BrokerError::Thread {
                 name: "felix-metrics",
                 source,
@@ -1020,19 +1025,110 @@ impl Drop for MetricsServer {
     }
 }
 
-fn serve(server: &tiny_http::Server, metrics: &Metrics) {
+/// Where the metrics thread finds the cluster service, set once the broker started it.
+pub type ClusterSlot = Arc<std::sync::OnceLock<Arc<felix_cluster::service::Service>>>;
+
+/// Longest a `POST /v1/cluster/streams` waits for its command to be applied.
+const CLUSTER_PROPOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Largest admin request body read.
+const ADMIN_BODY_MAX: u64 = 64 * 1024;
+
+fn json_response(status: u16, body: String) -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
+    let mut response = tiny_http::Response::from_string(body).with_status_code(status);
+    if let Ok(header) = tiny_http::Header::from_bytes("Content-Type", "application/json") {
+        response.add_header(header);
+    }
+    response
+}
+
+fn error_json(status: u16, message: &str) -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
+    json_response(status, serde_json::json!({ "error": message }).to_string())
+}
+
+/// `POST /v1/cluster/streams`: `{"name", "kind": "durable"|"in_memory", "shards",
+/// "replicas"}`; 200 once applied, 409 when the control plane rejected it, 503 without a
+/// leader or an answer in time.
+fn create_stream(
+    service: &felix_cluster::service::Service,
+    request: &mut tiny_http::Request,
+) -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
+    #[derive(serde::Deserialize)]
+    struct Create {
+        name: String,
+        kind: felix_cluster::control::StreamKind,
+        shards: u32,
+        replicas: u8,
+    }
+    let mut body = Vec::new();
+    if let Err(error) = std::io::Read::read_to_end(
+        &mut std::io::Read::take(request.as_reader(), ADMIN_BODY_MAX),
+        &mut body,
+    ) {
+        return error_json(400, &format!("cannot read the body: {error}"));
+    }
+    let create: Create = match serde_json::from_slice(&body) {
+        Ok(create) => create,
+        Err(error) => return error_json(400, &format!("bad request body: {error}")),
+    };
+    let command = felix_cluster::control::Command::CreateStream {
+        name: create.name,
+        kind: create.kind,
+        shards: create.shards,
+        replicas: create.replicas,
+    };
+    match service.propose(command, CLUSTER_PROPOSE_TIMEOUT) {
+        Ok(felix_cluster::control::Outcome::Done) => {
+            json_response(200, serde_json::json!({ "outcome": "done" }).to_string())
+        }
+        Ok(felix_cluster::control::Outcome::Rejected { reason }) => error_json(409, &reason),
+        Err(error) => error_json(503, &error.to_string()),
+    }
+}
+
+fn serve(server: &tiny_http::Server, metrics: &Metrics, cluster: &ClusterSlot) {
     // Ends when `unblock` is called (the iterator then yields None).
-    for request in server.incoming_requests() {
-        let is_metrics = *request.method() == tiny_http::Method::Get
-            && (request.url() == "/metrics" || request.url().starts_with("/metrics?"));
-        let response = if is_metrics {
-            let mut response = tiny_http::Response::from_string(metrics.render());
-            if let Ok(header) = tiny_http::Header::from_bytes("Content-Type", CONTENT_TYPE) {
-                response.add_header(header);
+    for mut request in server.incoming_requests() {
+        let method = request.method().clone();
+        let url = request.url().to_owned();
+        let path = url.split('?').next().unwrap_or_default();
+        let response = match (&method, path) {
+            (tiny_http::Method::Get, "/metrics") => {
+                let mut text = metrics.render();
+                if let Some(service) = cluster.get() {
+                    // The cluster's gauges go before the exposition's closing `# EOF`.
+                    let body_end = text.rfind("# EOF").unwrap_or(text.len());
+                    text.truncate(body_end);
+                    text.push_str(&felix_cluster::admin::render_metrics(&service.status()));
+                    text.push_str("# EOF\n");
+                }
+                let mut response = tiny_http::Response::from_string(text);
+                if let Ok(header) = tiny_http::Header::from_bytes("Content-Type", CONTENT_TYPE) {
+                    response.add_header(header);
+                }
+                response
             }
-            response
-        } else {
-            tiny_http::Response::from_string("not found; try GET /metrics\n").with_status_code(404)
+            (_, "/v1/cluster/status" | "/v1/cluster/streams") if cluster.get().is_none() => {
+                error_json(
+                    404,
+                    "this broker is not a cluster member (FELIX_CLUSTER_NODE_ID=0)",
+                )
+            }
+            (tiny_http::Method::Get, "/v1/cluster/status") => match cluster.get() {
+                Some(service) => json_response(
+                    200,
+                    serde_json::to_string(&service.status()).unwrap_or_default(),
+                ),
+                None => error_json(404, "not a cluster member"),
+            },
+            (tiny_http::Method::Post, "/v1/cluster/streams") => match cluster.get() {
+                Some(service) => create_stream(service, &mut request),
+                None => error_json(404, "not a cluster member"),
+            },
+            _ => tiny_http::Response::from_string(
+                "not found; try GET /metrics (or GET /v1/cluster/status on a cluster member)\n",
+            )
+            .with_status_code(404),
         };
         if let Err(error) = request.respond(response) {
             tracing::debug!(%error, "metrics client went away");

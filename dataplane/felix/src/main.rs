@@ -7,6 +7,7 @@
 //! signal thread; client commands run a current-thread tokio runtime on the main thread.
 
 mod client_commands;
+mod cluster_commands;
 mod host_commands;
 mod listener_sweep;
 mod log_commands;
@@ -225,6 +226,14 @@ enum Command {
         #[command(subcommand)]
         command: TokenCommand,
     },
+    /// A cluster's status and streams (through a member's metrics endpoint), and development
+    /// peer certificates (docs/cluster.md).
+    Cluster {
+        #[command(flatten)]
+        common: CommonArgs,
+        #[command(subcommand)]
+        command: cluster_commands::ClusterCommand,
+    },
     /// Print a shell completion script (the package installs them).
     Completions {
         /// The shell.
@@ -322,7 +331,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Stream { client, .. }
         | Command::Pub { client, .. }
         | Command::Sub { client, .. } => flags.client(client),
-        Command::Token { common, .. } => flags.common(common),
+        Command::Token { common, .. } | Command::Cluster { common, .. } => flags.common(common),
         Command::Log {
             common, data_dir, ..
         } => {
@@ -368,6 +377,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Cert { out, names, force } => run_cert(&out, names, force),
         Command::Token { file, command, .. } => run_token(&config, file, command),
         Command::Log { command, .. } => log_commands::run(&config, command),
+        Command::Cluster { command, .. } => cluster_commands::run(&config, command),
         Command::Tune {
             command: Some(TuneCommand::Listeners { args, .. }),
             ..

@@ -1,0 +1,278 @@
+//! The cluster's admin requests as a client makes them: plain HTTP/1.0 to a broker's metrics
+//! endpoint (`GET /v1/cluster/status`, `POST /v1/cluster/streams`), used by
+//! `felix cluster status` and `felix cluster create-stream` and by the cluster tests; and the
+//! status as a table for people.
+
+use std::fmt::Write as _;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
+
+use crate::control::StreamKind;
+use crate::service::ClusterStatus;
+
+/// Largest answer read (a status lists every stream's shards).
+const ANSWER_BYTES_MAX: u64 = 64 << 20;
+
+/// Why an admin request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum AdminError {
+    #[error("{method} http://{addr}{path}: {detail}")]
+    Http {
+        method: &'static str,
+        addr: SocketAddr,
+        path: &'static str,
+        detail: String,
+    },
+    #[error("the broker answered {status}: {message}")]
+    Refused { status: u16, message: String },
+}
+
+/// One HTTP/1.0 request; returns the status code and the body.
+fn request(
+    addr: SocketAddr,
+    method: &'static str,
+    path: &'static str,
+    body: Option<&str>,
+    timeout: Duration,
+) -> Result<(u16, String), AdminError> {
+    let fail = |detail: String| AdminError::Http {
+        method,
+        addr,
+        path,
+        detail,
+    };
+    let mut stream = TcpStream::connect_timeout(&addr, timeout).map_err(|e| fail(e.to_string()))?;
+    stream
+        .set_read_timeout(Some(timeout))
+        .and_then(|()| stream.set_write_timeout(Some(timeout)))
+        .map_err(|e| fail(e.to_string()))?;
+    let body = body.unwrap_or_default();
+    write!(
+        stream,
+        "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .map_err(|e| fail(e.to_string()))?;
+    let mut raw = Vec::new();
+    stream
+        .take(ANSWER_BYTES_MAX + 1)
+        .read_to_end(&mut raw)
+        .map_err(|e| fail(e.to_string()))?;
+    if raw.len() as u64 > ANSWER_BYTES_MAX {
+        return Err(fail(format!("answer larger than {ANSWER_BYTES_MAX} bytes")));
+    }
+    let text = String::from_utf8_lossy(&raw);
+    let Some((head, body)) = text.split_once("\r\n\r\n") else {
+        return Err(fail("no HTTP header end".to_owned()));
+    };
+    let status = head
+        .lines()
+        .next()
+        .and_then(|line| line.split_whitespace().nth(1))
+        .and_then(|code| code.parse().ok())
+        .ok_or_else(|| fail(format!("no status in {head:?}")))?;
+    Ok((status, body.to_owned()))
+}
+
+fn refused(status: u16, body: &str) -> AdminError {
+    let message = serde_json::from_str::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_owned))
+        .unwrap_or_else(|| body.trim().to_owned());
+    AdminError::Refused { status, message }
+}
+
+/// The cluster as the broker whose metrics endpoint is `addr` sees it.
+pub fn status(addr: SocketAddr, timeout: Duration) -> Result<ClusterStatus, AdminError> {
+    let (status, body) = request(addr, "GET", "/v1/cluster/status", None, timeout)?;
+    if status != 200 {
+        return Err(refused(status, &body));
+    }
+    serde_json::from_str(&body).map_err(|error| AdminError::Http {
+        method: "GET",
+        addr,
+        path: "/v1/cluster/status",
+        detail: format!("unreadable status: {error}"),
+    })
+}
+
+/// Creates a stream through the control plane (any member; it waits until applied).
+pub fn create_stream(
+    addr: SocketAddr,
+    name: &str,
+    kind: StreamKind,
+    shards: u32,
+    replicas: u8,
+    timeout: Duration,
+) -> Result<(), AdminError> {
+    let body = serde_json::json!({
+        "name": name,
+        "kind": kind,
+        "shards": shards,
+        "replicas": replicas,
+    })
+    .to_string();
+    let (status, answer) = request(addr, "POST", "/v1/cluster/streams", Some(&body), timeout)?;
+    if status != 200 {
+        return Err(refused(status, &answer));
+    }
+    Ok(())
+}
+
+/// The status as `felix cluster status` prints it: this member's view, the members, and each
+/// stream's shards with their leader and replicas.
+#[must_use]
+pub fn render(status: &ClusterStatus) -> String {
+    let node = &status.node;
+    let mut out = String::new();
+    let leader = node.leader.map_or_else(
+        || "none (election in progress)".to_owned(),
+        |id| id.to_string(),
+    );
+    let _ = writeln!(
+        out,
+        "member {} ({:?}), term {}, control-plane leader {leader}, commit {}, applied {}",
+        node.id, node.role, node.term, node.commit, node.applied
+    );
+    let _ = writeln!(out, "\nmembers:");
+    let _ = writeln!(
+        out,
+        "  {:<4} {:<24} {:<24} {:>5} {:>10} {:>9}",
+        "id", "client address", "peer address", "cores", "connected", "raft lag"
+    );
+    for member in status.state.members.values() {
+        let connected = if member.id == node.id {
+            "self"
+        } else if status.connected.contains(&member.id) {
+            "yes"
+        } else {
+            "no"
+        };
+        let lag = node
+            .peers
+            .iter()
+            .find(|p| p.id == member.id)
+            .map_or_else(|| "-".to_owned(), |p| p.lag.to_string());
+        let _ = writeln!(
+            out,
+            "  {:<4} {:<24} {:<24} {:>5} {:>10} {:>9}",
+            member.id, member.client_addr, member.peer_addr, member.cores, connected, lag
+        );
+    }
+    if status.state.streams.is_empty() {
+        let _ = writeln!(out, "\nstreams: none");
+    }
+    for stream in status.state.streams.values() {
+        let _ = writeln!(
+            out,
+            "\nstream {} ({}, {} shards, {} replicas)",
+            stream.name,
+            match stream.kind {
+                StreamKind::Durable => "durable",
+                StreamKind::InMemory => "in memory",
+            },
+            stream.shards.len(),
+            stream.replicas
+        );
+        let _ = writeln!(
+            out,
+            "  {:<6} {:<7} {:<5} replicas",
+            "shard", "leader", "core"
+        );
+        for (shard, placement) in stream.shards.iter().enumerate() {
+            let replicas: Vec<String> = placement.replicas.iter().map(u64::to_string).collect();
+            let _ = writeln!(
+                out,
+                "  {:<6} {:<7} {:<5} {}",
+                shard,
+                placement.leader,
+                placement.core,
+                replicas.join(",")
+            );
+        }
+    }
+    out
+}
+
+/// The cluster's metrics in OpenMetrics text (without the closing `# EOF`), appended to the
+/// broker's `/metrics` by a member: its role and term, the control plane's commit and applied
+/// indexes, each member's connection and (on the leader) replication lag, and per stream
+/// shard the member placed to lead it.
+#[must_use]
+pub fn render_metrics(status: &ClusterStatus) -> String {
+    let node = &status.node;
+    let mut out = String::new();
+    let gauge = |out: &mut String, name: &str, help: &str| {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} gauge");
+    };
+    gauge(
+        &mut out,
+        "felix_cluster_leader",
+        "1 when this member leads the control plane.",
+    );
+    let _ = writeln!(
+        out,
+        "felix_cluster_leader {}",
+        u8::from(node.role == crate::node::Role::Leader)
+    );
+    gauge(
+        &mut out,
+        "felix_cluster_term",
+        "The control plane's Raft term.",
+    );
+    let _ = writeln!(out, "felix_cluster_term {}", node.term);
+    gauge(
+        &mut out,
+        "felix_cluster_commit_index",
+        "The control plane's last committed Raft index, as this member knows it.",
+    );
+    let _ = writeln!(out, "felix_cluster_commit_index {}", node.commit);
+    gauge(
+        &mut out,
+        "felix_cluster_applied_index",
+        "The control plane's last Raft index this member applied.",
+    );
+    let _ = writeln!(out, "felix_cluster_applied_index {}", node.applied);
+    gauge(
+        &mut out,
+        "felix_cluster_peer_connected",
+        "1 when this member's connection to the peer is up.",
+    );
+    for member in status.state.members.keys().filter(|id| **id != node.id) {
+        let _ = writeln!(
+            out,
+            "felix_cluster_peer_connected{{peer=\"{member}\"}} {}",
+            u8::from(status.connected.contains(member))
+        );
+    }
+    gauge(
+        &mut out,
+        "felix_cluster_peer_lag_entries",
+        "On the control plane's leader: entries each member is behind.",
+    );
+    for peer in &node.peers {
+        let _ = writeln!(
+            out,
+            "felix_cluster_peer_lag_entries{{peer=\"{}\"}} {}",
+            peer.id, peer.lag
+        );
+    }
+    gauge(
+        &mut out,
+        "felix_cluster_shard_leader",
+        "The member placed to lead each shard of each stream.",
+    );
+    for stream in status.state.streams.values() {
+        for (shard, placement) in stream.shards.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "felix_cluster_shard_leader{{stream=\"{}\",shard=\"{shard}\"}} {}",
+                stream.name.replace('\\', "\\\\").replace('"', "\\\""),
+                placement.leader
+            );
+        }
+    }
+    out
+}

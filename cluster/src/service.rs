@@ -1,0 +1,387 @@
+//! The control plane as a running service: one `felix-cluster` thread per broker that owns
+//! the Raft node (`node.rs`) on its durable log (`raft_log.rs`) and the peer transport
+//! (`transport.rs`), ticks it every [`TICK`], steps the frames peers send, sends what the
+//! node produces, registers the broker, and answers proposals and status requests from other
+//! threads. The data-plane cores never wait for it.
+//!
+//! Threads: the service's own thread runs a current-thread tokio runtime (the transport's
+//! tasks run there too). Other threads talk to it through [`Service`]'s methods, which send
+//! a request over a channel and wait for the answer with a deadline.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use bytes::Bytes;
+use raft::prelude::MessageType;
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::control::{Command, ControlState, Member, Outcome};
+use crate::node::{Node, NodeConfig, NodeError, NodeStatus, ProposeError};
+use crate::pki::NodeIdentity;
+use crate::raft_log::RaftLog;
+use crate::transport::{PeerTransport, TransportConfig};
+
+/// The logical clock's period: elections after 1-2 s without a leader, heartbeats every
+/// 200 ms (`NodeConfig::new`).
+pub const TICK: Duration = Duration::from_millis(100);
+
+/// How often an unregistered broker asks to be registered.
+const REGISTER_EVERY_TICKS: u64 = 10;
+
+/// Requests queued for the service's thread.
+const REQUESTS_MAX: usize = 256;
+
+/// What a broker needs to run its part of the control plane.
+#[derive(Debug, Clone)]
+pub struct ServiceConfig {
+    /// This broker's member entry (id, client and peer addresses, cores).
+    pub member: Member,
+    /// Where the peer endpoint listens (port 0: any; `Service::peer_addr` tells).
+    pub peer_bind: SocketAddr,
+    /// Every other member's id and peer address (the static peer list).
+    pub peers: BTreeMap<u64, SocketAddr>,
+    /// This broker's certificate and key, issued by the cluster CA.
+    pub identity: NodeIdentity,
+    /// The cluster CA (PEM) that every peer's certificate must chain to.
+    pub ca_pem: String,
+    /// The control plane's Raft log directory.
+    pub dir: PathBuf,
+}
+
+/// Why the service failed or a request did not complete.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    #[error("cluster start-up: {0}")]
+    Start(String),
+    #[error(transparent)]
+    Node(#[from] NodeError),
+    #[error(transparent)]
+    Propose(#[from] ProposeError),
+    #[error("no answer within {0:?} (the proposal may still commit; check `felix cluster status`)")]
+    Timeout(Duration),
+    #[error("the cluster service stopped")]
+    Stopped,
+}
+
+/// A snapshot of the control plane as this broker sees it (`felix cluster status`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterStatus {
+    pub node: NodeStatus,
+    pub state: ControlState,
+    /// Peer ids whose connection is up now.
+    pub connected: Vec<u64>,
+}
+
+enum Request {
+    Propose {
+        command: Command,
+        answer: oneshot::Sender<Result<Outcome, ServiceError>>,
+    },
+}
+
+/// A running control-plane service. Dropping it stops the thread.
+pub struct Service {
+    requests: mpsc::Sender<Request>,
+    status: Arc<Mutex<ClusterStatus>>,
+    peer_addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    thread: Option<JoinHandle<Result<(), ServiceError>>>,
+}
+
+impl std::fmt::Debug for Service {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Service")
+            .field("peer_addr", &self.peer_addr)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Service {
+    /// Opens (or recovers) the Raft log, binds the peer endpoint and starts the thread.
+    pub fn start(config: ServiceConfig) -> Result<Service, ServiceError> {
+        let (requests, inbox) = mpsc::channel(REQUESTS_MAX);
+        let (stop, stopped) = oneshot::channel();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let id = config.member.id;
+        let thread = std::thread::Builder::new()
+            .name("felix-cluster".to_owned())
+            .spawn(move || run(config, inbox, stopped, ready_tx))
+            .map_err(|error| ServiceError::Start(format!("spawn the cluster thread: {error}")))?;
+        let started = ready_rx.recv_timeout(Duration::from_secs(60));
+        let (peer_addr, status) = match started {
+            Ok(Ok(started)) => started,
+            Ok(Err(error)) => {
+                let _ = thread.join();
+                return Err(error);
+            }
+            Err(_) => {
+                let outcome = thread.join();
+                return Err(ServiceError::Start(format!(
+                    "member {id}: the cluster thread stopped before it was ready: {outcome:?}"
+                )));
+            }
+        };
+        Ok(Service {
+            requests,
+            status,
+            peer_addr,
+            stop: Some(stop),
+            thread: Some(thread),
+        })
+    }
+
+    /// Where the peer endpoint listens.
+    #[must_use]
+    pub fn peer_addr(&self) -> SocketAddr {
+        self.peer_addr
+    }
+
+    /// The control plane as this broker last saw it (updated after every event).
+    #[must_use]
+    pub fn status(&self) -> ClusterStatus {
+        self.status
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Proposes `command` and waits until it is applied on this broker (any broker may
+    /// propose: a follower forwards to the leader), or `timeout`. Blocking: call it from a
+    /// thread that may wait (an admin request), never from a data-plane core.
+    pub fn propose(&self, command: Command, timeout: Duration) -> Result<Outcome, ServiceError> {
+        let (answer, answered) = oneshot::channel();
+        self.requests
+            .try_send(Request::Propose { command, answer })
+            .map_err(|_| ServiceError::Stopped)?;
+        let deadline = std::time::Instant::now() + timeout;
+        let mut answered = answered;
+        loop {
+            match answered.try_recv() {
+                Ok(result) => return result,
+                Err(oneshot::error::TryRecvError::Closed) => return Err(ServiceError::Stopped),
+                Err(oneshot::error::TryRecvError::Empty) => {}
+            }
+            if std::time::Instant::now() >= deadline {
+                return Err(ServiceError::Timeout(timeout));
+            }
+            std::thread::park_timeout(Duration::from_millis(5));
+        }
+    }
+
+    /// Stops the thread and waits for it; returns its error, if it failed.
+    pub fn shutdown(mut self) -> Result<(), ServiceError> {
+        self.stop_and_join()
+    }
+
+    fn stop_and_join(&mut self) -> Result<(), ServiceError> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        match self.thread.take() {
+            Some(thread) => thread.join().map_err(|_| ServiceError::Stopped)?,
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        let _ = self.stop_and_join();
+    }
+}
+
+type Started = Result<(SocketAddr, Arc<Mutex<ClusterStatus>>), ServiceError>;
+
+fn run(
+    config: ServiceConfig,
+    inbox: mpsc::Receiver<Request>,
+    stopped: oneshot::Receiver<()>,
+    ready: std::sync::mpsc::Sender<Started>,
+) -> Result<(), ServiceError> {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            let error = ServiceError::Start(format!("the cluster runtime: {error}"));
+            let _ = ready.send(Err(ServiceError::Start(error.to_string())));
+            return Err(error);
+        }
+    };
+    runtime.block_on(serve(config, inbox, stopped, ready))
+}
+
+async fn serve(
+    config: ServiceConfig,
+    mut inbox: mpsc::Receiver<Request>,
+    mut stopped: oneshot::Receiver<()>,
+    ready: std::sync::mpsc::Sender<Started>,
+) -> Result<(), ServiceError> {
+    let id = config.member.id;
+    let setup = async {
+        let store = RaftLog::open(&config.dir)
+            .map_err(|error| ServiceError::Start(format!("the raft log: {error}")))?;
+        let mut voters: Vec<u64> = config.peers.keys().copied().collect();
+        voters.push(id);
+        let node = Node::new(&NodeConfig::new(id, voters), store)?;
+        let (transport, frames) = PeerTransport::start(TransportConfig {
+            node_id: id,
+            bind: config.peer_bind,
+            peers: config.peers.clone(),
+            identity: config.identity.clone(),
+            ca_pem: config.ca_pem.clone(),
+        })
+        .map_err(|error| ServiceError::Start(format!("the peer endpoint: {error}")))?;
+        Ok::<_, ServiceError>((node, transport, frames))
+    };
+    let (mut node, transport, mut frames) = match setup.await {
+        Ok(parts) => parts,
+        Err(error) => {
+            let _ = ready.send(Err(ServiceError::Start(error.to_string())));
+            return Err(error);
+        }
+    };
+    let status = Arc::new(Mutex::new(ClusterStatus {
+        node: node.status(),
+        state: node.state().clone(),
+        connected: Vec::new(),
+    }));
+    let _ = ready.send(Ok((transport.local_addr(), Arc::clone(&status))));
+    let mut waiting: HashMap<u64, oneshot::Sender<Result<Outcome, ServiceError>>> = HashMap::new();
+    let mut ticks = tokio::time::interval(TICK);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut tick_count = 0u64;
+    let mut registered_sequence: Option<u64> = None;
+    loop {
+        tokio::select! {
+            _ = &mut stopped => break,
+            _ = ticks.tick() => {
+                node.tick();
+                tick_count += 1;
+                // Callers that gave up (their deadline passed: the proposal was lost to a
+                // leader change, or is still on its way) are forgotten.
+                waiting.retain(|_, answer| !answer.is_closed());
+                let registered = node.state().members.get(&id) == Some(&config.member);
+                if !registered && tick_count % REGISTER_EVERY_TICKS == 1 {
+                    registered_sequence = node
+                        .propose(Command::Register { member: config.member.clone() })
+                        .ok();
+                }
+            }
+            Some(inbound) = frames.recv() => {
+                match crate::node::decode_message(&inbound.frame) {
+                    Ok(message) if message.from == inbound.from && message.to == id => {
+                        if let Err(error) = node.step(message) {
+                            tracing::debug!(from = inbound.from, %error, "a peer message was refused");
+                        }
+                    }
+                    Ok(message) => tracing::warn!(
+                        from = inbound.from,
+                        claimed = message.from,
+                        to = message.to,
+                        "a peer sent a message not from itself or not for this broker; dropped"
+                    ),
+                    Err(error) => tracing::warn!(from = inbound.from, %error, "an undecodable peer frame; dropped"),
+                }
+            }
+            Some(request) = inbox.recv() => match request {
+                Request::Propose { command, answer } => match node.propose(command) {
+                    Ok(sequence) => {
+                        waiting.insert(sequence, answer);
+                    }
+                    Err(error) => {
+                        let _ = answer.send(Err(error.into()));
+                    }
+                },
+            },
+        }
+        let output = node.advance()?;
+        for message in output.messages {
+            let to = message.to;
+            let snapshot = message.get_msg_type() == MessageType::MsgSnapshot;
+            let sent = transport.send(to, Bytes::from(crate::node::encode_message(&message)));
+            if snapshot {
+                node.report_snapshot(to, sent);
+            }
+            if !sent {
+                node.report_unreachable(to);
+            }
+        }
+        for applied in output.applied {
+            if !node.proposed(&applied.proposal) {
+                continue;
+            }
+            if let Some(answer) = waiting.remove(&applied.proposal.sequence) {
+                let _ = answer.send(Ok(applied.outcome));
+            } else if Some(applied.proposal.sequence) == registered_sequence {
+                tracing::info!(id, "registered with the cluster");
+            }
+        }
+        let mut shown = status
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        shown.node = node.status();
+        if shown.state.applied != node.state().applied {
+            shown.state = node.state().clone();
+        }
+        shown.connected = transport.connected_peers();
+    }
+    Ok(())
+}
+
+/// Parses FELIX_CLUSTER_PEERS: `ID=IP:PORT` entries separated by commas, semicolons or
+/// whitespace. Ids are 1..=65535 and appear once; an address appears once.
+pub fn parse_members(text: &str) -> Result<BTreeMap<u64, SocketAddr>, String> {
+    let mut members = BTreeMap::new();
+    for entry in text
+        .split(|c: char| c == ',' || c == ';' || c.is_whitespace())
+        .filter(|entry| !entry.is_empty())
+    {
+        let Some((id, addr)) = entry.split_once('=') else {
+            return Err(format!("{entry:?} is not ID=IP:PORT"));
+        };
+        let id: u64 = id
+            .parse()
+            .ok()
+            .filter(|id| (1..=65_535).contains(id))
+            .ok_or_else(|| format!("{id:?} in {entry:?} is not a member id 1..=65535"))?;
+        let addr: SocketAddr = addr
+            .parse()
+            .map_err(|_| format!("{addr:?} in {entry:?} is not an IP:PORT address"))?;
+        if members.values().any(|known| *known == addr) {
+            return Err(format!("{addr} is listed twice"));
+        }
+        if members.insert(id, addr).is_some() {
+            return Err(format!("member {id} is listed twice"));
+        }
+    }
+    Ok(members)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn members_parse_and_mistakes_are_named() {
+        let members = parse_members("1=127.0.0.1:7501, 2=127.0.0.1:7502;3=[::1]:7503\n").unwrap();
+        assert_eq!(members.len(), 3);
+        assert_eq!(members[&3], "[::1]:7503".parse().unwrap());
+        for (bad, says) in [
+            ("1=127.0.0.1:1,1=127.0.0.1:2", "listed twice"),
+            ("1=127.0.0.1:1,2=127.0.0.1:1", "listed twice"),
+            ("0=127.0.0.1:1", "member id"),
+            ("1:127.0.0.1:1", "not ID=IP:PORT"),
+            ("1=localhost:1", "IP:PORT"),
+        ] {
+            let error = parse_members(bad).unwrap_err();
+            assert!(error.contains(says), "{bad}: {error}");
+        }
+    }
+}

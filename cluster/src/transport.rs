@@ -1,0 +1,470 @@
+//! The peer connections between brokers: QUIC (s2n-quic) with mutual TLS against the cluster
+//! CA, carrying length-prefixed frames (a big-endian u32 length, then the bytes).
+//!
+//! - One server endpoint on the member's peer address. It *requires* a client certificate
+//!   that chains to the CA, and takes the peer's member id from the certificate's common name
+//!   `felix-node-<id>` (`pki.rs`): a member cannot speak for another. Frames from a member
+//!   not in the peer list, or with a length over [`FRAME_BYTES_MAX`], close that connection,
+//!   never the endpoint.
+//! - One client endpoint; per peer, a task that owns the outgoing connection: it dials the
+//!   peer's address with the server name `felix-node-<id>` (every member's certificate carries
+//!   its own as a DNS name, so ordinary host-name verification proves the peer's id), opens one
+//!   unidirectional stream and writes the peer's queued frames on it. Any error drops the
+//!   connection; the task redials with a capped backoff.
+//! - `send` never blocks: a bounded queue per peer; a full queue drops the frame (Raft
+//!   retransmits what is lost). Inbound frames go to one bounded channel.
+//!
+//! Threads: everything runs as tasks on the caller's tokio runtime (the cluster thread's).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use s2n_quic::client::Connect;
+use s2n_quic::provider::event::{ConnectionInfo, ConnectionMeta, Subscriber, events};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use crate::pki::{NODE_NAME_PREFIX, NodeIdentity, node_id_of};
+
+/// ALPN of the peer protocol.
+pub const ALPN: &str = "felix-peer/1";
+/// Largest frame a peer may send (a Raft message with a snapshot of the control plane).
+pub const FRAME_BYTES_MAX: usize = 64 << 20;
+/// Frames queued per peer before `send` drops.
+const PEER_QUEUE_FRAMES: usize = 4096;
+/// Inbound frames queued for the caller before they are dropped.
+const INBOUND_QUEUE_FRAMES: usize = 8192;
+/// A dial that gets no answer in this time is retried.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// A connection with no packet for this long is closed: a killed peer's connection goes away
+/// (Raft's heartbeats every 200 ms keep a live one busy).
+const IDLE_TIMEOUT: Duration = Duration::from_secs(5);
+const BACKOFF_FIRST: Duration = Duration::from_millis(50);
+const BACKOFF_MAX: Duration = Duration::from_secs(1);
+/// Application error codes a connection is closed with.
+const CLOSE_UNKNOWN_PEER: u32 = 1;
+const CLOSE_FRAME_TOO_LARGE: u32 = 2;
+
+/// Why the transport could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    #[error("TLS: {0}")]
+    Tls(String),
+    #[error("cannot start the peer endpoint on {addr}: {reason}")]
+    Endpoint { addr: SocketAddr, reason: String },
+}
+
+/// What a member needs to reach its peers.
+#[derive(Debug, Clone)]
+pub struct TransportConfig {
+    pub node_id: u64,
+    /// The peer endpoint's address (port 0: any).
+    pub bind: SocketAddr,
+    /// Every other member's id and peer address.
+    pub peers: BTreeMap<u64, SocketAddr>,
+    pub identity: NodeIdentity,
+    /// The cluster CA (PEM).
+    pub ca_pem: String,
+}
+
+/// A frame from a peer.
+#[derive(Debug)]
+pub struct Inbound {
+    pub from: u64,
+    pub frame: Bytes,
+}
+
+/// The transport's counters.
+#[derive(Debug, Default)]
+struct Counters {
+    sent: AtomicU64,
+    received: AtomicU64,
+    dropped: AtomicU64,
+    connects: AtomicU64,
+    connect_failures: AtomicU64,
+    refused: AtomicU64,
+}
+
+/// A snapshot of the transport's counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TransportStats {
+    /// Frames written to a peer's stream.
+    pub sent: u64,
+    /// Frames received from peers.
+    pub received: u64,
+    /// Frames dropped: a full queue (either way), or lost with a broken connection.
+    pub dropped: u64,
+    /// Outgoing connections established.
+    pub connects: u64,
+    /// Dials that failed (no answer, TLS refused).
+    pub connect_failures: u64,
+    /// Incoming connections closed: an unknown member, an oversized frame.
+    pub refused: u64,
+}
+
+struct Peer {
+    queue: mpsc::Sender<Bytes>,
+    connected: Arc<AtomicBool>,
+}
+
+/// The running transport. Dropping it stops its tasks.
+pub struct PeerTransport {
+    local_addr: SocketAddr,
+    peers: BTreeMap<u64, Peer>,
+    counters: Arc<Counters>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for PeerTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerTransport")
+            .field("local_addr", &self.local_addr)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Keeps the leaf of the certificate chain TLS verified, for the connection's handler.
+#[derive(Debug, Clone, Copy, Default)]
+struct PeerCertificate;
+
+#[derive(Debug, Default)]
+struct VerifiedLeaf(Option<Vec<u8>>);
+
+impl Subscriber for PeerCertificate {
+    type ConnectionContext = VerifiedLeaf;
+
+    fn create_connection_context(
+        &mut self,
+        _meta: &ConnectionMeta,
+        _info: &ConnectionInfo,
+    ) -> VerifiedLeaf {
+        VerifiedLeaf::default()
+    }
+
+    fn on_tls_exporter_ready(
+        &mut self,
+        context: &mut VerifiedLeaf,
+        _meta: &ConnectionMeta,
+        event: &events::TlsExporterReady,
+    ) {
+        if let Ok(chain) = event.session.peer_cert_chain_der() {
+            context.0 = chain.into_iter().next();
+        }
+    }
+}
+
+/// Client certificates are verified against the CA; the member id is read from the
+/// certificate afterwards, so any name is acceptable here.
+struct AnyName;
+
+impl s2n_quic::provider::tls::default::callbacks::VerifyHostNameCallback for AnyName {
+    fn verify_host_name(&self, _host_name: &str) -> bool {
+        true
+    }
+}
+
+fn tls_error(error: impl std::fmt::Display) -> TransportError {
+    TransportError::Tls(error.to_string())
+}
+
+fn limits() -> Result<s2n_quic::provider::limits::Limits, TransportError> {
+    s2n_quic::provider::limits::Limits::new()
+        .with_max_idle_timeout(IDLE_TIMEOUT)
+        .map_err(tls_error)
+}
+
+fn server(config: &TransportConfig) -> Result<s2n_quic::Server, TransportError> {
+    use s2n_quic::provider::tls::default::enums::ClientAuthType;
+    let mut tls = s2n_quic::provider::tls::default::Server::builder()
+        .with_certificate(
+            config.identity.cert_pem.as_str(),
+            config.identity.key_pem.as_str(),
+        )
+        .and_then(|builder| builder.with_application_protocols([ALPN]))
+        .and_then(|builder| builder.with_empty_trust_store())
+        .and_then(|builder| builder.with_trusted_certificate(config.ca_pem.as_str()))
+        .and_then(|builder| builder.with_verify_host_name_callback(AnyName))
+        .map_err(tls_error)?;
+    tls.config_mut()
+        .set_client_auth_type(ClientAuthType::Required)
+        .map_err(tls_error)?;
+    let tls = tls.build().map_err(tls_error)?;
+    let endpoint_error = |reason: String| TransportError::Endpoint {
+        addr: config.bind,
+        reason,
+    };
+    s2n_quic::Server::builder()
+        .with_tls(tls)
+        .map_err(tls_error)?
+        .with_io(config.bind)
+        .map_err(|error| endpoint_error(error.to_string()))?
+        .with_limits(limits()?)
+        .map_err(|error| endpoint_error(error.to_string()))?
+        .with_event(PeerCertificate)
+        .map_err(|error| endpoint_error(error.to_string()))?
+        .start()
+        .map_err(|error| endpoint_error(error.to_string()))
+}
+
+fn client(config: &TransportConfig) -> Result<s2n_quic::Client, TransportError> {
+    let tls = s2n_quic::provider::tls::default::Client::builder()
+        .with_application_protocols([ALPN])
+        .and_then(|builder| builder.with_empty_trust_store())
+        .and_then(|builder| builder.with_certificate(config.ca_pem.as_str()))
+        .and_then(|builder| {
+            builder.with_client_identity(
+                config.identity.cert_pem.as_str(),
+                config.identity.key_pem.as_str(),
+            )
+        })
+        .and_then(|builder| builder.build())
+        .map_err(tls_error)?;
+    let bind = SocketAddr::new(config.bind.ip(), 0);
+    let endpoint_error = |reason: String| TransportError::Endpoint { addr: bind, reason };
+    s2n_quic::Client::builder()
+        .with_tls(tls)
+        .map_err(tls_error)?
+        .with_io(bind)
+        .map_err(|error| endpoint_error(error.to_string()))?
+        .with_limits(limits()?)
+        .map_err(|error| endpoint_error(error.to_string()))?
+        .start()
+        .map_err(|error| endpoint_error(error.to_string()))
+}
+
+impl PeerTransport {
+    /// Binds the peer endpoint and starts dialling every peer. Call inside a tokio runtime.
+    pub fn start(
+        config: TransportConfig,
+    ) -> Result<(PeerTransport, mpsc::Receiver<Inbound>), TransportError> {
+        let server = server(&config)?;
+        let local_addr = server
+            .local_addr()
+            .map_err(|error| TransportError::Endpoint {
+                addr: config.bind,
+                reason: error.to_string(),
+            })?;
+        let client = client(&config)?;
+        let counters = Arc::new(Counters::default());
+        let (inbound, frames) = mpsc::channel(INBOUND_QUEUE_FRAMES);
+        let known: Arc<Vec<u64>> = Arc::new(config.peers.keys().copied().collect());
+        let mut tasks = vec![tokio::spawn(accept(
+            server,
+            Arc::clone(&known),
+            inbound,
+            Arc::clone(&counters),
+        ))];
+        let mut peers = BTreeMap::new();
+        for (id, addr) in &config.peers {
+            let (queue, queued) = mpsc::channel(PEER_QUEUE_FRAMES);
+            let connected = Arc::new(AtomicBool::new(false));
+            tasks.push(tokio::spawn(dial(
+                client.clone(),
+                *id,
+                *addr,
+                queued,
+                Arc::clone(&connected),
+                Arc::clone(&counters),
+            )));
+            peers.insert(*id, Peer { queue, connected });
+        }
+        Ok((
+            PeerTransport {
+                local_addr,
+                peers,
+                counters,
+                tasks,
+            },
+            frames,
+        ))
+    }
+
+    /// Where the peer endpoint listens.
+    #[must_use]
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Queues `frame` for peer `to`; false (and counted) when the queue is full or `to` is not
+    /// a peer, or the frame is over [`FRAME_BYTES_MAX`]. Never blocks.
+    pub fn send(&self, to: u64, frame: Bytes) -> bool {
+        let queued = frame.len() <= FRAME_BYTES_MAX
+            && self
+                .peers
+                .get(&to)
+                .is_some_and(|peer| peer.queue.try_send(frame).is_ok());
+        if !queued {
+            self.counters.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+        queued
+    }
+
+    /// The peers whose outgoing connection is up now.
+    #[must_use]
+    pub fn connected_peers(&self) -> Vec<u64> {
+        self.peers
+            .iter()
+            .filter(|(_, peer)| peer.connected.load(Ordering::Relaxed))
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    /// The counters so far.
+    #[must_use]
+    pub fn stats(&self) -> TransportStats {
+        let c = &self.counters;
+        TransportStats {
+            sent: c.sent.load(Ordering::Relaxed),
+            received: c.received.load(Ordering::Relaxed),
+            dropped: c.dropped.load(Ordering::Relaxed),
+            connects: c.connects.load(Ordering::Relaxed),
+            connect_failures: c.connect_failures.load(Ordering::Relaxed),
+            refused: c.refused.load(Ordering::Relaxed),
+        }
+    }
+}
+
+impl Drop for PeerTransport {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+async fn accept(
+    mut server: s2n_quic::Server,
+    known: Arc<Vec<u64>>,
+    inbound: mpsc::Sender<Inbound>,
+    counters: Arc<Counters>,
+) {
+    while let Some(connection) = server.accept().await {
+        tokio::spawn(receive(
+            connection,
+            Arc::clone(&known),
+            inbound.clone(),
+            Arc::clone(&counters),
+        ));
+    }
+}
+
+fn close(connection: &s2n_quic::Connection, code: u32, counters: &Counters) {
+    counters.refused.fetch_add(1, Ordering::Relaxed);
+    connection.close(s2n_quic::application::Error::from(code));
+}
+
+/// Serves one incoming connection: identifies the member, then reads frames from every
+/// stream it opens until the connection ends.
+async fn receive(
+    mut connection: s2n_quic::Connection,
+    known: Arc<Vec<u64>>,
+    inbound: mpsc::Sender<Inbound>,
+    counters: Arc<Counters>,
+) {
+    let leaf = connection
+        .query_event_context(|context: &VerifiedLeaf| context.0.clone())
+        .ok()
+        .flatten();
+    let Some(from) = leaf.as_deref().and_then(node_id_of) else {
+        tracing::warn!(remote = ?connection.remote_addr(), "a peer certificate names no member; connection closed");
+        close(&connection, CLOSE_UNKNOWN_PEER, &counters);
+        return;
+    };
+    if !known.contains(&from) {
+        tracing::warn!(
+            from,
+            "a member not in FELIX_CLUSTER_PEERS connected; connection closed"
+        );
+        close(&connection, CLOSE_UNKNOWN_PEER, &counters);
+        return;
+    }
+    while let Ok(Some(mut stream)) = connection.accept_receive_stream().await {
+        let mut buffer = BytesMut::new();
+        loop {
+            match stream.receive().await {
+                Ok(Some(chunk)) => buffer.extend_from_slice(&chunk),
+                Ok(None) | Err(_) => break,
+            }
+            loop {
+                if buffer.len() < 4 {
+                    break;
+                }
+                let len = u32::from_be_bytes([buffer[0], buffer[1], buffer[2], buffer[3]]) as usize;
+                if len > FRAME_BYTES_MAX {
+                    tracing::warn!(from, len, "a peer frame over the limit; connection closed");
+                    close(&connection, CLOSE_FRAME_TOO_LARGE, &counters);
+                    return;
+                }
+                if buffer.len() < 4 + len {
+                    buffer.reserve(4 + len - buffer.len());
+                    break;
+                }
+                buffer.advance(4);
+                let frame = buffer.split_to(len).freeze();
+                counters.received.fetch_add(1, Ordering::Relaxed);
+                if inbound.try_send(Inbound { from, frame }).is_err() {
+                    counters.dropped.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+}
+
+/// Owns the outgoing connection to one peer: dials, writes its queued frames, redials.
+async fn dial(
+    client: s2n_quic::Client,
+    id: u64,
+    addr: SocketAddr,
+    mut queued: mpsc::Receiver<Bytes>,
+    connected: Arc<AtomicBool>,
+    counters: Arc<Counters>,
+) {
+    let server_name = format!("{NODE_NAME_PREFIX}{id}");
+    let mut backoff = BACKOFF_FIRST;
+    loop {
+        let connect = Connect::new(addr).with_server_name(server_name.as_str());
+        let attempt = tokio::time::timeout(CONNECT_TIMEOUT, client.connect(connect)).await;
+        let stream = match attempt {
+            Ok(Ok(mut connection)) => match connection.open_send_stream().await {
+                Ok(stream) => Some((connection, stream)),
+                Err(_) => None,
+            },
+            _ => None,
+        };
+        let Some((_connection, mut stream)) = stream else {
+            counters.connect_failures.fetch_add(1, Ordering::Relaxed);
+            // Frames queued meanwhile are stale by the time a connection comes up: Raft sends
+            // fresh ones.
+            while queued.try_recv().is_ok() {
+                counters.dropped.fetch_add(1, Ordering::Relaxed);
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(BACKOFF_MAX);
+            continue;
+        };
+        counters.connects.fetch_add(1, Ordering::Relaxed);
+        connected.store(true, Ordering::Relaxed);
+        backoff = BACKOFF_FIRST;
+        tracing::debug!(peer = id, %addr, "peer connection up");
+        while let Some(frame) = queued.recv().await {
+            let header = Bytes::copy_from_slice(
+                &u32::try_from(frame.len()).unwrap_or(u32::MAX).to_be_bytes(),
+            );
+            let mut parts = [header, frame];
+            if stream.send_vectored(&mut parts).await.is_err() {
+                counters.dropped.fetch_add(1, Ordering::Relaxed);
+                break;
+            }
+            counters.sent.fetch_add(1, Ordering::Relaxed);
+        }
+        connected.store(false, Ordering::Relaxed);
+        if queued.is_closed() {
+            return;
+        }
+        tracing::debug!(peer = id, %addr, "peer connection lost; redialling");
+    }
+}

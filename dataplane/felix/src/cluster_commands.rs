@@ -1,0 +1,128 @@
+//! `felix cluster`: the cluster's status and streams through a member's metrics endpoint
+//! (`GET /v1/cluster/status`, `POST /v1/cluster/streams`), and a development set of peer
+//! certificates. docs/cluster.md walks through a three-broker cluster with them.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Args, Subcommand, ValueEnum};
+use felix_cluster::control::StreamKind;
+use felix_tuning::Config;
+
+/// How long an admin request may take (a stream creation waits for the control plane).
+const ADMIN_TIMEOUT: Duration = Duration::from_secs(15);
+
+#[derive(Debug, Args)]
+pub struct AdminArgs {
+    /// A member's metrics endpoint (default: FELIX_METRICS_BIND).
+    #[arg(long, value_name = "IP:PORT")]
+    pub admin: Option<SocketAddr>,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum KindArg {
+    Durable,
+    InMemory,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ClusterCommand {
+    /// Members, the control-plane leader, and each stream's shard leaders and replicas.
+    Status {
+        #[command(flatten)]
+        admin: AdminArgs,
+        /// Print the status as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Create a stream through the control plane; its shards are placed over the members.
+    CreateStream {
+        #[command(flatten)]
+        admin: AdminArgs,
+        name: String,
+        /// Number of shards.
+        #[arg(long, default_value_t = 1)]
+        shards: u32,
+        /// Copies of each shard (durable streams; in-memory streams keep one).
+        #[arg(long, default_value_t = 3)]
+        replicas: u8,
+        /// Durable (the log, replicated) or in memory (one copy).
+        #[arg(long, value_enum, default_value = "durable")]
+        kind: KindArg,
+    },
+    /// Write a development cluster CA and one peer certificate per member.
+    DevCerts {
+        /// Folder to write ca.pem and node-<id>.pem/.key into (created if missing).
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+        /// Member ids (repeatable); default 1, 2 and 3.
+        #[arg(long = "node", value_name = "ID")]
+        nodes: Vec<u64>,
+        /// Host names / IP addresses the certificates are valid for (repeatable); default
+        /// localhost and 127.0.0.1.
+        #[arg(long = "name", value_name = "HOST")]
+        names: Vec<String>,
+    },
+}
+
+fn admin_addr(config: &Config, admin: &AdminArgs) -> anyhow::Result<SocketAddr> {
+    admin.admin.or(config.metrics_bind).context(
+        "no metrics endpoint to ask: FELIX_METRICS_BIND is off; pass --admin IP:PORT of a member",
+    )
+}
+
+pub fn run(config: &Config, command: ClusterCommand) -> anyhow::Result<()> {
+    match command {
+        ClusterCommand::Status { admin, json } => {
+            let addr = admin_addr(config, &admin)?;
+            let status = felix_cluster::admin::status(addr, ADMIN_TIMEOUT)
+                .with_context(|| format!("cannot read the cluster status from {addr}"))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&status)?);
+            } else {
+                print!("{}", felix_cluster::admin::render(&status));
+            }
+            Ok(())
+        }
+        ClusterCommand::CreateStream {
+            admin,
+            name,
+            shards,
+            replicas,
+            kind,
+        } => {
+            let addr = admin_addr(config, &admin)?;
+            let kind = match kind {
+                KindArg::Durable => StreamKind::Durable,
+                KindArg::InMemory => StreamKind::InMemory,
+            };
+            felix_cluster::admin::create_stream(addr, &name, kind, shards, replicas, ADMIN_TIMEOUT)
+                .with_context(|| format!("cannot create stream {name:?}"))?;
+            println!("created stream {name} ({shards} shards, {replicas} replicas)");
+            Ok(())
+        }
+        ClusterCommand::DevCerts { out, nodes, names } => {
+            let nodes = if nodes.is_empty() {
+                vec![1, 2, 3]
+            } else {
+                nodes
+            };
+            let names = if names.is_empty() {
+                vec!["localhost".to_owned(), "127.0.0.1".to_owned()]
+            } else {
+                names
+            };
+            felix_cluster::pki::write_dev_cluster(&out, &nodes, &names).with_context(|| {
+                format!("cannot write the cluster certificates to {}", out.display())
+            })?;
+            println!(
+                "wrote {}/ca.pem and node-<id>.pem/.key for members {nodes:?}; set \
+                 FELIX_CLUSTER_CA, FELIX_CLUSTER_CERT and FELIX_CLUSTER_KEY from them",
+                out.display()
+            );
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,358 @@
+//! Three `felix broker` processes on loopback forming a cluster (docs/cluster.md): the control
+//! plane elects a leader over mutual-TLS QUIC peer connections, every broker registers,
+//! streams created through any member are placed with each stream's leaders spread, the
+//! control plane survives SIGKILL of its leader and the killed broker catches up when it
+//! rejoins, a paused (SIGSTOP) majority leaves the remaining broker unable to change anything,
+//! and bad cluster settings stop start-up naming the variable.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::net::UdpSocket;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use felix_cluster::control::StreamKind;
+use felix_cluster::node::Role;
+use felix_cluster::service::ClusterStatus;
+use support::{BrokerProcess, DEADLINE, felix};
+
+/// Admin requests on a loaded machine (a creation waits for the control plane).
+const ADMIN_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// A free UDP port on loopback, asked of the OS (the broker binds it right after).
+fn free_udp_port() -> u16 {
+    let socket = UdpSocket::bind("127.0.0.1:0").expect("bind");
+    socket.local_addr().expect("addr").port()
+}
+
+struct Cluster {
+    // Declared first: the brokers stop before the certificates go.
+    brokers: BTreeMap<u64, BrokerProcess>,
+    _certs: tempfile::TempDir,
+}
+
+impl Cluster {
+    fn start(size: u64) -> Cluster {
+        let certs = tempfile::tempdir().expect("temp dir");
+        let written = felix()
+            .args(["cluster", "dev-certs", "--out"])
+            .arg(certs.path())
+            .args((1..=size).flat_map(|id| ["--node".to_owned(), id.to_string()]))
+            .output()
+            .expect("felix cluster dev-certs runs");
+        assert!(
+            written.status.success(),
+            "dev-certs: {}",
+            String::from_utf8_lossy(&written.stderr)
+        );
+        let peers: Vec<String> = (1..=size)
+            .map(|id| format!("{id}=127.0.0.1:{}", free_udp_port()))
+            .collect();
+        let peers = peers.join(",");
+        let mut brokers = BTreeMap::new();
+        for id in 1..=size {
+            brokers.insert(id, start_member(certs.path(), id, &peers));
+        }
+        Cluster {
+            brokers,
+            _certs: certs,
+        }
+    }
+
+    fn status(&self, id: u64) -> Option<ClusterStatus> {
+        felix_cluster::admin::status(self.brokers[&id].metrics_addr, ADMIN_TIMEOUT).ok()
+    }
+
+    /// Waits until every member in `ids` knows the same leader among `ids` and has applied
+    /// every registration; returns the leader.
+    fn settled(&self, ids: &[u64]) -> u64 {
+        let deadline = Instant::now() + DEADLINE * 2;
+        loop {
+            let statuses: Vec<ClusterStatus> =
+                ids.iter().filter_map(|id| self.status(*id)).collect();
+            if statuses.len() == ids.len() {
+                let leader = statuses[0].node.leader;
+                let agreed = statuses.iter().all(|s| s.node.leader == leader);
+                let registered = statuses
+                    .iter()
+                    .all(|s| s.state.members.len() == self.brokers.len());
+                if let Some(leader) = leader
+                    && agreed
+                    && registered
+                    && ids.contains(&leader)
+                {
+                    return leader;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "members {ids:?} did not settle: {statuses:#?}\n{}",
+                self.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn stderr(&self) -> String {
+        self.brokers
+            .iter()
+            .map(|(id, b)| format!("--- broker {id} stderr:\n{}", b.stderr_text()))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    fn create(&self, via: u64, name: &str, shards: u32) -> Result<(), String> {
+        felix_cluster::admin::create_stream(
+            self.brokers[&via].metrics_addr,
+            name,
+            StreamKind::Durable,
+            shards,
+            3,
+            ADMIN_TIMEOUT,
+        )
+        .map_err(|error| error.to_string())
+    }
+}
+
+fn member_env(certs: &Path, id: u64, peers: &str) -> Vec<(String, String)> {
+    let path = |name: String| certs.join(name).display().to_string();
+    vec![
+        ("FELIX_CLUSTER_NODE_ID".to_owned(), id.to_string()),
+        ("FELIX_CLUSTER_PEERS".to_owned(), peers.to_owned()),
+        ("FELIX_CLUSTER_CA".to_owned(), path("ca.pem".to_owned())),
+        (
+            "FELIX_CLUSTER_CERT".to_owned(),
+            path(format!("node-{id}.pem")),
+        ),
+        (
+            "FELIX_CLUSTER_KEY".to_owned(),
+            path(format!("node-{id}.key")),
+        ),
+    ]
+}
+
+fn start_member(certs: &Path, id: u64, peers: &str) -> BrokerProcess {
+    let env = member_env(certs, id, peers);
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    BrokerProcess::start(&env)
+}
+
+#[test]
+fn three_brokers_elect_register_and_spread_each_streams_leaders() {
+    let cluster = Cluster::start(3);
+    let leader = cluster.settled(&[1, 2, 3]);
+    // Created through a follower: the proposal is forwarded to the leader.
+    let follower = (1..=3).find(|id| *id != leader).expect("a follower");
+    cluster.create(follower, "orders", 12).expect("created");
+    assert!(
+        cluster
+            .create(leader, "orders", 12)
+            .expect_err("a second creation is refused")
+            .contains("exists")
+    );
+    for id in 1..=3 {
+        let deadline = Instant::now() + DEADLINE;
+        let status = loop {
+            let status = cluster.status(id).expect("status");
+            if status.state.streams.contains_key("orders") {
+                break status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "broker {id} never applied the creation"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let orders = &status.state.streams["orders"];
+        assert_eq!(orders.shards.len(), 12);
+        for member in 1..=3 {
+            let led = orders.shards.iter().filter(|s| s.leader == member).count();
+            assert_eq!(led, 4, "member {member} leads a third of the shards");
+        }
+        for shard in &orders.shards {
+            assert_eq!(shard.replicas.len(), 3);
+        }
+        // Every member registered where clients reach it.
+        for (member, broker) in &cluster.brokers {
+            assert_eq!(
+                status.state.members[member].client_addr,
+                broker.quic_addr.to_string()
+            );
+        }
+    }
+    // `felix cluster status` shows the members and the stream's leaders.
+    let shown = felix()
+        .args(["cluster", "status", "--admin"])
+        .arg(cluster.brokers[&follower].metrics_addr.to_string())
+        .output()
+        .expect("felix cluster status runs");
+    let text = String::from_utf8_lossy(&shown.stdout);
+    assert!(
+        shown.status.success(),
+        "{}",
+        String::from_utf8_lossy(&shown.stderr)
+    );
+    assert!(
+        text.contains(&format!("control-plane leader {leader}")),
+        "{text}"
+    );
+    assert!(
+        text.contains("stream orders (durable, 12 shards, 3 replicas)"),
+        "{text}"
+    );
+    let leader_status = cluster.status(leader).expect("status");
+    assert_eq!(leader_status.node.role, Role::Leader);
+    assert_eq!(
+        leader_status.node.peers.len(),
+        3,
+        "the leader reports each member's progress"
+    );
+    // The cluster's gauges are in the broker's metrics.
+    let metrics = cluster.brokers[&leader].metrics();
+    assert!(metrics.contains("\nfelix_cluster_leader 1\n"), "{metrics}");
+    assert!(
+        metrics.contains("felix_cluster_peer_lag_entries{peer="),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("felix_cluster_shard_leader{stream=\"orders\",shard=\"11\"}"),
+        "{metrics}"
+    );
+    assert!(metrics.trim_end().ends_with("# EOF"));
+    let follower_metrics = cluster.brokers[&follower].metrics();
+    assert!(follower_metrics.contains("\nfelix_cluster_leader 0\n"));
+    assert!(follower_metrics.contains(&format!(
+        "felix_cluster_peer_connected{{peer=\"{leader}\"}} 1"
+    )));
+}
+
+#[test]
+fn the_control_plane_survives_its_leaders_kill_and_the_member_catches_up() {
+    let mut cluster = Cluster::start(3);
+    let first_leader = cluster.settled(&[1, 2, 3]);
+    cluster.create(first_leader, "before", 3).expect("created");
+    cluster
+        .brokers
+        .get_mut(&first_leader)
+        .expect("leader")
+        .kill();
+    let rest: Vec<u64> = (1..=3).filter(|id| *id != first_leader).collect();
+    let second_leader = cluster.settled(&rest);
+    assert_ne!(second_leader, first_leader);
+    // The two survivors still form a majority: changes commit.
+    let deadline = Instant::now() + DEADLINE;
+    while let Err(error) = cluster.create(rest[0], "after", 3) {
+        assert!(
+            Instant::now() < deadline,
+            "no creation after the kill: {error}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The killed member rejoins on the same data directory and catches up.
+    cluster
+        .brokers
+        .get_mut(&first_leader)
+        .expect("killed member")
+        .restart();
+    let leader = cluster.settled(&[1, 2, 3]);
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        let status = cluster.status(first_leader).expect("status");
+        let streams: Vec<&String> = status.state.streams.keys().collect();
+        let client_addr = &status.state.members[&first_leader].client_addr;
+        if streams == ["after", "before"]
+            && *client_addr == cluster.brokers[&first_leader].quic_addr.to_string()
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the rejoined member did not catch up (leader {leader}): {status:#?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_member_cut_off_from_the_majority_cannot_change_the_control_plane() {
+    let cluster = Cluster::start(3);
+    let leader = cluster.settled(&[1, 2, 3]);
+    // The lone member is the leader: the hardest case (it must step down, not commit alone).
+    let others: Vec<u64> = (1..=3).filter(|id| *id != leader).collect();
+    for id in &others {
+        cluster.brokers[id].signal("STOP");
+    }
+    let outcome = cluster.create(leader, "lonely", 3);
+    for id in &others {
+        cluster.brokers[id].signal("CONT");
+    }
+    let error = outcome.expect_err("a minority cannot commit a creation");
+    assert!(
+        error.contains("503") || error.contains("no answer") || error.contains("leader"),
+        "{error}"
+    );
+    // Healed: the cluster works again, and a creation commits.
+    cluster.settled(&[1, 2, 3]);
+    let deadline = Instant::now() + DEADLINE;
+    while let Err(error) = cluster.create(others[0], "healed", 1) {
+        assert!(
+            Instant::now() < deadline,
+            "no creation after healing: {error}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn bad_cluster_settings_stop_start_up_naming_the_variable() {
+    let certs = tempfile::tempdir().expect("temp dir");
+    let written = felix()
+        .args(["cluster", "dev-certs", "--out"])
+        .arg(certs.path())
+        .output()
+        .expect("dev-certs runs");
+    assert!(written.status.success());
+    let data = tempfile::tempdir().expect("temp dir");
+    let peers = "1=127.0.0.1:1,2=127.0.0.1:2,3=127.0.0.1:3";
+    let cases: Vec<(Vec<(String, String)>, &str)> = vec![
+        (member_env(certs.path(), 4, peers), "FELIX_CLUSTER_PEERS"),
+        (
+            member_env(certs.path(), 1, "1=127.0.0.1:1,2=nowhere"),
+            "FELIX_CLUSTER_PEERS",
+        ),
+        (
+            {
+                let mut env = member_env(certs.path(), 1, peers);
+                env.retain(|(name, _)| name != "FELIX_CLUSTER_CA");
+                env
+            },
+            "FELIX_CLUSTER_CA",
+        ),
+        (
+            {
+                let mut env = member_env(certs.path(), 1, peers);
+                for (name, value) in &mut env {
+                    if name == "FELIX_CLUSTER_KEY" {
+                        *value = "/nonexistent/key.pem".to_owned();
+                    }
+                }
+                env
+            },
+            "FELIX_CLUSTER_KEY",
+        ),
+    ];
+    for (env, names) in cases {
+        let output = felix()
+            .arg("broker")
+            .env("FELIX_DATA_DIR", data.path())
+            .env("FELIX_BIND", "127.0.0.1:0")
+            .env("FELIX_METRICS_BIND", "127.0.0.1:0")
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .output()
+            .expect("felix broker runs");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "start-up must fail: {env:?}");
+        assert!(stderr.contains(names), "{names} not named: {stderr}");
+    }
+}
