@@ -177,18 +177,52 @@ pub fn render(status: &ClusterStatus) -> String {
         );
         let _ = writeln!(
             out,
-            "  {:<6} {:<7} {:<5} replicas",
-            "shard", "leader", "core"
+            "  {:<6} {:<7} {:<5} {:<10} {:<7} {:>11} {:>8} state",
+            "shard", "placed", "core", "replicas", "leader", "next offset", "max lag"
         );
         for (shard, placement) in stream.shards.iter().enumerate() {
             let replicas: Vec<String> = placement.replicas.iter().map(u64::to_string).collect();
+            let group = crate::groups::group_id(
+                stream.incarnation,
+                u32::try_from(shard).unwrap_or(u32::MAX),
+            );
+            let held = status.shards.iter().find(|s| s.group == group);
+            let (leader, next_offset, lag, state) = match held {
+                None if stream.kind == StreamKind::Durable => (
+                    "-".to_owned(),
+                    "-".to_owned(),
+                    "-".to_owned(),
+                    "not held here",
+                ),
+                None => ("-".to_owned(), "-".to_owned(), "-".to_owned(), "one copy"),
+                Some(held) => (
+                    held.leader
+                        .map_or_else(|| "none".to_owned(), |leader| leader.to_string()),
+                    held.next_offset.to_string(),
+                    held.progress
+                        .iter()
+                        .map(|p| p.lag)
+                        .max()
+                        .map_or_else(|| "-".to_owned(), |lag| lag.to_string()),
+                    if held.under_replicated {
+                        "under-replicated"
+                    } else if held.leader.is_none() {
+                        "electing"
+                    } else {
+                        "ok"
+                    },
+                ),
+            };
             let _ = writeln!(
                 out,
-                "  {:<6} {:<7} {:<5} {}",
+                "  {:<6} {:<7} {:<5} {:<10} {:<7} {:>11} {:>8} {state}",
                 shard,
                 placement.leader,
                 placement.core,
-                replicas.join(",")
+                replicas.join(","),
+                leader,
+                next_offset,
+                lag
             );
         }
     }
@@ -261,6 +295,49 @@ pub fn render_metrics(status: &ClusterStatus) -> String {
     }
     gauge(
         &mut out,
+        "felix_cluster_shard_raft_leader",
+        "The member leading each replicated shard this member holds (0: none known).",
+    );
+    for held in &status.shards {
+        let _ = writeln!(
+            out,
+            "felix_cluster_shard_raft_leader{{stream=\"{}\",shard=\"{}\"}} {}",
+            label(&held.stream),
+            held.shard,
+            held.leader.unwrap_or(0)
+        );
+    }
+    gauge(
+        &mut out,
+        "felix_cluster_shard_under_replicated",
+        "On a replicated shard's leader: 1 when fewer replicas than placed are in sync.",
+    );
+    gauge(
+        &mut out,
+        "felix_cluster_shard_lag_entries",
+        "On a replicated shard's leader: entries its furthest replica is behind.",
+    );
+    for held in status
+        .shards
+        .iter()
+        .filter(|s| s.role == crate::node::Role::Leader)
+    {
+        let stream = label(&held.stream);
+        let _ = writeln!(
+            out,
+            "felix_cluster_shard_under_replicated{{stream=\"{stream}\",shard=\"{}\"}} {}",
+            held.shard,
+            u8::from(held.under_replicated)
+        );
+        let lag = held.progress.iter().map(|p| p.lag).max().unwrap_or(0);
+        let _ = writeln!(
+            out,
+            "felix_cluster_shard_lag_entries{{stream=\"{stream}\",shard=\"{}\"}} {lag}",
+            held.shard
+        );
+    }
+    gauge(
+        &mut out,
         "felix_cluster_shard_leader",
         "The member placed to lead each shard of each stream.",
     );
@@ -269,10 +346,15 @@ pub fn render_metrics(status: &ClusterStatus) -> String {
             let _ = writeln!(
                 out,
                 "felix_cluster_shard_leader{{stream=\"{}\",shard=\"{shard}\"}} {}",
-                stream.name.replace('\\', "\\\\").replace('"', "\\\""),
+                label(&stream.name),
                 placement.leader
             );
         }
     }
     out
+}
+
+/// A label value with its backslashes and quotes escaped (OpenMetrics).
+fn label(value: &str) -> String {
+    value.replace('\\', "\\\\").replace('"', "\\\"")
 }

@@ -97,9 +97,50 @@ pub struct ControlState {
     pub streams_created: u64,
     /// Raft index of the last entry applied.
     pub applied: u64,
+    /// Per proposer: its run (`Proposal::boot`) and the outcomes of its last
+    /// [`RECENT_PROPOSALS`] proposals by sequence, so a proposal proposed again (the service
+    /// retries one that did not come back: a forward lost on the way to the leader, a leader
+    /// change) is applied once and answered with its first outcome.
+    #[serde(default)]
+    pub recent: BTreeMap<u64, (u64, BTreeMap<u64, Outcome>)>,
 }
 
+/// Proposals per proposer whose outcomes are kept to answer a retry.
+pub const RECENT_PROPOSALS: usize = 256;
+
 impl ControlState {
+    /// Applies a proposal at `index` once: a retry of a proposal applied before (same
+    /// proposer, run and sequence) changes nothing and gets the first outcome back.
+    pub fn apply_proposal(&mut self, index: u64, proposal: &Proposal) -> Outcome {
+        let (boot, outcomes) = self
+            .recent
+            .entry(proposal.proposer)
+            .or_insert_with(|| (proposal.boot, BTreeMap::new()));
+        if *boot == proposal.boot
+            && let Some(outcome) = outcomes.get(&proposal.sequence)
+        {
+            let outcome = outcome.clone();
+            assert!(index > self.applied, "entries apply in order, once");
+            self.applied = index;
+            return outcome;
+        }
+        let outcome = self.apply(index, &proposal.command);
+        let (boot, outcomes) = self
+            .recent
+            .entry(proposal.proposer)
+            .or_insert_with(|| (proposal.boot, BTreeMap::new()));
+        if *boot != proposal.boot {
+            // A new run of the proposer: its earlier run's proposals will not be retried.
+            *boot = proposal.boot;
+            outcomes.clear();
+        }
+        outcomes.insert(proposal.sequence, outcome.clone());
+        while outcomes.len() > RECENT_PROPOSALS {
+            outcomes.pop_first();
+        }
+        outcome
+    }
+
     /// Applies the command of the entry at `index`. Deterministic: the same state and command
     /// give the same outcome on every broker.
     pub fn apply(&mut self, index: u64, command: &Command) -> Outcome {
@@ -263,6 +304,34 @@ mod tests {
             ),
             Outcome::Rejected { .. }
         ));
+    }
+
+    #[test]
+    fn a_proposal_applied_again_changes_nothing_and_keeps_its_outcome() {
+        let mut state = ControlState::default();
+        for id in 1..=3 {
+            state.apply(id, &member(id));
+        }
+        let proposal = |boot, sequence, name: &str| Proposal {
+            proposer: 2,
+            boot,
+            sequence,
+            command: create(name, 3),
+        };
+        assert_eq!(state.apply_proposal(4, &proposal(7, 1, "a")), Outcome::Done);
+        let incarnation = state.streams["a"].incarnation;
+        // The same proposal committed again (a retry): no new stream, the first outcome.
+        assert_eq!(state.apply_proposal(5, &proposal(7, 1, "a")), Outcome::Done);
+        assert_eq!(state.streams["a"].incarnation, incarnation);
+        assert_eq!(state.applied, 5);
+        // Another proposal of the same name is a real second creation: refused.
+        assert!(matches!(
+            state.apply_proposal(6, &proposal(7, 2, "a")),
+            Outcome::Rejected { .. }
+        ));
+        // A new run of the proposer starts its sequences again.
+        assert_eq!(state.apply_proposal(7, &proposal(8, 1, "b")), Outcome::Done);
+        assert!(state.streams.contains_key("b"));
     }
 
     #[test]

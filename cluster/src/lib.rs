@@ -17,6 +17,7 @@
 
 pub mod admin;
 pub mod control;
+pub mod groups;
 pub mod node;
 pub mod pki;
 pub mod placement;

@@ -46,7 +46,7 @@ impl Machine for ControlState {
 
     fn apply(&mut self, index: u64, data: &[u8]) -> Result<Applied, String> {
         let proposal = control::decode(data).map_err(|error| error.to_string())?;
-        let outcome = ControlState::apply(self, index, &proposal.command);
+        let outcome = self.apply_proposal(index, &proposal);
         Ok(Applied {
             index,
             proposal,
@@ -240,15 +240,21 @@ impl<S: LogStore> Node<S, ControlState> {
     /// deadline and propose again.
     pub fn propose(&mut self, command: Command) -> Result<u64, ProposeError> {
         let sequence = self.next_sequence;
+        self.propose_again(sequence, command)?;
+        self.next_sequence += 1;
+        Ok(sequence)
+    }
+
+    /// Proposes `command` again under the `sequence` an earlier [`Node::propose`] returned (it
+    /// did not come back in time): applied once however many times it commits.
+    pub fn propose_again(&mut self, sequence: u64, command: Command) -> Result<(), ProposeError> {
         let data = control::encode(&Proposal {
             proposer: self.id(),
             boot: self.boot,
             sequence,
             command,
         });
-        self.propose_data(data)?;
-        self.next_sequence += 1;
-        Ok(sequence)
+        self.propose_data(data)
     }
 
     /// Whether this run of this member proposed `proposal` (its caller waits for it).
@@ -365,6 +371,12 @@ impl<S: LogStore, M: Machine> Node<S, M> {
         self.raw
             .propose(vec![], data)
             .map_err(|_| ProposeError::NoLeader)
+    }
+
+    /// Asks the leader to hand leadership to `to` (once `to` has caught up it campaigns at
+    /// once); the placement's preferred leader takes its shards back this way.
+    pub fn transfer_leader(&mut self, to: u64) {
+        self.raw.transfer_leader(to);
     }
 
     /// Tells Raft a peer could not be reached (it then probes instead of streaming).

@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::control::{Command, ControlState, Member, Outcome};
+use crate::groups::{CONTROL_GROUP, Groups};
 use crate::node::{Node, NodeConfig, NodeError, NodeStatus, ProposeError};
 use crate::pki::NodeIdentity;
 use crate::raft_log::RaftLog;
@@ -75,6 +76,18 @@ pub struct ClusterStatus {
     pub state: ControlState,
     /// Peer ids whose connection is up now.
     pub connected: Vec<u64>,
+    /// The replicated shards this member holds (`groups.rs`).
+    pub shards: Vec<crate::groups::ShardStatus>,
+}
+
+/// Ticks a proposal may take before it is proposed again.
+const PROPOSE_AGAIN_TICKS: u64 = 10;
+
+/// A proposal a caller waits for.
+struct Waiting {
+    command: Command,
+    answer: oneshot::Sender<Result<Outcome, ServiceError>>,
+    proposed_at: u64,
 }
 
 enum Request {
@@ -251,9 +264,12 @@ async fn serve(
         node: node.status(),
         state: node.state().clone(),
         connected: Vec::new(),
+        shards: Vec::new(),
     }));
+    let mut groups = Groups::new(id, config.dir.with_file_name("shards"));
+    let mut reconciled_at = 0u64;
     let _ = ready.send(Ok((transport.local_addr(), Arc::clone(&status))));
-    let mut waiting: HashMap<u64, oneshot::Sender<Result<Outcome, ServiceError>>> = HashMap::new();
+    let mut waiting: HashMap<u64, Waiting> = HashMap::new();
     let mut ticks = tokio::time::interval(TICK);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut tick_count = 0u64;
@@ -263,10 +279,20 @@ async fn serve(
             _ = &mut stopped => break,
             _ = ticks.tick() => {
                 node.tick();
+                groups.tick(&transport.connected_peers());
                 tick_count += 1;
-                // Callers that gave up (their deadline passed: the proposal was lost to a
-                // leader change, or is still on its way) are forgotten.
-                waiting.retain(|_, answer| !answer.is_closed());
+                // Callers that gave up (their deadline passed) are forgotten; proposals that did
+                // not come back within a second are proposed again (a forward lost on the way
+                // to the leader, or dropped by a leader change: raft-rs never retries them).
+                // The control plane applies each once (`ControlState::apply_proposal`).
+                waiting.retain(|_, waiting| !waiting.answer.is_closed());
+                for (sequence, waiting) in &mut waiting {
+                    if tick_count - waiting.proposed_at >= PROPOSE_AGAIN_TICKS
+                        && node.propose_again(*sequence, waiting.command.clone()).is_ok()
+                    {
+                        waiting.proposed_at = tick_count;
+                    }
+                }
                 let registered = node.state().members.get(&id) == Some(&config.member);
                 if !registered && tick_count % REGISTER_EVERY_TICKS == 1 {
                     registered_sequence = node
@@ -275,13 +301,17 @@ async fn serve(
                 }
             }
             Some(inbound) = frames.recv() => {
-                match crate::node::decode_message(&inbound.frame) {
-                    Ok(message) if message.from == inbound.from && message.to == id => {
-                        if let Err(error) = node.step(message) {
-                            tracing::debug!(from = inbound.from, %error, "a peer message was refused");
+                match decode_frame(&inbound.frame) {
+                    Ok((group, message)) if message.from == inbound.from && message.to == id => {
+                        if group == CONTROL_GROUP {
+                            if let Err(error) = node.step(message) {
+                                tracing::debug!(from = inbound.from, %error, "a peer message was refused");
+                            }
+                        } else {
+                            groups.step(group, message);
                         }
                     }
-                    Ok(message) => tracing::warn!(
+                    Ok((_, message)) => tracing::warn!(
                         from = inbound.from,
                         claimed = message.from,
                         to = message.to,
@@ -291,9 +321,9 @@ async fn serve(
                 }
             }
             Some(request) = inbox.recv() => match request {
-                Request::Propose { command, answer } => match node.propose(command) {
+                Request::Propose { command, answer } => match node.propose(command.clone()) {
                     Ok(sequence) => {
-                        waiting.insert(sequence, answer);
+                        waiting.insert(sequence, Waiting { command, answer, proposed_at: tick_count });
                     }
                     Err(error) => {
                         let _ = answer.send(Err(error.into()));
@@ -305,7 +335,7 @@ async fn serve(
         for message in output.messages {
             let to = message.to;
             let snapshot = message.get_msg_type() == MessageType::MsgSnapshot;
-            let sent = transport.send(to, Bytes::from(crate::node::encode_message(&message)));
+            let sent = transport.send(to, encode_frame(CONTROL_GROUP, &message));
             if snapshot {
                 node.report_snapshot(to, sent);
             }
@@ -313,12 +343,31 @@ async fn serve(
                 node.report_unreachable(to);
             }
         }
+        if node.state().applied != reconciled_at {
+            // A shard whose log cannot be opened here (a full disk) stays without this
+            // replica: its leader reports it under-replicated. Tried again at the next change.
+            if let Err(error) = groups.reconcile(node.state()) {
+                tracing::error!(%error, "cannot start a replicated shard on this member");
+            }
+            reconciled_at = node.state().applied;
+        }
+        for (group, message) in groups.advance()? {
+            let to = message.to;
+            let snapshot = message.get_msg_type() == MessageType::MsgSnapshot;
+            let sent = transport.send(to, encode_frame(group, &message));
+            if snapshot {
+                groups.report_snapshot(group, to, sent);
+            }
+            if !sent {
+                groups.report_unreachable(group, to);
+            }
+        }
         for applied in output.applied {
             if !node.proposed(&applied.proposal) {
                 continue;
             }
-            if let Some(answer) = waiting.remove(&applied.proposal.sequence) {
-                let _ = answer.send(Ok(applied.outcome));
+            if let Some(waiting) = waiting.remove(&applied.proposal.sequence) {
+                let _ = waiting.answer.send(Ok(applied.outcome));
             } else if Some(applied.proposal.sequence) == registered_sequence {
                 tracing::info!(id, "registered with the cluster");
             }
@@ -331,8 +380,27 @@ async fn serve(
             shown.state = node.state().clone();
         }
         shown.connected = transport.connected_peers();
+        shown.shards = groups.status();
     }
     Ok(())
+}
+
+/// A peer frame: the group id (big-endian u64; [`CONTROL_GROUP`] for the control plane), then
+/// the Raft message.
+fn encode_frame(group: u64, message: &raft::prelude::Message) -> Bytes {
+    let encoded = crate::node::encode_message(message);
+    let mut frame = Vec::with_capacity(8 + encoded.len());
+    frame.extend_from_slice(&group.to_be_bytes());
+    frame.extend_from_slice(&encoded);
+    Bytes::from(frame)
+}
+
+fn decode_frame(frame: &[u8]) -> Result<(u64, raft::prelude::Message), String> {
+    let (group, message) = frame
+        .split_first_chunk::<8>()
+        .ok_or_else(|| format!("a frame of {} bytes has no group id", frame.len()))?;
+    let message = crate::node::decode_message(message).map_err(|error| error.to_string())?;
+    Ok((u64::from_be_bytes(*group), message))
 }
 
 /// Parses FELIX_CLUSTER_PEERS: `ID=IP:PORT` entries separated by commas, semicolons or

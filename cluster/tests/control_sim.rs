@@ -44,6 +44,11 @@ impl Run {
         let propose_per_mille = self.propose_per_mille;
         let mut proposed = None;
         let next_stream = self.next_stream;
+        let retry = self
+            .pending
+            .iter()
+            .next()
+            .map(|(key, name)| (*key, name.clone()));
         let stepped = self.group.step(faults, |group| {
             let at = propose_at.or_else(|| {
                 group
@@ -55,6 +60,14 @@ impl Run {
                 && let Some(node) = group.member(id)
             {
                 proposed = Some((id, propose(node, next_stream)));
+            }
+            // Sometimes a pending creation is proposed again, as the service does when one
+            // does not come back in time: it must still apply once.
+            if group.rng.random_ratio(propose_per_mille, 1000)
+                && let Some(((proposer, sequence), name)) = retry.clone()
+                && let Some(node) = group.member(proposer)
+            {
+                let _ = node.propose_again(sequence, creation(&name));
             }
         });
         if let Some((id, proposal)) = proposed {
@@ -146,15 +159,18 @@ fn propose(
         });
         return Proposed::Other;
     }
-    let command = Command::CreateStream {
-        name: format!("s{next}"),
+    match node.propose(creation(&format!("s{next}"))) {
+        Ok(sequence) => Proposed::Creation(sequence),
+        Err(_) => Proposed::Other,
+    }
+}
+
+fn creation(name: &str) -> Command {
+    Command::CreateStream {
+        name: name.to_owned(),
         kind: StreamKind::InMemory,
         shards: 3,
         replicas: 1,
-    };
-    match node.propose(command) {
-        Ok(sequence) => Proposed::Creation(sequence),
-        Err(_) => Proposed::Other,
     }
 }
 

@@ -119,6 +119,10 @@ fn member_env(certs: &Path, id: u64, peers: &str) -> Vec<(String, String)> {
     let path = |name: String| certs.join(name).display().to_string();
     vec![
         ("FELIX_CLUSTER_NODE_ID".to_owned(), id.to_string()),
+        (
+            "FELIX_LOG".to_owned(),
+            "info,felix_cluster=debug".to_owned(),
+        ),
         ("FELIX_CLUSTER_PEERS".to_owned(), peers.to_owned()),
         ("FELIX_CLUSTER_CA".to_owned(), path("ca.pem".to_owned())),
         (
@@ -298,7 +302,8 @@ fn a_member_cut_off_from_the_majority_cannot_change_the_control_plane() {
     while let Err(error) = cluster.create(others[0], "healed", 1) {
         assert!(
             Instant::now() < deadline,
-            "no creation after healing: {error}"
+            "no creation after healing: {error}\n{}",
+            cluster.stderr()
         );
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -355,4 +360,85 @@ fn bad_cluster_settings_stop_start_up_naming_the_variable() {
         assert!(!output.status.success(), "start-up must fail: {env:?}");
         assert!(stderr.contains(names), "{names} not named: {stderr}");
     }
+}
+
+/// Waits until `check` holds for the statuses of `ids` (all answering), or fails with them.
+fn wait_for(cluster: &Cluster, ids: &[u64], what: &str, check: impl Fn(&[ClusterStatus]) -> bool) {
+    let deadline = Instant::now() + DEADLINE * 2;
+    loop {
+        let statuses: Vec<ClusterStatus> =
+            ids.iter().filter_map(|id| cluster.status(*id)).collect();
+        if statuses.len() == ids.len() && check(&statuses) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not within the deadline: {what}: {:#?}\n{}",
+            statuses
+                .iter()
+                .map(|s| (s.node.id, &s.shards))
+                .collect::<Vec<_>>(),
+            cluster.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Every member holds every shard and every shard is led by its placed leader, in sync.
+fn placed_and_in_sync(statuses: &[ClusterStatus], shards: usize) -> bool {
+    statuses.iter().all(|s| {
+        s.shards.len() == shards
+            && s.shards.iter().all(|shard| {
+                shard.leader == Some(shard.placed_leader)
+                    && !(shard.role == Role::Leader && shard.under_replicated)
+            })
+    })
+}
+
+#[test]
+fn replicated_shards_elect_their_placed_leaders_and_fail_over() {
+    let mut cluster = Cluster::start(3);
+    cluster.settled(&[1, 2, 3]);
+    cluster.create(2, "orders", 6).expect("created");
+    // Each shard's Raft group runs on its three replicas and is led by its placed leader.
+    wait_for(&cluster, &[1, 2, 3], "shards led as placed", |statuses| {
+        placed_and_in_sync(statuses, 6)
+    });
+    // SIGKILL member 1: the shards it led elect a survivor, which reports them
+    // under-replicated; the others keep their leaders.
+    cluster.brokers.get_mut(&1).expect("member 1").kill();
+    wait_for(
+        &cluster,
+        &[2, 3],
+        "failover of member 1's shards",
+        |statuses| {
+            statuses.iter().all(|s| {
+                s.shards.iter().all(|shard| {
+                    let led_by_survivor = matches!(shard.leader, Some(2 | 3));
+                    let flagged = shard.role != Role::Leader || shard.under_replicated;
+                    led_by_survivor && flagged
+                })
+            })
+        },
+    );
+    let shown = felix()
+        .args(["cluster", "status", "--admin"])
+        .arg(cluster.brokers[&2].metrics_addr.to_string())
+        .output()
+        .expect("felix cluster status runs");
+    let text = String::from_utf8_lossy(&shown.stdout);
+    assert!(text.contains("under-replicated"), "{text}");
+    let metrics = cluster.brokers[&2].metrics();
+    assert!(
+        metrics.contains("felix_cluster_shard_under_replicated{stream=\"orders\""),
+        "{metrics}"
+    );
+    // Member 1 rejoins on its data: it catches up, and takes back the shards placed on it.
+    cluster.brokers.get_mut(&1).expect("member 1").restart();
+    wait_for(
+        &cluster,
+        &[1, 2, 3],
+        "shards led as placed after the rejoin",
+        |statuses| placed_and_in_sync(statuses, 6),
+    );
 }

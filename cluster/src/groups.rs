@@ -1,0 +1,273 @@
+//! The replicated shards a member holds: one Raft group per shard of each durable stream
+//! placed on it (`placement.rs`), each a [`Node`] applying [`ShardState`] on a Raft log of its
+//! own under `<data_dir>/cluster/shards/<group>/`. The service (`service.rs`) owns a
+//! [`Groups`], reconciles it with the control plane after every change (a group starts when
+//! the stream's creation is applied here and stops, its directory removed, when the deletion
+//! is), ticks and drives every group, and routes peer frames to them by group id.
+//!
+//! Leadership follows placement: a group elects whichever replica Raft picks (after a failure,
+//! any live replica), and its leader hands leadership back to the placed leader once that one
+//! is connected and caught up, so each stream's leaders stay spread.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use raft::prelude::Message;
+use serde::{Deserialize, Serialize};
+
+use crate::control::{ControlState, StreamKind};
+use crate::node::{Node, NodeConfig, NodeError, PeerProgress, Role};
+use crate::raft_log::{RaftLog, raft_log_config};
+use crate::shard::ShardState;
+
+/// Group id 0 is the control plane's; a shard's group id is its stream's incarnation (the
+/// control-plane index that created it) shifted over the shard number (shards < 2^16).
+pub const CONTROL_GROUP: u64 = 0;
+
+/// Segment size of a shard group's Raft log (the records live in it), and its largest write
+/// round (at most half a segment, `storage/src/config.rs`).
+const SHARD_LOG_SEGMENT_BYTES: u64 = 4 << 20;
+const SHARD_LOG_ROUND_BYTES: usize = 1 << 20;
+
+/// A replica this many entries or fewer behind the leader counts as in sync.
+pub const IN_SYNC_LAG_MAX: u64 = 1_000;
+
+/// Ticks between two checks whether a group should hand leadership to its placed leader.
+const TRANSFER_CHECK_TICKS: u64 = 10;
+
+/// A replica heard from within this many ticks (3 s: fifteen heartbeats) counts as alive.
+/// raft-rs's own `recent_active` flag is cleared at every election timeout and set again by
+/// the next answer, so a sample of it right after the clearing would call live replicas dead.
+const ALIVE_TICKS: u64 = 30;
+
+/// The group id of shard `shard` of the stream created at control-plane index `incarnation`.
+#[must_use]
+pub fn group_id(incarnation: u64, shard: u32) -> u64 {
+    (incarnation << 16) | u64::from(shard)
+}
+
+/// One shard group as `felix cluster status` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardStatus {
+    pub stream: String,
+    pub shard: u32,
+    pub group: u64,
+    /// The member placement chose to lead the shard.
+    pub placed_leader: u64,
+    /// The leader this member knows of, if any.
+    pub leader: Option<u64>,
+    pub role: Role,
+    pub term: u64,
+    pub commit: u64,
+    /// The shard's next offset here: every offset below is committed and applied.
+    pub next_offset: u64,
+    pub replicas: Vec<u64>,
+    /// On the leader: each replica's progress.
+    pub progress: Vec<PeerProgress>,
+    /// On the leader: fewer replicas than placed are active and in sync.
+    pub under_replicated: bool,
+}
+
+struct Group {
+    stream: String,
+    shard: u32,
+    placed_leader: u64,
+    replicas: Vec<u64>,
+    node: Node<RaftLog, ShardState>,
+    dir: PathBuf,
+    /// The tick each replica was last heard from in this group.
+    heard: BTreeMap<u64, u64>,
+}
+
+/// The shard groups of this member.
+pub struct Groups {
+    id: u64,
+    dir: PathBuf,
+    groups: BTreeMap<u64, Group>,
+    ticks: u64,
+}
+
+impl std::fmt::Debug for Groups {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Groups")
+            .field("id", &self.id)
+            .field("groups", &self.groups.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Groups {
+    /// No groups yet; their logs go under `dir`.
+    #[must_use]
+    pub fn new(id: u64, dir: PathBuf) -> Groups {
+        Groups {
+            id,
+            dir,
+            groups: BTreeMap::new(),
+            ticks: 0,
+        }
+    }
+
+    /// Starts the groups of durable shards placed on this member that are not running, and
+    /// stops (removing their logs) those whose stream is gone.
+    pub fn reconcile(&mut self, state: &ControlState) -> Result<(), NodeError> {
+        let mut wanted = BTreeMap::new();
+        for stream in state.streams.values() {
+            if stream.kind != StreamKind::Durable {
+                continue;
+            }
+            for (shard, placement) in stream.shards.iter().enumerate() {
+                if placement.replicas.contains(&self.id) {
+                    let shard = u32::try_from(shard).expect("shards below 2^32");
+                    wanted.insert(
+                        group_id(stream.incarnation, shard),
+                        (stream.name.clone(), shard, placement),
+                    );
+                }
+            }
+        }
+        let gone: Vec<u64> = self
+            .groups
+            .keys()
+            .filter(|group| !wanted.contains_key(group))
+            .copied()
+            .collect();
+        for group in gone {
+            if let Some(stopped) = self.groups.remove(&group) {
+                drop(stopped.node);
+                if let Err(error) = std::fs::remove_dir_all(&stopped.dir) {
+                    tracing::warn!(group, %error, "cannot remove a deleted shard's raft log");
+                }
+            }
+        }
+        for (group, (stream, shard, placement)) in wanted {
+            if self.groups.contains_key(&group) {
+                continue;
+            }
+            let dir = self.dir.join(group.to_string());
+            let mut log_config = raft_log_config(&dir);
+            log_config.segment_bytes = SHARD_LOG_SEGMENT_BYTES;
+            log_config.max_round_bytes = SHARD_LOG_ROUND_BYTES;
+            let backend = felix_storage::SystemBackend::open(
+                felix_storage::BackendChoice::from_env()
+                    .map_err(|error| NodeError::Store(error.to_string()))?,
+            )
+            .map_err(|error| NodeError::Store(error.to_string()))?;
+            let store = RaftLog::open_with(log_config, backend)
+                .map_err(|error| NodeError::Store(error.to_string()))?;
+            let config = NodeConfig::new(self.id, placement.replicas.clone());
+            let node = Node::with_machine(&config, store, ShardState::default())?;
+            tracing::info!(stream, shard, group, "replicated shard started");
+            self.groups.insert(
+                group,
+                Group {
+                    stream,
+                    shard,
+                    placed_leader: placement.leader,
+                    replicas: placement.replicas.clone(),
+                    node,
+                    dir,
+                    heard: BTreeMap::new(),
+                },
+            );
+        }
+        Ok(())
+    }
+
+    /// One tick of every group; every [`TRANSFER_CHECK_TICKS`], a leader that is not the
+    /// placed one hands leadership to it when it is connected and caught up.
+    pub fn tick(&mut self, connected: &[u64]) {
+        self.ticks += 1;
+        let check = self.ticks.is_multiple_of(TRANSFER_CHECK_TICKS);
+        for group in self.groups.values_mut() {
+            group.node.tick();
+            if check && group.node.is_leader() && group.placed_leader != self.id {
+                let status = group.node.status();
+                let alive = group
+                    .heard
+                    .get(&group.placed_leader)
+                    .is_some_and(|at| self.ticks - at <= ALIVE_TICKS);
+                let caught_up = status
+                    .peers
+                    .iter()
+                    .any(|p| p.id == group.placed_leader && p.lag == 0);
+                if caught_up && alive && connected.contains(&group.placed_leader) {
+                    group.node.transfer_leader(group.placed_leader);
+                }
+            }
+        }
+    }
+
+    /// A peer's message for `group`; dropped when the group is not running here (yet: Raft
+    /// sends again).
+    pub fn step(&mut self, group: u64, message: Message) {
+        let Some(group) = self.groups.get_mut(&group) else {
+            return;
+        };
+        group.heard.insert(message.from, self.ticks);
+        if let Err(error) = group.node.step(message) {
+            tracing::debug!(%error, "a shard group refused a peer message");
+        }
+    }
+
+    /// Drives every group; returns the messages to send with their group ids.
+    pub fn advance(&mut self) -> Result<Vec<(u64, Message)>, NodeError> {
+        let mut out = Vec::new();
+        for (id, group) in &mut self.groups {
+            let output = group.node.advance()?;
+            out.extend(output.messages.into_iter().map(|message| (*id, message)));
+        }
+        Ok(out)
+    }
+
+    /// Reports a snapshot's fate to the group that sent it.
+    pub fn report_snapshot(&mut self, group: u64, to: u64, finished: bool) {
+        if let Some(group) = self.groups.get_mut(&group) {
+            group.node.report_snapshot(to, finished);
+        }
+    }
+
+    /// Tells the group that `to` could not be reached.
+    pub fn report_unreachable(&mut self, group: u64, to: u64) {
+        if let Some(group) = self.groups.get_mut(&group) {
+            group.node.report_unreachable(to);
+        }
+    }
+
+    /// Every group's status.
+    #[must_use]
+    pub fn status(&self) -> Vec<ShardStatus> {
+        self.groups
+            .iter()
+            .map(|(id, group)| {
+                let status = group.node.status();
+                let alive = |peer: u64| {
+                    peer == self.id
+                        || group
+                            .heard
+                            .get(&peer)
+                            .is_some_and(|at| self.ticks - at <= ALIVE_TICKS)
+                };
+                let in_sync = status
+                    .peers
+                    .iter()
+                    .filter(|p| alive(p.id) && p.lag <= IN_SYNC_LAG_MAX)
+                    .count();
+                ShardStatus {
+                    stream: group.stream.clone(),
+                    shard: group.shard,
+                    group: *id,
+                    placed_leader: group.placed_leader,
+                    leader: status.leader,
+                    role: status.role,
+                    term: status.term,
+                    commit: status.commit,
+                    next_offset: group.node.state().next_offset(),
+                    replicas: group.replicas.clone(),
+                    under_replicated: status.role == Role::Leader && in_sync < group.replicas.len(),
+                    progress: status.peers,
+                }
+            })
+            .collect()
+    }
+}
