@@ -86,14 +86,17 @@ const PROPOSE_AGAIN_TICKS: u64 = 10;
 /// A proposal a caller waits for.
 struct Waiting {
     command: Command,
-    answer: oneshot::Sender<Result<Outcome, ServiceError>>,
+    answer: std::sync::mpsc::Sender<Result<Outcome, ServiceError>>,
+    /// When the caller stops waiting.
+    deadline: std::time::Instant,
     proposed_at: u64,
 }
 
 enum Request {
     Propose {
         command: Command,
-        answer: oneshot::Sender<Result<Outcome, ServiceError>>,
+        answer: std::sync::mpsc::Sender<Result<Outcome, ServiceError>>,
+        deadline: std::time::Instant,
     },
 }
 
@@ -154,6 +157,13 @@ impl Service {
         self.peer_addr
     }
 
+    /// Whether the service's thread ended on its own (a fatal error, logged: a failed fsync
+    /// of a Raft log stops this member's part rather than letting it vote or ack falsely).
+    #[must_use]
+    pub fn failed(&self) -> bool {
+        self.thread.as_ref().is_some_and(JoinHandle::is_finished)
+    }
+
     /// The control plane as this broker last saw it (updated after every event).
     #[must_use]
     pub fn status(&self) -> ClusterStatus {
@@ -167,22 +177,19 @@ impl Service {
     /// propose: a follower forwards to the leader), or `timeout`. Blocking: call it from a
     /// thread that may wait (an admin request), never from a data-plane core.
     pub fn propose(&self, command: Command, timeout: Duration) -> Result<Outcome, ServiceError> {
-        let (answer, answered) = oneshot::channel();
-        self.requests
-            .try_send(Request::Propose { command, answer })
-            .map_err(|_| ServiceError::Stopped)?;
+        let (answer, answered) = std::sync::mpsc::channel();
         let deadline = std::time::Instant::now() + timeout;
-        let mut answered = answered;
-        loop {
-            match answered.try_recv() {
-                Ok(result) => return result,
-                Err(oneshot::error::TryRecvError::Closed) => return Err(ServiceError::Stopped),
-                Err(oneshot::error::TryRecvError::Empty) => {}
-            }
-            if std::time::Instant::now() >= deadline {
-                return Err(ServiceError::Timeout(timeout));
-            }
-            std::thread::park_timeout(Duration::from_millis(5));
+        self.requests
+            .try_send(Request::Propose {
+                command,
+                answer,
+                deadline,
+            })
+            .map_err(|_| ServiceError::Stopped)?;
+        match answered.recv_timeout(timeout) {
+            Ok(result) => result,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(ServiceError::Timeout(timeout)),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(ServiceError::Stopped),
         }
     }
 
@@ -227,7 +234,11 @@ fn run(
             return Err(error);
         }
     };
-    runtime.block_on(serve(config, inbox, stopped, ready))
+    let outcome = runtime.block_on(serve(config, inbox, stopped, ready));
+    if let Err(error) = &outcome {
+        tracing::error!(%error, "the cluster service stopped: this member no longer takes part");
+    }
+    outcome
 }
 
 async fn serve(
@@ -285,7 +296,8 @@ async fn serve(
                 // not come back within a second are proposed again (a forward lost on the way
                 // to the leader, or dropped by a leader change: raft-rs never retries them).
                 // The control plane applies each once (`ControlState::apply_proposal`).
-                waiting.retain(|_, waiting| !waiting.answer.is_closed());
+                let now = std::time::Instant::now();
+                waiting.retain(|_, waiting| waiting.deadline > now);
                 for (sequence, waiting) in &mut waiting {
                     if tick_count - waiting.proposed_at >= PROPOSE_AGAIN_TICKS
                         && node.propose_again(*sequence, waiting.command.clone()).is_ok()
@@ -321,9 +333,9 @@ async fn serve(
                 }
             }
             Some(request) = inbox.recv() => match request {
-                Request::Propose { command, answer } => match node.propose(command.clone()) {
+                Request::Propose { command, answer, deadline } => match node.propose(command.clone()) {
                     Ok(sequence) => {
-                        waiting.insert(sequence, Waiting { command, answer, proposed_at: tick_count });
+                        waiting.insert(sequence, Waiting { command, answer, deadline, proposed_at: tick_count });
                     }
                     Err(error) => {
                         let _ = answer.send(Err(error.into()));
