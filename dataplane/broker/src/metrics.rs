@@ -1114,6 +1114,14 @@ fn serve(server: &tiny_http::Server, metrics: &Metrics, cluster: &ClusterSlot) {
                     "this broker is not a cluster member (FELIX_CLUSTER_NODE_ID=0)",
                 )
             }
+            (_, "/v1/cluster/status" | "/v1/cluster/streams")
+                if cluster.get().is_some_and(|service| service.failed()) =>
+            {
+                error_json(
+                    500,
+                    "the cluster service stopped on a fatal error (see the broker's log)",
+                )
+            }
             (tiny_http::Method::Get, "/v1/cluster/status") => match cluster.get() {
                 Some(service) => json_response(
                     200,
