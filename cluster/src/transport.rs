@@ -9,8 +9,11 @@
 //! - One client endpoint; per peer, a task that owns the outgoing connection: it dials the
 //!   peer's address with the server name `felix-node-<id>` (every member's certificate carries
 //!   its own as a DNS name, so ordinary host-name verification proves the peer's id), opens one
-//!   unidirectional stream and writes the peer's queued frames on it. Any error drops the
-//!   connection; the task redials with a capped backoff.
+//!   bidirectional stream, sends a hello (its member id, which the server checks against the
+//!   certificate), waits for the server's accept byte (in TLS 1.3 the client's handshake ends
+//!   before the server checked the client's certificate: only the accept byte says it was
+//!   taken), then writes the peer's queued frames on it. Any error, or the server's side of
+//!   the stream ending, drops the connection; the task redials with a capped backoff.
 //! - `send` never blocks: a bounded queue per peer; a full queue drops the frame (Raft
 //!   retransmits what is lost). Inbound frames go to one bounded channel.
 //!
@@ -45,6 +48,10 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 const IDLE_TIMEOUT: Duration = Duration::from_secs(5);
 const BACKOFF_FIRST: Duration = Duration::from_millis(50);
 const BACKOFF_MAX: Duration = Duration::from_secs(1);
+/// Bytes of a dialling member's hello: its member id, big-endian.
+const HELLO_BYTES: usize = 8;
+/// The byte a server answers a hello it accepts with.
+const ACCEPTED: u8 = 1;
 /// Application error codes a connection is closed with.
 const CLOSE_UNKNOWN_PEER: u32 = 1;
 const CLOSE_FRAME_TOO_LARGE: u32 = 2;
@@ -264,6 +271,7 @@ impl PeerTransport {
             let connected = Arc::new(AtomicBool::new(false));
             tasks.push(tokio::spawn(dial(
                 client.clone(),
+                config.node_id,
                 *id,
                 *addr,
                 queued,
@@ -382,13 +390,37 @@ async fn receive(
         close(&connection, CLOSE_UNKNOWN_PEER, &counters);
         return;
     }
-    while let Ok(Some(mut stream)) = connection.accept_receive_stream().await {
+    // The peer's one stream: its hello (its member id), this side's accept byte, then frames.
+    // The accept byte tells the peer its certificate was taken: in TLS 1.3 a client's
+    // handshake completes before the server has checked the client's certificate, so without
+    // it a refused member would count itself connected and lose frames.
+    while let Ok(Some(stream)) = connection.accept_bidirectional_stream().await {
+        let (mut stream, mut answer) = stream.split();
         let mut buffer = BytesMut::new();
-        loop {
-            match stream.receive().await {
-                Ok(Some(chunk)) => buffer.extend_from_slice(&chunk),
-                Ok(None) | Err(_) => break,
+        let hello = tokio::time::timeout(CONNECT_TIMEOUT, async {
+            while buffer.len() < HELLO_BYTES {
+                match stream.receive().await {
+                    Ok(Some(chunk)) => buffer.extend_from_slice(&chunk),
+                    Ok(None) | Err(_) => return false,
+                }
             }
+            true
+        })
+        .await;
+        let claimed = (hello == Ok(true)).then(|| buffer.get_u64());
+        if claimed != Some(from) {
+            tracing::warn!(
+                from,
+                ?claimed,
+                "a peer's hello does not match its certificate; connection closed"
+            );
+            close(&connection, CLOSE_UNKNOWN_PEER, &counters);
+            return;
+        }
+        if answer.send(Bytes::from_static(&[ACCEPTED])).await.is_err() {
+            return;
+        }
+        loop {
             loop {
                 if buffer.len() < 4 {
                     break;
@@ -410,6 +442,10 @@ async fn receive(
                     counters.dropped.fetch_add(1, Ordering::Relaxed);
                 }
             }
+            match stream.receive().await {
+                Ok(Some(chunk)) => buffer.extend_from_slice(&chunk),
+                Ok(None) | Err(_) => break,
+            }
         }
     }
 }
@@ -417,6 +453,7 @@ async fn receive(
 /// Owns the outgoing connection to one peer: dials, writes its queued frames, redials.
 async fn dial(
     client: s2n_quic::Client,
+    own_id: u64,
     id: u64,
     addr: SocketAddr,
     mut queued: mpsc::Receiver<Bytes>,
@@ -427,15 +464,24 @@ async fn dial(
     let mut backoff = BACKOFF_FIRST;
     loop {
         let connect = Connect::new(addr).with_server_name(server_name.as_str());
-        let attempt = tokio::time::timeout(CONNECT_TIMEOUT, client.connect(connect)).await;
-        let stream = match attempt {
-            Ok(Ok(mut connection)) => match connection.open_send_stream().await {
-                Ok(stream) => Some((connection, stream)),
-                Err(_) => None,
-            },
-            _ => None,
-        };
-        let Some((_connection, mut stream)) = stream else {
+        let attempt = tokio::time::timeout(CONNECT_TIMEOUT, async {
+            let mut connection = client.connect(connect).await.ok()?;
+            let (mut answers, mut stream) =
+                connection.open_bidirectional_stream().await.ok()?.split();
+            stream
+                .send(Bytes::copy_from_slice(&own_id.to_be_bytes()))
+                .await
+                .ok()?;
+            // Connected only once the server took this member's certificate and hello.
+            match answers.receive().await {
+                Ok(Some(byte)) if byte.first() == Some(&ACCEPTED) => {
+                    Some((connection, answers, stream))
+                }
+                _ => None,
+            }
+        })
+        .await;
+        let Some((_connection, mut answers, mut stream)) = attempt.ok().flatten() else {
             counters.connect_failures.fetch_add(1, Ordering::Relaxed);
             // Frames queued meanwhile are stale by the time a connection comes up: Raft sends
             // fresh ones.
@@ -450,16 +496,24 @@ async fn dial(
         connected.store(true, Ordering::Relaxed);
         backoff = BACKOFF_FIRST;
         tracing::debug!(peer = id, %addr, "peer connection up");
-        while let Some(frame) = queued.recv().await {
-            let header = Bytes::copy_from_slice(
-                &u32::try_from(frame.len()).unwrap_or(u32::MAX).to_be_bytes(),
-            );
-            let mut parts = [header, frame];
-            if stream.send_vectored(&mut parts).await.is_err() {
-                counters.dropped.fetch_add(1, Ordering::Relaxed);
-                break;
+        loop {
+            tokio::select! {
+                frame = queued.recv() => {
+                    let Some(frame) = frame else { break };
+                    let header = Bytes::copy_from_slice(
+                        &u32::try_from(frame.len()).unwrap_or(u32::MAX).to_be_bytes(),
+                    );
+                    let mut parts = [header, frame];
+                    if stream.send_vectored(&mut parts).await.is_err() {
+                        counters.dropped.fetch_add(1, Ordering::Relaxed);
+                        break;
+                    }
+                    counters.sent.fetch_add(1, Ordering::Relaxed);
+                }
+                // The server sends nothing after its accept byte: anything here is the end of
+                // the connection, noticed at once rather than at the next send.
+                _ = answers.receive() => break,
             }
-            counters.sent.fetch_add(1, Ordering::Relaxed);
         }
         connected.store(false, Ordering::Relaxed);
         if queued.is_closed() {

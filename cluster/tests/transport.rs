@@ -214,6 +214,42 @@ async fn members_from_another_ca_or_outside_the_list_deliver_nothing() {
 }
 
 #[tokio::test(flavor = "current_thread")]
+async fn a_member_whose_certificate_the_server_refuses_never_counts_as_connected() {
+    // It trusts the cluster CA (so it accepts the server) but holds a certificate of another
+    // CA: its TLS 1.3 handshake completes on its side before the server refuses it, and only
+    // the missing accept byte tells it.
+    let ca = ClusterCa::generate("cluster CA").expect("ca");
+    let other_ca = ClusterCa::generate("someone else's CA").expect("ca");
+    let addrs = addresses(&[1, 2]);
+    let (one, mut one_frames) =
+        PeerTransport::start(config(&ca, 1, addrs[&1], &addrs)).expect("start");
+    let mut refused = identity_config(
+        other_ca.issue_node(2, &[]).expect("cert"),
+        &ca,
+        addrs[&2],
+        &addrs,
+    );
+    refused.ca_pem = ca.cert_pem.clone();
+    let (two, _two_frames) = PeerTransport::start(refused).expect("start");
+    let deadline = Instant::now() + DEADLINE;
+    while two.stats().connect_failures < 3 {
+        assert!(Instant::now() < deadline, "{:?}", two.stats());
+        two.send(1, Bytes::from_static(b"refused"));
+        assert!(
+            two.connected_peers().is_empty(),
+            "a refused member is never connected"
+        );
+        assert!(
+            one_frames.try_recv().is_err(),
+            "nothing from a refused member"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(two.stats().connects, 0, "{:?}", two.stats());
+    drop(one);
+}
+
+#[tokio::test(flavor = "current_thread")]
 async fn a_restarted_peer_is_redialled() {
     let ca = ClusterCa::generate("test CA").expect("ca");
     let addrs = addresses(&[1, 2]);
@@ -279,7 +315,21 @@ async fn an_oversized_frame_closes_only_its_connection() {
         .expect("client");
     let connect = s2n_quic::client::Connect::new(addrs[&1]).with_server_name("felix-node-1");
     let mut connection = client.connect(connect).await.expect("connects");
-    let mut stream = connection.open_send_stream().await.expect("stream");
+    let (mut answers, mut stream) = connection
+        .open_bidirectional_stream()
+        .await
+        .expect("stream")
+        .split();
+    stream
+        .send(Bytes::copy_from_slice(&2u64.to_be_bytes()))
+        .await
+        .expect("hello sent");
+    let accepted = tokio::time::timeout(DEADLINE, answers.receive())
+        .await
+        .expect("an answer")
+        .expect("the stream is open")
+        .expect("a byte");
+    assert_eq!(&accepted[..], &[1u8], "the hello of member 2 is accepted");
     let oversized = u32::try_from(FRAME_BYTES_MAX + 1).unwrap().to_be_bytes();
     stream
         .send(Bytes::copy_from_slice(&oversized))
