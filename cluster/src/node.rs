@@ -574,19 +574,7 @@ impl Storage for MemLog {
         let from = usize::try_from(low - offset).expect("an index in memory");
         let to = usize::try_from(high - offset).expect("an index in memory");
         let mut entries = self.entries[from..to].to_vec();
-        if let Some(max) = max_size.into() {
-            // At least one entry, then as many as fit (raft-rs's `limit_size`).
-            let mut size = 0u64;
-            let keep = entries
-                .iter()
-                .take_while(|entry| {
-                    size += u64::from(protobuf::Message::compute_size(*entry));
-                    size <= max
-                })
-                .count()
-                .max(1);
-            entries.truncate(keep);
-        }
+        raft::util::limit_size(&mut entries, max_size.into());
         Ok(entries)
     }
 
