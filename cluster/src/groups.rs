@@ -17,8 +17,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::control::{ControlState, StreamKind};
 use crate::node::{Node, NodeConfig, NodeError, PeerProgress, Role};
+use crate::publish::{Producer, PublishAnswer, PublishError};
 use crate::raft_log::{RaftLog, raft_log_config};
-use crate::shard::ShardState;
+use crate::shard::{ShardRecord, ShardState};
 
 /// Group id 0 is the control plane's; a shard's group id is its stream's incarnation (the
 /// control-plane index that created it) shifted over the shard number (shards < 2^16).
@@ -66,6 +67,9 @@ pub struct ShardStatus {
     pub progress: Vec<PeerProgress>,
     /// On the leader: fewer replicas than placed are active and in sync.
     pub under_replicated: bool,
+    /// This member's publishes into the shard not applied yet (`publish.rs`).
+    #[serde(default)]
+    pub pending: usize,
 }
 
 struct Group {
@@ -77,11 +81,15 @@ struct Group {
     dir: PathBuf,
     /// The tick each replica was last heard from in this group.
     heard: BTreeMap<u64, u64>,
+    /// This member's publishes into the shard (`publish.rs`).
+    producer: Producer,
 }
 
 /// The shard groups of this member.
 pub struct Groups {
     id: u64,
+    /// This run of the member (start time in nanoseconds): its producers' ids.
+    boot: u64,
     dir: PathBuf,
     groups: BTreeMap<u64, Group>,
     ticks: u64,
@@ -97,11 +105,13 @@ impl std::fmt::Debug for Groups {
 }
 
 impl Groups {
-    /// No groups yet; their logs go under `dir`.
+    /// No groups yet; their logs go under `dir`. `boot` tells this run of the member from
+    /// its earlier ones (its publishes' producer ids differ per run).
     #[must_use]
-    pub fn new(id: u64, dir: PathBuf) -> Groups {
+    pub fn new(id: u64, boot: u64, dir: PathBuf) -> Groups {
         Groups {
             id,
+            boot,
             dir,
             groups: BTreeMap::new(),
             ticks: 0,
@@ -133,7 +143,10 @@ impl Groups {
             .copied()
             .collect();
         for group in gone {
-            if let Some(stopped) = self.groups.remove(&group) {
+            if let Some(mut stopped) = self.groups.remove(&group) {
+                stopped.producer.fail_all(&PublishError::NoSuchStream {
+                    stream: stopped.stream.clone(),
+                });
                 drop(stopped.node);
                 if let Err(error) = std::fs::remove_dir_all(&stopped.dir) {
                     tracing::warn!(group, %error, "cannot remove a deleted shard's raft log");
@@ -168,19 +181,29 @@ impl Groups {
                     node,
                     dir,
                     heard: BTreeMap::new(),
+                    producer: Producer::new(self.id, self.boot),
                 },
             );
         }
         Ok(())
     }
 
-    /// One tick of every group; every [`TRANSFER_CHECK_TICKS`], a leader that is not the
-    /// placed one hands leadership to it when it is connected and caught up.
-    pub fn tick(&mut self, connected: &[u64]) {
+    /// One tick of every group at time `now`: callers of publishes past their deadline are
+    /// answered and pending batches due are proposed again (`publish.rs`); every
+    /// [`TRANSFER_CHECK_TICKS`], a leader that is not the placed one hands leadership to it
+    /// when it is connected and caught up.
+    pub fn tick(&mut self, connected: &[u64], now: std::time::Instant) {
         self.ticks += 1;
         let check = self.ticks.is_multiple_of(TRANSFER_CHECK_TICKS);
         for group in self.groups.values_mut() {
             group.node.tick();
+            for (sequence, data) in group.producer.due(self.ticks, now) {
+                if group.node.propose_data(data).is_err() {
+                    // No leader known yet: the rest would be refused too.
+                    break;
+                }
+                group.producer.proposed(sequence, self.ticks);
+            }
             if check && group.node.is_leader() && group.placed_leader != self.id {
                 let status = group.node.status();
                 let alive = group
@@ -210,14 +233,76 @@ impl Groups {
         }
     }
 
-    /// Drives every group; returns the messages to send with their group ids.
+    /// Drives every group (answering this member's publishes that were applied); returns the
+    /// messages to send with their group ids.
     pub fn advance(&mut self) -> Result<Vec<(u64, Message)>, NodeError> {
         let mut out = Vec::new();
         for (id, group) in &mut self.groups {
             let output = group.node.advance()?;
+            for applied in &output.applied {
+                group.producer.applied(applied);
+            }
             out.extend(output.messages.into_iter().map(|message| (*id, message)));
         }
         Ok(out)
+    }
+
+    /// Publishes a batch of records into shard group `group` (`publish.rs`): `answer` is
+    /// called once, with the records' offsets once the batch is applied here, or with why not
+    /// (at the latest at `deadline`). Call [`Groups::advance`] next.
+    pub fn publish(
+        &mut self,
+        group: u64,
+        records: Vec<ShardRecord>,
+        deadline: std::time::Instant,
+        timeout: std::time::Duration,
+        answer: PublishAnswer,
+    ) {
+        let Some(found) = self.groups.get_mut(&group) else {
+            answer(Err(PublishError::NotReplicatedHere {
+                stream: String::new(),
+                shard: u32::try_from(group & 0xffff).expect("16 bits"),
+            }));
+            return;
+        };
+        match found.producer.add(records, deadline, timeout, answer) {
+            Ok(data) => {
+                let sequence = found.producer.last_sequence();
+                // Without a known leader the batch waits for the next tick's retry.
+                if found.node.propose_data(data).is_ok() {
+                    found.producer.proposed(sequence, self.ticks);
+                }
+            }
+            Err((answer, pending)) => answer(Err(PublishError::Busy {
+                stream: found.stream.clone(),
+                shard: found.shard,
+                pending,
+            })),
+        }
+    }
+
+    /// Reads up to `max_records` committed records of shard group `group` from offset `from`
+    /// out of this member's copy: `(offset, record)` in offset order, empty at the end.
+    pub fn read(
+        &self,
+        group: u64,
+        from: u64,
+        max_records: usize,
+    ) -> Result<Vec<(u64, ShardRecord)>, String> {
+        let group = self
+            .groups
+            .get(&group)
+            .ok_or_else(|| format!("shard group {group} is not running on this member"))?;
+        group
+            .node
+            .state()
+            .read(group.node.store(), from, max_records)
+    }
+
+    /// Whether shard group `group` runs on this member.
+    #[must_use]
+    pub fn holds(&self, group: u64) -> bool {
+        self.groups.contains_key(&group)
     }
 
     /// Reports a snapshot's fate to the group that sent it.
@@ -265,6 +350,7 @@ impl Groups {
                     next_offset: group.node.state().next_offset(),
                     replicas: group.replicas.clone(),
                     under_replicated: status.role == Role::Leader && in_sync < group.replicas.len(),
+                    pending: group.producer.pending(),
                     progress: status.peers,
                 }
             })

@@ -21,6 +21,7 @@ pub mod groups;
 pub mod node;
 pub mod pki;
 pub mod placement;
+pub mod publish;
 pub mod raft_log;
 pub mod service;
 pub mod shard;

@@ -20,11 +20,13 @@ use raft::prelude::MessageType;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::control::{Command, ControlState, Member, Outcome};
-use crate::groups::{CONTROL_GROUP, Groups};
+use crate::control::{Command, ControlState, Member, Outcome, StreamKind};
+use crate::groups::{CONTROL_GROUP, Groups, group_id};
 use crate::node::{Node, NodeConfig, NodeError, NodeStatus, ProposeError};
 use crate::pki::NodeIdentity;
+use crate::publish::{PublishAnswer, PublishError};
 use crate::raft_log::RaftLog;
+use crate::shard::ShardRecord;
 use crate::transport::{PeerTransport, TransportConfig};
 
 /// The logical clock's period: elections after 1-2 s without a leader, heartbeats every
@@ -34,8 +36,9 @@ pub const TICK: Duration = Duration::from_millis(100);
 /// How often an unregistered broker asks to be registered.
 const REGISTER_EVERY_TICKS: u64 = 10;
 
-/// Requests queued for the service's thread.
-const REQUESTS_MAX: usize = 256;
+/// Requests queued for the service's thread (publishes from every data-plane core included;
+/// beyond, a publish is refused at once with `PublishError::Busy`).
+const REQUESTS_MAX: usize = 4_096;
 
 /// What a broker needs to run its part of the control plane.
 #[derive(Debug, Clone)]
@@ -67,6 +70,8 @@ pub enum ServiceError {
     Timeout(Duration),
     #[error("the cluster service stopped")]
     Stopped,
+    #[error("read: {0}")]
+    Read(String),
 }
 
 /// A snapshot of the control plane as this broker sees it (`felix cluster status`).
@@ -97,6 +102,21 @@ enum Request {
         command: Command,
         answer: std::sync::mpsc::Sender<Result<Outcome, ServiceError>>,
         deadline: std::time::Instant,
+    },
+    Publish {
+        stream: String,
+        shard: u32,
+        records: Vec<ShardRecord>,
+        deadline: std::time::Instant,
+        timeout: Duration,
+        answer: PublishAnswer,
+    },
+    Read {
+        stream: String,
+        shard: u32,
+        from: u64,
+        max_records: usize,
+        answer: std::sync::mpsc::Sender<Result<Vec<(u64, ShardRecord)>, String>>,
     },
 }
 
@@ -193,6 +213,99 @@ impl Service {
         }
     }
 
+    /// Publishes `records` into shard `shard` of the replicated (durable) stream `stream`
+    /// through this member's producer on the shard (`publish.rs`). Never blocks: `answer` is
+    /// called once, on the cluster thread, with the records' offsets once the batch is
+    /// committed (a majority including the leader has it fsynced) and applied here, or with
+    /// why not, at the latest after `timeout`. Any replica may take a publish: a follower's
+    /// proposal goes to the shard's leader.
+    pub fn publish(
+        &self,
+        stream: &str,
+        shard: u32,
+        records: Vec<ShardRecord>,
+        timeout: Duration,
+        answer: PublishAnswer,
+    ) {
+        let request = Request::Publish {
+            stream: stream.to_owned(),
+            shard,
+            records,
+            deadline: std::time::Instant::now() + timeout,
+            timeout,
+            answer,
+        };
+        match self.requests.try_send(request) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(Request::Publish {
+                stream,
+                shard,
+                answer,
+                ..
+            })) => answer(Err(PublishError::Busy {
+                stream,
+                shard,
+                pending: REQUESTS_MAX,
+            })),
+            Err(mpsc::error::TrySendError::Closed(Request::Publish { answer, .. })) => {
+                answer(Err(PublishError::Stopped));
+            }
+            Err(_) => unreachable!("the request given back is the publish"),
+        }
+    }
+
+    /// Publishes and waits for the answer (at most `timeout` and a little): for tools and
+    /// tests, never for a data-plane core.
+    pub fn publish_wait(
+        &self,
+        stream: &str,
+        shard: u32,
+        records: Vec<ShardRecord>,
+        timeout: Duration,
+    ) -> Result<crate::publish::PublishAck, PublishError> {
+        let (answer, answered) = std::sync::mpsc::channel();
+        self.publish(
+            stream,
+            shard,
+            records,
+            timeout,
+            Box::new(move |result| {
+                let _ = answer.send(result);
+            }),
+        );
+        answered
+            .recv_timeout(timeout + Duration::from_secs(5))
+            .unwrap_or(Err(PublishError::Stopped))
+    }
+
+    /// Reads up to `max_records` committed records of shard `shard` of `stream` from offset
+    /// `from`, out of this member's copy: `(offset, record)` in offset order, empty at the
+    /// end. Blocking (at most `timeout`).
+    pub fn read(
+        &self,
+        stream: &str,
+        shard: u32,
+        from: u64,
+        max_records: usize,
+        timeout: Duration,
+    ) -> Result<Vec<(u64, ShardRecord)>, ServiceError> {
+        let (answer, answered) = std::sync::mpsc::channel();
+        self.requests
+            .try_send(Request::Read {
+                stream: stream.to_owned(),
+                shard,
+                from,
+                max_records,
+                answer,
+            })
+            .map_err(|_| ServiceError::Stopped)?;
+        match answered.recv_timeout(timeout) {
+            Ok(result) => result.map_err(ServiceError::Read),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(ServiceError::Timeout(timeout)),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(ServiceError::Stopped),
+        }
+    }
+
     /// Stops the thread and waits for it; returns its error, if it failed.
     pub fn shutdown(mut self) -> Result<(), ServiceError> {
         self.stop_and_join()
@@ -277,7 +390,12 @@ async fn serve(
         connected: Vec::new(),
         shards: Vec::new(),
     }));
-    let mut groups = Groups::new(id, config.dir.with_file_name("shards"));
+    let boot = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| {
+            u64::try_from(since.as_nanos()).unwrap_or(u64::MAX)
+        });
+    let mut groups = Groups::new(id, boot, config.dir.with_file_name("shards"));
     let mut reconciled_at = 0u64;
     let _ = ready.send(Ok((transport.local_addr(), Arc::clone(&status))));
     let mut waiting: HashMap<u64, Waiting> = HashMap::new();
@@ -285,13 +403,17 @@ async fn serve(
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut tick_count = 0u64;
     let mut registered_sequence: Option<u64> = None;
+    // The status snapshot is rebuilt at every tick and after control-plane changes, not after
+    // every event (a publish is an event).
+    let mut refresh_status = true;
     loop {
         tokio::select! {
             _ = &mut stopped => break,
             _ = ticks.tick() => {
                 node.tick();
-                groups.tick(&transport.connected_peers());
+                groups.tick(&transport.connected_peers(), std::time::Instant::now());
                 tick_count += 1;
+                refresh_status = true;
                 // Callers that gave up (their deadline passed) are forgotten; proposals that did
                 // not come back within a second are proposed again (a forward lost on the way
                 // to the leader, or dropped by a leader change: raft-rs never retries them).
@@ -341,6 +463,21 @@ async fn serve(
                         let _ = answer.send(Err(error.into()));
                     }
                 },
+                Request::Publish { stream, shard, records, deadline, timeout, answer } => {
+                    match shard_group(node.state(), &stream, shard) {
+                        Ok(group) if groups.holds(group) => {
+                            groups.publish(group, records, deadline, timeout, answer);
+                        }
+                        Ok(_) => answer(Err(PublishError::NotReplicatedHere { stream, shard })),
+                        Err(error) => answer(Err(error)),
+                    }
+                }
+                Request::Read { stream, shard, from, max_records, answer } => {
+                    let read = shard_group(node.state(), &stream, shard)
+                        .map_err(|error| error.to_string())
+                        .and_then(|group| groups.read(group, from, max_records));
+                    let _ = answer.send(read);
+                }
             },
         }
         let output = node.advance()?;
@@ -362,6 +499,7 @@ async fn serve(
                 tracing::error!(%error, "cannot start a replicated shard on this member");
             }
             reconciled_at = node.state().applied;
+            refresh_status = true;
         }
         for (group, message) in groups.advance()? {
             let to = message.to;
@@ -374,6 +512,19 @@ async fn serve(
                 groups.report_unreachable(group, to);
             }
         }
+        if refresh_status {
+            refresh_status = false;
+            let mut shown = status
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            shown.node = node.status();
+            if shown.state.applied != node.state().applied {
+                shown.state = node.state().clone();
+            }
+            shown.connected = transport.connected_peers();
+            shown.shards = groups.status();
+        }
+        // Callers are answered after the status shows what they waited for.
         for applied in output.applied {
             if !node.proposed(&applied.proposal) {
                 continue;
@@ -384,17 +535,28 @@ async fn serve(
                 tracing::info!(id, "registered with the cluster");
             }
         }
-        let mut shown = status
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        shown.node = node.status();
-        if shown.state.applied != node.state().applied {
-            shown.state = node.state().clone();
-        }
-        shown.connected = transport.connected_peers();
-        shown.shards = groups.status();
     }
     Ok(())
+}
+
+/// The shard group of shard `shard` of durable stream `stream`, by the control plane's state.
+fn shard_group(state: &ControlState, stream: &str, shard: u32) -> Result<u64, PublishError> {
+    let Some(placement) = state
+        .streams
+        .get(stream)
+        .filter(|placement| placement.kind == StreamKind::Durable)
+    else {
+        return Err(PublishError::NoSuchStream {
+            stream: stream.to_owned(),
+        });
+    };
+    if shard as usize >= placement.shards.len() {
+        return Err(PublishError::NotReplicatedHere {
+            stream: stream.to_owned(),
+            shard,
+        });
+    }
+    Ok(group_id(placement.incarnation, shard))
 }
 
 /// A peer frame: the group id (big-endian u64; [`CONTROL_GROUP`] for the control plane), then

@@ -261,14 +261,20 @@ impl Machine for ShardState {
                 }
                 return Ok(applied);
             }
+            // A gap: an earlier batch of the producer was lost on its way (the producer
+            // proposes it again, then this one). A new producer starts at sequence 1, so a
+            // lost first batch is a gap too. Sequence 0 is a producer that does not ask for
+            // idempotence: never a duplicate, never a gap.
             Some(last) if sequence > last.sequence + 1 => {
                 applied.out_of_order = true;
                 applied.count = 0;
                 return Ok(applied);
             }
-            // An unknown producer may start at any sequence (it may have published to this
-            // shard before its state was dropped); sequence 0 is a producer that does not ask
-            // for idempotence: never a duplicate.
+            None if sequence > 1 => {
+                applied.out_of_order = true;
+                applied.count = 0;
+                return Ok(applied);
+            }
             _ => {}
         }
         if sequence != 0 {

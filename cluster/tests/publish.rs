@@ -1,0 +1,350 @@
+//! Publishing into replicated shards through three cluster services in one process, each on
+//! its own thread with real QUIC peer connections (mutual TLS) on loopback and real Felix logs
+//! with fdatasync (`felix_cluster::publish`). Three publishers publish through the three
+//! members at once while the leader of shard 0 is stopped and restarted on the same data;
+//! then every member's copy is read back and audited:
+//! - each shard's offsets are dense from 0 and every member holds the same records at them;
+//! - every acknowledged batch is there exactly where its ack said, in its order;
+//! - no record is there twice (retried proposals are applied once), none from nowhere.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use felix_cluster::control::{Command, Member, Outcome, StreamKind};
+use felix_cluster::pki::ClusterCa;
+use felix_cluster::publish::{PublishAck, PublishError};
+use felix_cluster::service::{Service, ServiceConfig};
+use felix_cluster::shard::ShardRecord;
+
+/// Generous deadline for anything the test waits for (loaded 2-core machine, parallel tests).
+const DEADLINE: Duration = Duration::from_secs(60);
+const STREAM: &str = "orders";
+const SHARDS: u32 = 3;
+/// Batches each publisher sends (bounded: the test stops by itself).
+const BATCHES: u64 = 200;
+/// How long a publish may take to commit before its caller hears `timeout`.
+const TIMEOUT: Duration = Duration::from_secs(10);
+/// Batches each publisher keeps in flight.
+const WINDOW: usize = 8;
+
+type Slot = Arc<Mutex<Option<Service>>>;
+
+struct Cluster {
+    ca: ClusterCa,
+    addrs: BTreeMap<u64, SocketAddr>,
+    root: tempfile::TempDir,
+}
+
+impl Cluster {
+    fn new(ids: &[u64]) -> Cluster {
+        let addrs = ids
+            .iter()
+            .map(|id| {
+                let socket = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+                (*id, socket.local_addr().expect("addr"))
+            })
+            .collect();
+        Cluster {
+            ca: ClusterCa::generate("publish test CA").expect("ca"),
+            addrs,
+            root: tempfile::tempdir().expect("tempdir"),
+        }
+    }
+
+    fn start(&self, id: u64) -> Service {
+        let peers: BTreeMap<u64, SocketAddr> = self
+            .addrs
+            .iter()
+            .filter(|(peer, _)| **peer != id)
+            .map(|(peer, addr)| (*peer, *addr))
+            .collect();
+        let dir = member_dir(self.root.path(), id);
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            // The port was free a moment ago (or this member's earlier run just let it go).
+            match Service::start(ServiceConfig {
+                member: Member {
+                    id,
+                    client_addr: format!("127.0.0.1:{}", 7000 + id),
+                    peer_addr: self.addrs[&id].to_string(),
+                    cores: 2,
+                },
+                peer_bind: self.addrs[&id],
+                peers: peers.clone(),
+                identity: self.ca.issue_node(id, &[]).expect("cert"),
+                ca_pem: self.ca.cert_pem.clone(),
+                dir: dir.clone(),
+            }) {
+                Ok(service) => return service,
+                Err(error) if Instant::now() < deadline => {
+                    eprintln!("member {id} did not start yet: {error}");
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+                Err(error) => panic!("member {id} does not start: {error}"),
+            }
+        }
+    }
+}
+
+fn member_dir(root: &Path, id: u64) -> std::path::PathBuf {
+    root.join(format!("member-{id}"))
+        .join("cluster")
+        .join("raft")
+}
+
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + DEADLINE;
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn payload(publisher: u64, batch: u64, record: u64) -> Bytes {
+    Bytes::from(format!("p{publisher}-b{batch}-r{record}"))
+}
+
+/// An acknowledged batch: its shard, offsets and payloads.
+#[derive(Debug)]
+struct Acked {
+    shard: u32,
+    first_offset: u64,
+    payloads: Vec<Bytes>,
+}
+
+#[test]
+fn acked_batches_are_on_every_member_once_through_a_leader_restart() {
+    let ids = [1u64, 2, 3];
+    let cluster = Cluster::new(&ids);
+    let slots: BTreeMap<u64, Slot> = ids
+        .iter()
+        .map(|id| (*id, Arc::new(Mutex::new(Some(cluster.start(*id))))))
+        .collect();
+    // Runs `f` on member `id`'s service (which must be running).
+    let on = |id: u64, f: &mut dyn FnMut(&Service)| {
+        f(slots[&id].lock().unwrap().as_ref().expect("running"));
+    };
+    let status = |id: u64| {
+        let mut status = None;
+        on(id, &mut |service| status = Some(service.status()));
+        status.expect("set")
+    };
+
+    // The stream, created through member 1 once a control-plane leader is elected.
+    wait_until("the stream is created", || {
+        let mut created = false;
+        on(1, &mut |service| {
+            created = matches!(
+                service.propose(
+                    Command::CreateStream {
+                        name: STREAM.into(),
+                        kind: StreamKind::Durable,
+                        shards: SHARDS,
+                        replicas: 3,
+                    },
+                    Duration::from_secs(5),
+                ),
+                Ok(Outcome::Done)
+            );
+        });
+        created
+    });
+    wait_until("every member leads or follows every shard", || {
+        ids.iter().all(|id| {
+            let status = status(*id);
+            status.shards.len() == SHARDS as usize
+                && status.shards.iter().all(|shard| shard.leader.is_some())
+        })
+    });
+
+    // Three publishers, one through each member, one batch in flight each.
+    let publishers: Vec<_> = ids
+        .iter()
+        .map(|&id| {
+            let slot = Arc::clone(&slots[&id]);
+            std::thread::spawn(move || {
+                let mut acked = Vec::new();
+                let mut refused: HashMap<String, u64> = HashMap::new();
+                let (answer, answered) =
+                    std::sync::mpsc::channel::<(u64, Result<PublishAck, PublishError>)>();
+                let mut in_flight: HashMap<u64, (u32, Vec<Bytes>)> = HashMap::new();
+                let mut settle = |in_flight: &mut HashMap<u64, (u32, Vec<Bytes>)>| {
+                    let (batch, result) = answered
+                        .recv_timeout(TIMEOUT + DEADLINE)
+                        .expect("every publish is answered");
+                    let (shard, payloads) = in_flight.remove(&batch).expect("in flight");
+                    match result {
+                        Ok(ack) => {
+                            assert_eq!(ack.count as usize, payloads.len(), "the ack covers it");
+                            acked.push(Acked {
+                                shard,
+                                first_offset: ack.first_offset,
+                                payloads,
+                            });
+                        }
+                        Err(error) => {
+                            let kind = match error {
+                                PublishError::Timeout(_) => "timeout",
+                                PublishError::Stopped => "stopped",
+                                PublishError::Busy { .. } => "busy",
+                                PublishError::NotReplicatedHere { .. } => "not_here",
+                                PublishError::NoSuchStream { .. } => "no_stream",
+                            };
+                            *refused.entry(kind.to_owned()).or_default() += 1;
+                        }
+                    }
+                };
+                for batch in 0..BATCHES {
+                    while in_flight.len() >= WINDOW {
+                        settle(&mut in_flight);
+                    }
+                    let shard = u32::try_from(batch % u64::from(SHARDS)).expect("small");
+                    let count = 1 + batch % 4;
+                    let payloads: Vec<Bytes> = (0..count).map(|r| payload(id, batch, r)).collect();
+                    let records = payloads
+                        .iter()
+                        .map(|payload| ShardRecord {
+                            timestamp_us: batch,
+                            key: Bytes::new(),
+                            payload: payload.clone(),
+                        })
+                        .collect();
+                    in_flight.insert(batch, (shard, payloads));
+                    // Handed over without waiting, so the member can be stopped while
+                    // batches are in flight (they are answered `stopped`). While the member
+                    // is stopped, its publisher waits for it.
+                    let mut records = Some(records);
+                    while records.is_some() {
+                        if let Some(service) = slot.lock().unwrap().as_ref() {
+                            let answer = answer.clone();
+                            service.publish(
+                                STREAM,
+                                shard,
+                                records.take().expect("once"),
+                                TIMEOUT,
+                                Box::new(move |result| {
+                                    let _ = answer.send((batch, result));
+                                }),
+                            );
+                        } else {
+                            std::thread::sleep(Duration::from_millis(20));
+                        }
+                    }
+                }
+                while !in_flight.is_empty() {
+                    settle(&mut in_flight);
+                }
+                (id, acked, refused)
+            })
+        })
+        .collect();
+
+    // Stop the leader of shard 0 while the publishers run, then start it again on its data.
+    wait_until("some batches are acknowledged", || {
+        status(1).shards.iter().any(|s| s.next_offset > 20)
+    });
+    let victim = status(2).shards[0].leader.expect("a leader");
+    let stopped = slots[&victim].lock().unwrap().take().expect("running");
+    stopped.shutdown().expect("a clean stop");
+    eprintln!("stopped member {victim}, the leader of shard 0");
+    let survivor = ids.iter().copied().find(|id| *id != victim).expect("two");
+    wait_until("shard 0 has another leader", || {
+        status(survivor).shards[0]
+            .leader
+            .is_some_and(|leader| leader != victim)
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    *slots[&victim].lock().unwrap() = Some(cluster.start(victim));
+    eprintln!("restarted member {victim}");
+
+    let mut acked = Vec::new();
+    for publisher in publishers {
+        let (id, batches, refused) = publisher.join().expect("publisher");
+        eprintln!(
+            "publisher {id}: {} batches acknowledged, refused: {refused:?}",
+            batches.len()
+        );
+        acked.extend(batches);
+    }
+    assert!(
+        acked.len() as u64 > BATCHES,
+        "most batches are acknowledged ({} of {})",
+        acked.len(),
+        3 * BATCHES
+    );
+
+    // Every member catches up to the same end of every shard.
+    let ends = |id: u64| -> Vec<u64> {
+        let status = status(id);
+        let mut ends: Vec<(u32, u64)> = status
+            .shards
+            .iter()
+            .map(|shard| (shard.shard, shard.next_offset))
+            .collect();
+        ends.sort_unstable();
+        ends.into_iter().map(|(_, end)| end).collect()
+    };
+    // Pending retries settle within a few seconds; then the ends stop moving and agree.
+    wait_until("every member holds the same records", || {
+        let first = ends(1);
+        first.len() == SHARDS as usize && ids.iter().all(|id| ends(*id) == first)
+    });
+
+    // Read every member's copy.
+    let mut copies: BTreeMap<u64, Vec<Vec<Bytes>>> = BTreeMap::new();
+    for id in ids {
+        let guard = slots[&id].lock().unwrap();
+        let service = guard.as_ref().expect("running");
+        let mut shards = Vec::new();
+        for shard in 0..SHARDS {
+            let mut records = Vec::new();
+            loop {
+                let read = service
+                    .read(STREAM, shard, records.len() as u64, 1_000, DEADLINE)
+                    .expect("read");
+                if read.is_empty() {
+                    break;
+                }
+                for (offset, record) in read {
+                    assert_eq!(offset, records.len() as u64, "offsets are dense");
+                    records.push(record.payload);
+                }
+            }
+            shards.push(records);
+        }
+        copies.insert(id, shards);
+    }
+    let reference = &copies[&1];
+    for (id, copy) in &copies {
+        assert_eq!(
+            copy, reference,
+            "member {id} holds the same records as member 1"
+        );
+    }
+    let mut seen = HashSet::new();
+    for records in reference {
+        for payload in records {
+            assert!(seen.insert(payload.clone()), "{payload:?} is there twice");
+            let text = std::str::from_utf8(payload).expect("utf8");
+            assert!(text.starts_with('p'), "{text} came from nowhere");
+        }
+    }
+    for batch in &acked {
+        let records = &reference[batch.shard as usize];
+        let at = usize::try_from(batch.first_offset).expect("small");
+        assert_eq!(
+            records.get(at..at + batch.payloads.len()),
+            Some(&batch.payloads[..]),
+            "an acknowledged batch is where its ack said"
+        );
+    }
+    eprintln!(
+        "audit: {} acknowledged batches, {} records in {SHARDS} shards, the same on 3 members",
+        acked.len(),
+        seen.len()
+    );
+}
