@@ -1,7 +1,7 @@
 //! The cluster's admin requests as a client makes them: plain HTTP/1.0 to a broker's metrics
-//! endpoint (`GET /v1/cluster/status`, `POST /v1/cluster/streams`), used by
-//! `felix cluster status` and `felix cluster create-stream` and by the cluster tests; and the
-//! status as a table for people.
+//! endpoint (`GET /v1/cluster/status`, `POST /v1/cluster/streams`, `POST /v1/cluster/read`),
+//! used by `felix cluster status`, `create-stream` and `read` and by the cluster tests; and
+//! the status as a table for people.
 
 use std::fmt::Write as _;
 use std::io::{Read, Write};
@@ -118,6 +118,78 @@ pub fn create_stream(
         return Err(refused(status, &answer));
     }
     Ok(())
+}
+
+/// A committed record of a replicated shard, as `POST /v1/cluster/read` answers it (key and
+/// payload in hex).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ReadRecord {
+    pub offset: u64,
+    pub timestamp_us: u64,
+    #[serde(with = "hex_bytes")]
+    pub key: Vec<u8>,
+    #[serde(with = "hex_bytes")]
+    pub payload: Vec<u8>,
+}
+
+/// `POST /v1/cluster/read`'s body.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ReadRequest {
+    pub stream: String,
+    pub shard: u32,
+    pub from: u64,
+    pub max: usize,
+}
+
+/// Most records one read answers.
+pub const READ_RECORDS_MAX: usize = 10_000;
+
+/// Reads up to `max` committed records of shard `shard` of the replicated stream `stream`
+/// from offset `from`, out of the copy of the member whose metrics endpoint is `addr`.
+pub fn read(
+    addr: SocketAddr,
+    wanted: &ReadRequest,
+    timeout: Duration,
+) -> Result<Vec<ReadRecord>, AdminError> {
+    let body = serde_json::to_string(wanted).expect("a request always serializes");
+    let (status, answer) = request(addr, "POST", "/v1/cluster/read", Some(&body), timeout)?;
+    if status != 200 {
+        return Err(refused(status, &answer));
+    }
+    serde_json::from_str(&answer).map_err(|error| AdminError::Http {
+        method: "POST",
+        addr,
+        path: "/v1/cluster/read",
+        detail: format!("unreadable records: {error}"),
+    })
+}
+
+mod hex_bytes {
+    use std::fmt::Write as _;
+
+    pub fn serialize<S: serde::Serializer>(bytes: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        let mut text = String::with_capacity(bytes.len() * 2);
+        for byte in bytes {
+            let _ = write!(text, "{byte:02x}");
+        }
+        s.serialize_str(&text)
+    }
+
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        let text: String = serde::Deserialize::deserialize(d)?;
+        if !text.len().is_multiple_of(2) {
+            return Err(serde::de::Error::custom("odd hex length"));
+        }
+        text.as_bytes()
+            .chunks(2)
+            .map(|pair| {
+                std::str::from_utf8(pair)
+                    .ok()
+                    .and_then(|pair| u8::from_str_radix(pair, 16).ok())
+                    .ok_or_else(|| serde::de::Error::custom("not hex"))
+            })
+            .collect()
+    }
 }
 
 /// The status as `felix cluster status` prints it: this member's view, the members, and each
@@ -357,4 +429,26 @@ pub fn render_metrics(status: &ClusterStatus) -> String {
 /// A label value with its backslashes and quotes escaped (OpenMetrics).
 fn label(value: &str) -> String {
     value.replace('\\', "\\\\").replace('"', "\\\"")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn read_records_round_trip_in_hex_and_bad_hex_is_refused() {
+        let record = ReadRecord {
+            offset: 7,
+            timestamp_us: 9,
+            key: b"k\x00\xff".to_vec(),
+            payload: (0..=255).collect(),
+        };
+        let json = serde_json::to_string(&record).unwrap();
+        assert!(json.contains("\"6b00ff\""), "{json}");
+        assert_eq!(serde_json::from_str::<ReadRecord>(&json).unwrap(), record);
+        for bad in ["\"6\"", "\"zz\"", "\"\u{e9}a\""] {
+            let json = format!(r#"{{"offset":0,"timestamp_us":0,"key":{bad},"payload":""}}"#);
+            assert!(serde_json::from_str::<ReadRecord>(&json).is_err(), "{bad}");
+        }
+    }
 }

@@ -259,7 +259,7 @@ impl Groups {
         answer: PublishAnswer,
     ) {
         let Some(found) = self.groups.get_mut(&group) else {
-            answer(Err(PublishError::NotReplicatedHere {
+            answer.answer(Err(PublishError::NotReplicatedHere {
                 stream: String::new(),
                 shard: u32::try_from(group & 0xffff).expect("16 bits"),
             }));
@@ -273,7 +273,7 @@ impl Groups {
                     found.producer.proposed(sequence, self.ticks);
                 }
             }
-            Err((answer, pending)) => answer(Err(PublishError::Busy {
+            Err((answer, pending)) => answer.answer(Err(PublishError::Busy {
                 stream: found.stream.clone(),
                 shard: found.shard,
                 pending,

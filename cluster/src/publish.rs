@@ -63,8 +63,41 @@ pub enum PublishError {
     Stopped,
 }
 
-/// Called once with a publish's outcome, on the cluster thread: it must not block.
-pub type PublishAnswer = Box<dyn FnOnce(Result<PublishAck, PublishError>) + Send>;
+/// Called exactly once with a publish's outcome, on the cluster thread (it must not block).
+/// An answer dropped without being called (a request still queued when the service stops)
+/// answers [`PublishError::Stopped`], so no caller waits forever.
+pub struct PublishAnswer(Option<Box<dyn FnOnce(Result<PublishAck, PublishError>) + Send>>);
+
+impl PublishAnswer {
+    pub fn new(answer: impl FnOnce(Result<PublishAck, PublishError>) + Send + 'static) -> Self {
+        PublishAnswer(Some(Box::new(answer)))
+    }
+
+    /// Answers the caller.
+    pub fn answer(mut self, result: Result<PublishAck, PublishError>) {
+        if let Some(answer) = self.0.take() {
+            answer(result);
+        }
+    }
+}
+
+impl Drop for PublishAnswer {
+    fn drop(&mut self) {
+        if let Some(answer) = self.0.take() {
+            answer(Err(PublishError::Stopped));
+        }
+    }
+}
+
+impl std::fmt::Debug for PublishAnswer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "PublishAnswer(waiting)"
+        } else {
+            "PublishAnswer(answered)"
+        })
+    }
+}
 
 struct Pending {
     data: Vec<u8>,
@@ -153,7 +186,7 @@ impl Producer {
         };
         self.pending_bytes -= pending.data.len();
         if let Some(answer) = pending.answer {
-            answer(Ok(PublishAck {
+            answer.answer(Ok(PublishAck {
                 first_offset: applied.first_offset,
                 count: applied.count,
             }));
@@ -169,7 +202,7 @@ impl Producer {
             if pending.deadline <= now
                 && let Some(answer) = pending.answer.take()
             {
-                answer(Err(PublishError::Timeout(pending.timeout)));
+                answer.answer(Err(PublishError::Timeout(pending.timeout)));
             }
             if pending
                 .proposed_at
@@ -191,7 +224,7 @@ impl Producer {
     pub(crate) fn fail_all(&mut self, error: &PublishError) {
         for (_, pending) in std::mem::take(&mut self.pending) {
             if let Some(answer) = pending.answer {
-                answer(Err(error.clone()));
+                answer.answer(Err(error.clone()));
             }
         }
         self.pending_bytes = 0;
@@ -218,7 +251,7 @@ mod tests {
 
     fn answer_into(answers: &Answers, tag: u64) -> PublishAnswer {
         let answers = Arc::clone(answers);
-        Box::new(move |result| answers.lock().unwrap().push((tag, result)))
+        PublishAnswer::new(move |result| answers.lock().unwrap().push((tag, result)))
     }
 
     fn records(n: usize) -> Vec<ShardRecord> {
@@ -336,10 +369,12 @@ mod tests {
             panic!("a full producer refuses");
         };
         assert_eq!(pending, PENDING_BATCHES_MAX);
+        // An answer dropped unanswered (here: the refused one) answers `stopped` itself.
         drop(answer);
+        assert_eq!(answers.lock().unwrap().len(), 1);
         drop(producer);
         let answers = answers.lock().unwrap();
-        assert_eq!(answers.len(), PENDING_BATCHES_MAX);
+        assert_eq!(answers.len(), PENDING_BATCHES_MAX + 1);
         assert!(
             answers
                 .iter()

@@ -120,9 +120,13 @@ enum Request {
     },
 }
 
+/// The cluster's durable (replicated) streams: name to shard count.
+pub type DurableStreams = Arc<HashMap<String, u32>>;
+
 /// A running control-plane service. Dropping it stops the thread.
 pub struct Service {
     requests: mpsc::Sender<Request>,
+    streams: tokio::sync::watch::Receiver<DurableStreams>,
     status: Arc<Mutex<ClusterStatus>>,
     peer_addr: SocketAddr,
     stop: Option<oneshot::Sender<()>>,
@@ -149,7 +153,7 @@ impl Service {
             .spawn(move || run(config, inbox, stopped, ready_tx))
             .map_err(|error| ServiceError::Start(format!("spawn the cluster thread: {error}")))?;
         let started = ready_rx.recv_timeout(Duration::from_secs(60));
-        let (peer_addr, status) = match started {
+        let (peer_addr, status, streams) = match started {
             Ok(Ok(started)) => started,
             Ok(Err(error)) => {
                 let _ = thread.join();
@@ -164,11 +168,19 @@ impl Service {
         };
         Ok(Service {
             requests,
+            streams,
             status,
             peer_addr,
             stop: Some(stop),
             thread: Some(thread),
         })
+    }
+
+    /// The cluster's durable streams, updated whenever the control plane changes them: the
+    /// data-plane cores route publishes to them (`felix_core`'s `cluster.rs`).
+    #[must_use]
+    pub fn durable_streams(&self) -> tokio::sync::watch::Receiver<DurableStreams> {
+        self.streams.clone()
     }
 
     /// Where the peer endpoint listens.
@@ -242,13 +254,13 @@ impl Service {
                 shard,
                 answer,
                 ..
-            })) => answer(Err(PublishError::Busy {
+            })) => answer.answer(Err(PublishError::Busy {
                 stream,
                 shard,
                 pending: REQUESTS_MAX,
             })),
             Err(mpsc::error::TrySendError::Closed(Request::Publish { answer, .. })) => {
-                answer(Err(PublishError::Stopped));
+                answer.answer(Err(PublishError::Stopped));
             }
             Err(_) => unreachable!("the request given back is the publish"),
         }
@@ -269,7 +281,7 @@ impl Service {
             shard,
             records,
             timeout,
-            Box::new(move |result| {
+            PublishAnswer::new(move |result| {
                 let _ = answer.send(result);
             }),
         );
@@ -328,7 +340,14 @@ impl Drop for Service {
     }
 }
 
-type Started = Result<(SocketAddr, Arc<Mutex<ClusterStatus>>), ServiceError>;
+type Started = Result<
+    (
+        SocketAddr,
+        Arc<Mutex<ClusterStatus>>,
+        tokio::sync::watch::Receiver<DurableStreams>,
+    ),
+    ServiceError,
+>;
 
 fn run(
     config: ServiceConfig,
@@ -384,6 +403,16 @@ async fn serve(
             return Err(error);
         }
     };
+    // Apply what this member knows to be committed (its log up to the stored commit index)
+    // before it serves: the cores then know the streams created before a restart at once,
+    // rather than answering `stream_not_found` until the first peer message.
+    let recovered = node.advance()?;
+    for message in recovered.messages {
+        let to = message.to;
+        if !transport.send(to, encode_frame(CONTROL_GROUP, &message)) {
+            node.report_unreachable(to);
+        }
+    }
     let status = Arc::new(Mutex::new(ClusterStatus {
         node: node.status(),
         state: node.state().clone(),
@@ -397,7 +426,12 @@ async fn serve(
         });
     let mut groups = Groups::new(id, boot, config.dir.with_file_name("shards"));
     let mut reconciled_at = 0u64;
-    let _ = ready.send(Ok((transport.local_addr(), Arc::clone(&status))));
+    let (streams, streams_watched) = tokio::sync::watch::channel(durable_streams(node.state()));
+    let _ = ready.send(Ok((
+        transport.local_addr(),
+        Arc::clone(&status),
+        streams_watched,
+    )));
     let mut waiting: HashMap<u64, Waiting> = HashMap::new();
     let mut ticks = tokio::time::interval(TICK);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -468,8 +502,8 @@ async fn serve(
                         Ok(group) if groups.holds(group) => {
                             groups.publish(group, records, deadline, timeout, answer);
                         }
-                        Ok(_) => answer(Err(PublishError::NotReplicatedHere { stream, shard })),
-                        Err(error) => answer(Err(error)),
+                        Ok(_) => answer.answer(Err(PublishError::NotReplicatedHere { stream, shard })),
+                        Err(error) => answer.answer(Err(error)),
                     }
                 }
                 Request::Read { stream, shard, from, max_records, answer } => {
@@ -520,6 +554,14 @@ async fn serve(
             shown.node = node.status();
             if shown.state.applied != node.state().applied {
                 shown.state = node.state().clone();
+                let now = durable_streams(node.state());
+                streams.send_if_modified(|known| {
+                    let changed = *known != now;
+                    if changed {
+                        *known = Arc::clone(&now);
+                    }
+                    changed
+                });
             }
             shown.connected = transport.connected_peers();
             shown.shards = groups.status();
@@ -537,6 +579,20 @@ async fn serve(
         }
     }
     Ok(())
+}
+
+fn durable_streams(state: &ControlState) -> DurableStreams {
+    Arc::new(
+        state
+            .streams
+            .values()
+            .filter(|stream| stream.kind == StreamKind::Durable)
+            .map(|stream| {
+                let shards = u32::try_from(stream.shards.len()).expect("shards below 2^32");
+                (stream.name.clone(), shards)
+            })
+            .collect(),
+    )
 }
 
 /// The shard group of shard `shard` of durable stream `stream`, by the control plane's state.

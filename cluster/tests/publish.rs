@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use felix_cluster::control::{Command, Member, Outcome, StreamKind};
 use felix_cluster::pki::ClusterCa;
-use felix_cluster::publish::{PublishAck, PublishError};
+use felix_cluster::publish::{PublishAck, PublishAnswer, PublishError};
 use felix_cluster::service::{Service, ServiceConfig};
 use felix_cluster::shard::ShardRecord;
 
@@ -226,7 +226,7 @@ fn acked_batches_are_on_every_member_once_through_a_leader_restart() {
                                 shard,
                                 records.take().expect("once"),
                                 TIMEOUT,
-                                Box::new(move |result| {
+                                PublishAnswer::new(move |result| {
                                     let _ = answer.send((batch, result));
                                 }),
                             );
@@ -347,4 +347,38 @@ fn acked_batches_are_on_every_member_once_through_a_leader_restart() {
         acked.len(),
         seen.len()
     );
+}
+
+#[test]
+fn every_publish_is_answered_when_the_service_stops_with_requests_queued() {
+    // Member 1 of three, alone: its publishes queue on its thread; it stops at once.
+    let cluster = Cluster::new(&[1, 2, 3]);
+    let service = cluster.start(1);
+    let (answer, answered) = std::sync::mpsc::channel();
+    let sent = 2_000;
+    for n in 0..sent {
+        let answer = answer.clone();
+        service.publish(
+            STREAM,
+            0,
+            vec![ShardRecord {
+                timestamp_us: n,
+                key: Bytes::new(),
+                payload: Bytes::from_static(b"x"),
+            }],
+            TIMEOUT,
+            PublishAnswer::new(move |result| {
+                let _ = answer.send(result);
+            }),
+        );
+    }
+    service.shutdown().expect("a clean stop");
+    drop(answer);
+    // Every publish answered once, without waiting: no stream, or stopped before its turn.
+    let answers: Vec<_> = answered.iter().collect();
+    assert_eq!(answers.len() as u64, sent);
+    assert!(answers.iter().all(|answer| matches!(
+        answer,
+        Err(PublishError::NoSuchStream { .. } | PublishError::Stopped | PublishError::Busy { .. })
+    )));
 }

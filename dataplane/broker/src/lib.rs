@@ -230,6 +230,7 @@ impl Broker {
                 },
                 client_ca: client_ca.clone(),
                 tokens: token_receiver.clone(),
+                cluster: cluster.clone(),
             };
             match CoreRuntime::spawn(
                 settings,

@@ -1086,6 +1086,49 @@ fn create_stream(
     }
 }
 
+/// `POST /v1/cluster/read`: `{"stream", "shard", "from", "max"}`; the committed records of
+/// this member's copy of the shard (at most `felix_cluster::admin::READ_RECORDS_MAX`), 404
+/// when the stream or shard is not replicated here or `from` was compacted away.
+fn read_records(
+    service: &felix_cluster::service::Service,
+    request: &mut tiny_http::Request,
+) -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
+    let mut body = Vec::new();
+    if let Err(error) = std::io::Read::read_to_end(
+        &mut std::io::Read::take(request.as_reader(), ADMIN_BODY_MAX),
+        &mut body,
+    ) {
+        return error_json(400, &format!("cannot read the body: {error}"));
+    }
+    let read: felix_cluster::admin::ReadRequest = match serde_json::from_slice(&body) {
+        Ok(read) => read,
+        Err(error) => return error_json(400, &format!("bad request body: {error}")),
+    };
+    let max = read.max.min(felix_cluster::admin::READ_RECORDS_MAX);
+    match service.read(
+        &read.stream,
+        read.shard,
+        read.from,
+        max,
+        CLUSTER_PROPOSE_TIMEOUT,
+    ) {
+        Ok(records) => {
+            let records: Vec<felix_cluster::admin::ReadRecord> = records
+                .into_iter()
+                .map(|(offset, record)| felix_cluster::admin::ReadRecord {
+                    offset,
+                    timestamp_us: record.timestamp_us,
+                    key: record.key.to_vec(),
+                    payload: record.payload.to_vec(),
+                })
+                .collect();
+            json_response(200, serde_json::to_string(&records).unwrap_or_default())
+        }
+        Err(felix_cluster::service::ServiceError::Read(reason)) => error_json(404, &reason),
+        Err(error) => error_json(503, &error.to_string()),
+    }
+}
+
 fn serve(server: &tiny_http::Server, metrics: &Metrics, cluster: &ClusterSlot) {
     // Ends when `unblock` is called (the iterator then yields None).
     for mut request in server.incoming_requests() {
@@ -1108,13 +1151,15 @@ fn serve(server: &tiny_http::Server, metrics: &Metrics, cluster: &ClusterSlot) {
                 }
                 response
             }
-            (_, "/v1/cluster/status" | "/v1/cluster/streams") if cluster.get().is_none() => {
+            (_, "/v1/cluster/status" | "/v1/cluster/streams" | "/v1/cluster/read")
+                if cluster.get().is_none() =>
+            {
                 error_json(
                     404,
                     "this broker is not a cluster member (FELIX_CLUSTER_NODE_ID=0)",
                 )
             }
-            (_, "/v1/cluster/status" | "/v1/cluster/streams")
+            (_, "/v1/cluster/status" | "/v1/cluster/streams" | "/v1/cluster/read")
                 if cluster.get().is_some_and(|service| service.failed()) =>
             {
                 error_json(
@@ -1131,6 +1176,10 @@ fn serve(server: &tiny_http::Server, metrics: &Metrics, cluster: &ClusterSlot) {
             },
             (tiny_http::Method::Post, "/v1/cluster/streams") => match cluster.get() {
                 Some(service) => create_stream(service, &mut request),
+                None => error_json(404, "not a cluster member"),
+            },
+            (tiny_http::Method::Post, "/v1/cluster/read") => match cluster.get() {
+                Some(service) => read_records(service, &mut request),
                 None => error_json(404, "not a cluster member"),
             },
             _ => tiny_http::Response::from_string(

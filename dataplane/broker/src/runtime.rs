@@ -67,6 +67,8 @@ pub(crate) struct CoreSettings {
     pub client_ca: Option<String>,
     /// The tokens in force, replaced on SIGHUP.
     pub tokens: watch::Receiver<Arc<TokenStore>>,
+    /// The cluster service, when this broker is a cluster member.
+    pub cluster: Option<Arc<felix_cluster::service::Service>>,
 }
 
 /// What a core reports once it is pinned and its endpoints listen.
@@ -235,6 +237,14 @@ fn run_thread(
                     reason: format!("cannot restore stream {name:?}: {}", ErrorChain(&error)),
                 })
             })?;
+        let (cluster_link, cluster_parts) = match settings.cluster {
+            Some(service) => {
+                let streams = service.durable_streams();
+                let (link, answers) = crate::cluster::CoreLink::new(service);
+                (Some(link), Some((answers, streams)))
+            }
+            None => (None, None),
+        };
         let shell = Rc::new(Shell::new(
             core,
             log,
@@ -246,6 +256,7 @@ fn run_thread(
             read_budget,
             metrics.clone(),
             core_metrics,
+            cluster_link,
         ));
         let _ = ready.send(Ok(report));
         tracing::info!(core = index, cpu = settings.cpu, %own_addr, "core serving");
@@ -253,9 +264,19 @@ fn run_thread(
         let tokens =
             tokio::task::spawn_local(crate::auth::token_task(Rc::clone(&shell), settings.tokens));
         let timers = tokio::task::spawn_local(timers(Rc::clone(&shell), log_wake));
+        let cluster = cluster_parts.map(|(answers, streams)| {
+            tokio::task::spawn_local(crate::cluster::core_task(
+                Rc::clone(&shell),
+                answers,
+                streams,
+            ))
+        });
         serve(Rc::clone(&shell), servers, shutdown).await;
         timers.abort();
         tokens.abort();
+        if let Some(cluster) = cluster {
+            cluster.abort();
+        }
         shell.shutdown_log(DURABLE_SHUTDOWN_FLUSH);
         Ok(())
     })

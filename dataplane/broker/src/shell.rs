@@ -65,6 +65,8 @@ pub(crate) struct Shell {
     pub core_metrics: CoreMetrics,
     exported: RefCell<CoreExport>,
     durable_exported: RefCell<DurableExported>,
+    /// The link to the cluster service, when this broker is a cluster member.
+    cluster: Option<crate::cluster::CoreLink>,
 }
 
 /// The time now, as the machine takes it.
@@ -93,6 +95,7 @@ impl Shell {
         connection_read_budget: u64,
         metrics: Metrics,
         core_metrics: CoreMetrics,
+        cluster: Option<crate::cluster::CoreLink>,
     ) -> Shell {
         let (decoder, hello_decoder) = decoders;
         Shell {
@@ -117,6 +120,7 @@ impl Shell {
             core_metrics,
             exported: RefCell::new(CoreExport::default()),
             durable_exported: RefCell::new(DurableExported::default()),
+            cluster,
         }
     }
 
@@ -165,6 +169,21 @@ impl Shell {
                     .map_err(|error| ErrorChain(&error).to_string());
                 core.handle_catalog_written(now, write.id, result);
                 more = true;
+            }
+            while let Some(part) = core.poll_cluster_publish() {
+                match &self.cluster {
+                    Some(link) => link.send(part),
+                    None => {
+                        // The core routes to cluster streams only when told of them, which
+                        // only a member's link does.
+                        let refusal = felix_core::ClusterRefusal {
+                            code: ErrorCode::Unavailable,
+                            message: "this broker is not a cluster member".to_owned(),
+                        };
+                        core.handle_cluster_answer(now, part.token, Err(refusal));
+                        more = true;
+                    }
+                }
             }
             while let Some(check) = core.poll_token_check() {
                 self.check_token(core, now, check);

@@ -211,6 +211,9 @@ pub(crate) enum Request {
     Describe { describe: u64 },
     /// The part of subscription `stream` on core `core` (answered by `SubscribeDone`).
     Subscribe { stream: StreamId, core: u16 },
+    /// A part of publish `publish` handed to the cluster (`cluster.rs`; answered by
+    /// `Core::handle_cluster_answer`).
+    ClusterPart { publish: u64 },
 }
 
 /// The state machine of one data-plane core: publish routing and splitting, ingress
@@ -277,6 +280,10 @@ pub struct Core {
     /// Tokens of hellos waiting for the shell's verdict, oldest first. At most one per
     /// connection (its hello stream is parked meanwhile).
     token_checks: VecDeque<TokenCheck>,
+    /// The cluster's durable streams by name: their shard counts (`cluster.rs`).
+    pub(crate) cluster_streams: std::collections::HashMap<String, u32>,
+    /// Publish parts for the cluster service, oldest first. Bounded by the ingress queue.
+    pub(crate) cluster_out: VecDeque<crate::cluster::ClusterPublish>,
 }
 
 impl std::fmt::Debug for Core {
@@ -338,6 +345,8 @@ impl Core {
             appends_held: false,
             reads_held: false,
             token_checks: VecDeque::new(),
+            cluster_streams: std::collections::HashMap::new(),
+            cluster_out: VecDeque::new(),
         }
     }
 

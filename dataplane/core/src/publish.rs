@@ -12,6 +12,7 @@ use felix_engine::{EngineError, PublishToken, RecordBuffers, StreamMeta};
 use felix_wire::{AckMode, ErrorCode, ErrorFrame, Frame, Publish, Record, ShardAck, StreamKind};
 
 use crate::admission::{Decision, Policy, Ticket};
+use crate::cluster::Target;
 use crate::config::{INGRESS_EXHAUSTED_MESSAGE, Now, StreamId};
 use crate::core::{Core, Flow, Parked, Request, sort_acks};
 use crate::message::CoreMessage;
@@ -29,6 +30,29 @@ pub(crate) struct PendingPublish {
     acks: Vec<ShardAck>,
     /// The first error a part answered with; the publish answers it.
     error: Option<EngineError>,
+}
+
+impl PendingPublish {
+    /// A publish waiting for `parts` answers.
+    pub(crate) fn new(
+        stream: StreamId,
+        request_id: u64,
+        ack: AckMode,
+        payload_bytes: u64,
+        records: u64,
+        parts: u16,
+    ) -> PendingPublish {
+        PendingPublish {
+            stream,
+            request_id,
+            ack,
+            payload_bytes,
+            records,
+            parts,
+            acks: Vec::new(),
+            error: None,
+        }
+    }
 }
 
 /// A durable publish (or part) the engine tracks until its records are committed.
@@ -59,18 +83,23 @@ impl Core {
             return Flow::Continue;
         }
         // The stream's name is resolved here, once; the engine is then reached by handle.
-        let Some(meta) = self.engine.lookup(&publish.stream) else {
+        let Some(target) = self.target(&publish.stream) else {
             let error = EngineError::stream_not_found(&publish.stream);
             self.answer_publish(stream, publish.request_id, publish.ack, Err(error));
             return Flow::Continue;
         };
+        let kind = match &target {
+            Target::Local(meta) => meta.kind,
+            // Replicated streams are durable: acked publishes wait for ingress room.
+            Target::Cluster(_) => StreamKind::Durable,
+        };
         match self.admission.handle_request(
             now.at,
             payload_bytes,
-            self.policy(now, publish.ack, meta.kind),
+            self.policy(now, publish.ack, kind),
         ) {
             Decision::Admitted => {
-                self.run_publish(now, stream, publish, meta, payload_bytes);
+                self.run_target(now, stream, publish, target, payload_bytes);
                 Flow::Continue
             }
             Decision::Shed => {
@@ -141,8 +170,8 @@ impl Core {
         };
         assert_eq!(parked, ticket, "a stream parks one publish at a time");
         self.unpark(stream);
-        match self.engine.lookup(&publish.stream) {
-            Some(meta) => self.run_publish(now, stream, publish, meta, payload_bytes),
+        match self.target(&publish.stream) {
+            Some(target) => self.run_target(now, stream, publish, target, payload_bytes),
             None => {
                 self.complete_job(now, payload_bytes);
                 let error = EngineError::stream_not_found(&publish.stream);
@@ -166,6 +195,23 @@ impl Core {
 
     /// An admitted publish: each record's shard is computed here, once; the records this core
     /// owns go to its engine, the others to their owners in one message per owner core.
+    /// Runs an admitted publish on its stream: this broker's own, or the cluster's.
+    fn run_target(
+        &mut self,
+        now: Now,
+        stream: StreamId,
+        publish: Publish,
+        target: Target,
+        payload_bytes: u64,
+    ) {
+        match target {
+            Target::Local(meta) => self.run_publish(now, stream, publish, meta, payload_bytes),
+            Target::Cluster(shard_count) => {
+                self.run_cluster_publish(now, stream, publish, shard_count, payload_bytes);
+            }
+        }
+    }
+
     fn run_publish(
         &mut self,
         now: Now,
@@ -315,7 +361,7 @@ impl Core {
     }
 
     /// Keeps a publish until its parts are answered; its stream owes the answer.
-    fn hold(&mut self, token: u64, pending: PendingPublish) {
+    pub(crate) fn hold(&mut self, token: u64, pending: PendingPublish) {
         if let Some(state) = self.streams.get_mut(&pending.stream) {
             state.owed += 1;
         }

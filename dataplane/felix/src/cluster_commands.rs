@@ -1,6 +1,6 @@
-//! `felix cluster`: the cluster's status and streams through a member's metrics endpoint
-//! (`GET /v1/cluster/status`, `POST /v1/cluster/streams`), and a development set of peer
-//! certificates. docs/cluster.md walks through a three-broker cluster with them.
+//! `felix cluster`: the cluster's status, streams and a replicated shard's records through a
+//! member's metrics endpoint (`GET /v1/cluster/status`, `POST /v1/cluster/streams`,
+//! `POST /v1/cluster/read`), and a development set of peer certificates. docs/cluster.md walks through a three-broker cluster with them.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -52,6 +52,24 @@ pub enum ClusterCommand {
         #[arg(long, value_enum, default_value = "durable")]
         kind: KindArg,
     },
+    /// Print committed records of a replicated shard from one member's copy (an audit tool:
+    /// every member must print the same records at the same offsets).
+    Read {
+        #[command(flatten)]
+        admin: AdminArgs,
+        stream: String,
+        #[arg(long, default_value_t = 0)]
+        shard: u32,
+        /// First offset to print.
+        #[arg(long, default_value_t = 0)]
+        from: u64,
+        /// Most records to print.
+        #[arg(long, default_value_t = 100)]
+        max: usize,
+        /// Print JSON (key and payload in hex).
+        #[arg(long)]
+        json: bool,
+    },
     /// Write a development cluster CA and one peer certificate per member.
     DevCerts {
         /// Folder to write ca.pem and node-<id>.pem/.key into (created if missing).
@@ -101,6 +119,38 @@ pub fn run(config: &Config, command: ClusterCommand) -> anyhow::Result<()> {
             felix_cluster::admin::create_stream(addr, &name, kind, shards, replicas, ADMIN_TIMEOUT)
                 .with_context(|| format!("cannot create stream {name:?}"))?;
             println!("created stream {name} ({shards} shards, {replicas} replicas)");
+            Ok(())
+        }
+        ClusterCommand::Read {
+            admin,
+            stream,
+            shard,
+            from,
+            max,
+            json,
+        } => {
+            let addr = admin_addr(config, &admin)?;
+            let request = felix_cluster::admin::ReadRequest {
+                stream: stream.clone(),
+                shard,
+                from,
+                max,
+            };
+            let records = felix_cluster::admin::read(addr, &request, ADMIN_TIMEOUT)
+                .with_context(|| format!("cannot read shard {shard} of {stream:?} from {addr}"))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&records)?);
+            } else {
+                for record in &records {
+                    println!(
+                        "{stream}/{shard}@{} key={:?} payload={:?} ({} bytes)",
+                        record.offset,
+                        String::from_utf8_lossy(&record.key),
+                        String::from_utf8_lossy(&record.payload),
+                        record.payload.len()
+                    );
+                }
+            }
             Ok(())
         }
         ClusterCommand::DevCerts { out, nodes, names } => {

@@ -10,6 +10,7 @@ mod support;
 use std::collections::BTreeMap;
 use std::net::UdpSocket;
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use felix_cluster::control::StreamKind;
@@ -634,4 +635,233 @@ fn randomized_faults_keep_acked_creations_once_and_in_real_time_order() {
         }
     }
     assert!(!acked.is_empty(), "the run acknowledged creations");
+}
+
+/// Publishers' batches for the replicated publish test (bounded: the test stops by itself).
+const PUBLISH_BATCHES: u64 = 150;
+
+/// One acknowledged batch: the payloads and where the ack put them.
+struct AckedBatch {
+    payloads: Vec<Vec<u8>>,
+    acks: Vec<felix_wire::ShardAck>,
+    keys: Vec<String>,
+}
+
+/// Every record of every shard of `stream` in member `id`'s copy, by shard.
+fn read_copy(cluster: &Cluster, id: u64, stream: &str, shards: u32) -> Vec<Vec<(String, Vec<u8>)>> {
+    let addr = cluster.brokers[&id].metrics_addr;
+    (0..shards)
+        .map(|shard| {
+            let mut records = Vec::new();
+            loop {
+                let request = felix_cluster::admin::ReadRequest {
+                    stream: stream.to_owned(),
+                    shard,
+                    from: records.len() as u64,
+                    max: 1_000,
+                };
+                let read = felix_cluster::admin::read(addr, &request, ADMIN_TIMEOUT)
+                    .unwrap_or_else(|error| panic!("member {id} reads shard {shard}: {error}"));
+                if read.is_empty() {
+                    break;
+                }
+                for record in read {
+                    assert_eq!(record.offset, records.len() as u64, "dense offsets");
+                    records.push((String::from_utf8(record.key).expect("utf8"), record.payload));
+                }
+            }
+            records
+        })
+        .collect()
+}
+
+#[test]
+fn acked_publishes_are_on_every_replica_once_after_a_leaders_kill() {
+    let mut cluster = Cluster::start(3);
+    cluster.settled(&[1, 2, 3]);
+    let shards = 3;
+    cluster.create(1, "payments", shards).expect("created");
+    wait_for(&cluster, &[1, 2, 3], "shards led as placed", |statuses| {
+        placed_and_in_sync(statuses, shards as usize)
+    });
+    // One publisher per member, through the plain client (no cluster map yet: a publish
+    // entering a member that does not lead its shard goes to the leader through Raft).
+    let configs: BTreeMap<u64, Arc<Mutex<Option<felix_client::ClientConfig>>>> = cluster
+        .brokers
+        .iter()
+        .map(|(id, broker)| {
+            (
+                *id,
+                Arc::new(Mutex::new(Some(broker.naive_client_config()))),
+            )
+        })
+        .collect();
+    let publishers: Vec<_> = configs
+        .iter()
+        .map(|(&id, slot)| {
+            let slot = Arc::clone(slot);
+            std::thread::spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("runtime");
+                runtime.block_on(publish_batches(id, slot))
+            })
+        })
+        .collect();
+    // SIGKILL the leader of shard 0 once some batches are in, then start it again.
+    wait_for(&cluster, &[1], "some batches committed", |statuses| {
+        statuses[0]
+            .shards
+            .iter()
+            .any(|shard| shard.next_offset >= 30)
+    });
+    let victim = cluster.status(1).expect("status").shards[0]
+        .leader
+        .expect("a leader");
+    *configs[&victim].lock().unwrap() = None;
+    cluster.brokers.get_mut(&victim).expect("victim").kill();
+    let survivor = if victim == 1 { 2 } else { 1 };
+    wait_for(&cluster, &[survivor], "shard 0 fails over", |statuses| {
+        statuses[0].shards[0]
+            .leader
+            .is_some_and(|leader| leader != victim)
+    });
+    cluster.brokers.get_mut(&victim).expect("victim").restart();
+    *configs[&victim].lock().unwrap() = Some(cluster.brokers[&victim].naive_client_config());
+
+    let mut acked = Vec::new();
+    let mut refused = 0usize;
+    for publisher in publishers {
+        let (batches, refusals) = publisher.join().expect("publisher");
+        acked.extend(batches);
+        refused += refusals;
+    }
+    eprintln!("{} batches acknowledged, {refused} refused", acked.len());
+    assert!(
+        acked.len() as u64 > PUBLISH_BATCHES,
+        "most batches acknowledged"
+    );
+    // The killed member catches up: every member reaches the same end of every shard.
+    wait_for(&cluster, &[1, 2, 3], "every copy complete", |statuses| {
+        let ends = |s: &ClusterStatus| {
+            let mut ends: Vec<(u32, u64)> = s
+                .shards
+                .iter()
+                .map(|sh| (sh.shard, sh.next_offset))
+                .collect();
+            ends.sort_unstable();
+            ends
+        };
+        let first = ends(&statuses[0]);
+        first.len() == shards as usize && statuses.iter().all(|s| ends(s) == first)
+    });
+    let reference = read_copy(&cluster, 1, "payments", shards);
+    for id in [2, 3] {
+        assert!(
+            read_copy(&cluster, id, "payments", shards) == reference,
+            "member {id}'s copy differs from member 1's"
+        );
+    }
+    let mut seen = std::collections::HashSet::new();
+    for records in &reference {
+        for (_, payload) in records {
+            assert!(
+                seen.insert(payload.clone()),
+                "a record is there twice: {payload:?}"
+            );
+        }
+    }
+    for batch in &acked {
+        // Records of one shard take consecutive offsets in batch order.
+        for ack in &batch.acks {
+            let in_shard: Vec<&Vec<u8>> = batch
+                .keys
+                .iter()
+                .zip(&batch.payloads)
+                .filter(|(key, _)| felix_wire::shard_for_key(key.as_bytes(), shards) == ack.shard)
+                .map(|(_, payload)| payload)
+                .collect();
+            assert_eq!(
+                in_shard.len(),
+                ack.count as usize,
+                "the ack counts the shard's part"
+            );
+            for (at, payload) in (ack.first_offset..).zip(in_shard) {
+                let stored = &reference[ack.shard as usize][usize::try_from(at).expect("small")];
+                assert_eq!(&stored.1, payload, "an acked record is where its ack said");
+            }
+        }
+    }
+}
+
+/// Publishes PUBLISH_BATCHES batches of 1-4 keyed records through the member whose client
+/// configuration `slot` holds (none while it is down: the publisher waits for it). Returns
+/// the acknowledged batches and the number refused (never published again: a refused
+/// publish may still commit, so a retry could store it twice).
+async fn publish_batches(
+    member: u64,
+    slot: Arc<Mutex<Option<felix_client::ClientConfig>>>,
+) -> (Vec<AckedBatch>, usize) {
+    let mut acked = Vec::new();
+    let mut refused = 0;
+    let mut client: Option<felix_client::Client> = None;
+    let deadline = Instant::now() + DEADLINE * 4;
+    let mut batch = 0;
+    while batch < PUBLISH_BATCHES {
+        assert!(Instant::now() < deadline, "publisher {member} stalled");
+        let Some(connected) = client.as_ref() else {
+            let config = slot.lock().unwrap().clone();
+            match config {
+                Some(config) => match felix_client::Client::connect(config).await {
+                    Ok(connected) => client = Some(connected),
+                    Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+                },
+                None => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+            continue;
+        };
+        let count = 1 + batch % 4;
+        let keys: Vec<String> = (0..count)
+            .map(|r| format!("k{member}-{batch}-{r}"))
+            .collect();
+        let payloads: Vec<Vec<u8>> = (0..count)
+            .map(|r| format!("m{member}-b{batch}-r{r}").into_bytes())
+            .collect();
+        let records: Vec<felix_wire::Record> = keys
+            .iter()
+            .zip(&payloads)
+            .map(|(key, payload)| felix_client::record(key.clone(), payload.clone()))
+            .collect();
+        batch += 1;
+        // The member is about to be killed when its slot empties: a publish in flight then
+        // ends here (no answer comes from a SIGKILLed broker; QUIC's idle timeout would
+        // take 30 s to tell).
+        let member_gone = async {
+            while slot.lock().unwrap().is_some() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        let published = tokio::select! {
+            published = tokio::time::timeout(DEADLINE, connected.publish("payments", &records)) => published,
+            () = member_gone => Ok(Err(felix_client::ClientError::Closed("member killed".into()))),
+        };
+        match published {
+            Ok(Ok(acks)) => acked.push(AckedBatch {
+                payloads,
+                acks,
+                keys,
+            }),
+            Ok(Err(felix_client::ClientError::Server { code, message, .. })) => {
+                eprintln!("publisher {member}: refused: {message} ({})", code.name());
+                refused += 1;
+            }
+            // The connection is gone (its member was killed): connect again.
+            Ok(Err(_)) | Err(_) => {
+                refused += 1;
+                client = None;
+            }
+        }
+    }
+    (acked, refused)
 }

@@ -35,6 +35,10 @@ pub enum ErrorCode {
     StorageFailed = 32,
     /// The broker is shutting down.
     ShuttingDown = 40,
+    /// A replicated shard could not take or commit the publish in time: no leader or no
+    /// quorum reachable, or this broker holds no copy (docs/cluster.md). The records may
+    /// still commit: publish them again.
+    Unavailable = 41,
     /// The connection has no valid credential: a required one is missing, or the token
     /// presented is wrong, unknown or revoked. The connection is closed with this code.
     Unauthenticated = 60,
@@ -46,7 +50,7 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// All codes, for tests and documentation.
-    pub const ALL: [ErrorCode; 18] = [
+    pub const ALL: [ErrorCode; 19] = [
         ErrorCode::Malformed,
         ErrorCode::UnsupportedVersion,
         ErrorCode::FrameTooLarge,
@@ -62,6 +66,7 @@ impl ErrorCode {
         ErrorCode::StorageFull,
         ErrorCode::StorageFailed,
         ErrorCode::ShuttingDown,
+        ErrorCode::Unavailable,
         ErrorCode::Unauthenticated,
         ErrorCode::PermissionDenied,
         ErrorCode::Internal,
@@ -93,6 +98,7 @@ impl ErrorCode {
             ErrorCode::StorageFull => "storage_full",
             ErrorCode::StorageFailed => "storage_failed",
             ErrorCode::ShuttingDown => "shutting_down",
+            ErrorCode::Unavailable => "unavailable",
             ErrorCode::Unauthenticated => "unauthenticated",
             ErrorCode::PermissionDenied => "permission_denied",
             ErrorCode::Internal => "internal",
