@@ -66,7 +66,9 @@ pub enum PublishError {
 /// Called exactly once with a publish's outcome, on the cluster thread (it must not block).
 /// An answer dropped without being called (a request still queued when the service stops)
 /// answers [`PublishError::Stopped`], so no caller waits forever.
-pub struct PublishAnswer(Option<Box<dyn FnOnce(Result<PublishAck, PublishError>) + Send>>);
+pub struct PublishAnswer(Option<AnswerFn>);
+
+type AnswerFn = Box<dyn FnOnce(Result<PublishAck, PublishError>) + Send>;
 
 impl PublishAnswer {
     pub fn new(answer: impl FnOnce(Result<PublishAck, PublishError>) + Send + 'static) -> Self {
