@@ -381,6 +381,20 @@ pub fn render_metrics(status: &ClusterStatus) -> String {
     }
     gauge(
         &mut out,
+        "felix_cluster_shard_pending_batches",
+        "This member's publish batches into each replicated shard it holds, not applied yet.",
+    );
+    for held in &status.shards {
+        let _ = writeln!(
+            out,
+            "felix_cluster_shard_pending_batches{{stream=\"{}\",shard=\"{}\"}} {}",
+            label(&held.stream),
+            held.shard,
+            held.pending
+        );
+    }
+    gauge(
+        &mut out,
         "felix_cluster_shard_under_replicated",
         "On a replicated shard's leader: 1 when fewer replicas than placed are in sync.",
     );
