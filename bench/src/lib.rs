@@ -33,6 +33,7 @@
 
 pub mod broker;
 pub mod cell;
+pub mod cluster;
 pub mod disk;
 pub mod generator;
 pub mod instructions;

@@ -87,6 +87,35 @@ enum Command {
         #[command(flatten)]
         broker: BrokerArgs,
     },
+    /// Replicated publishing side by side: a single broker's durable stream, then three
+    /// brokers' replicated stream through the shard's leader and through a follower (the
+    /// forwarding path); prints a table and writes cluster.json and cluster.md into --out.
+    Cluster {
+        /// The `felix` binary.
+        #[arg(long, default_value = DEFAULT_FELIX)]
+        felix: PathBuf,
+        /// Output directory (the brokers' data, certificates and logs go under work/).
+        #[arg(long)]
+        out: PathBuf,
+        /// Measured seconds per arm (after one second of warm-up).
+        #[arg(long, default_value_t = 10)]
+        seconds: u64,
+        /// Publishes in flight.
+        #[arg(long, default_value_t = 8)]
+        publishers: usize,
+        /// Records per publish.
+        #[arg(long, default_value_t = 16)]
+        batch: usize,
+        /// Payload bytes per record.
+        #[arg(long, default_value_t = 256)]
+        size: usize,
+        /// CPUs for the brokers (all of them), e.g. 0.
+        #[arg(long, requires = "generator_cpus")]
+        server_cpus: Option<String>,
+        /// CPUs for this load generator, e.g. 1.
+        #[arg(long, requires = "server_cpus")]
+        generator_cpus: Option<String>,
+    },
     /// Campaign plans.
     Plan {
         #[command(subcommand)]
@@ -587,6 +616,41 @@ fn main() -> Result<()> {
             session,
         } => run_campaign(&plan, &out, &broker, &session)?,
         Command::Cell { shape, out, broker } => run_one_cell(&shape, out.as_deref(), &broker)?,
+        Command::Cluster {
+            felix,
+            out,
+            seconds,
+            publishers,
+            batch,
+            size,
+            server_cpus,
+            generator_cpus,
+        } => {
+            let server_cpus = server_cpus
+                .map(|text| pin::parse_cpus("--server-cpus", &text))
+                .transpose()?;
+            if let Some(text) = generator_cpus {
+                let generator = pin::parse_cpus("--generator-cpus", &text)?;
+                pin::pin_this_process(&generator)?;
+            }
+            let bench = felix_bench::cluster::ClusterBench {
+                felix,
+                work: out.join("work"),
+                seconds,
+                publishers,
+                batch,
+                size,
+                server_cpus,
+            };
+            let results = felix_bench::cluster::run(&bench)?;
+            let table = felix_bench::cluster::table(&results);
+            print!("{table}");
+            std::fs::write(out.join("cluster.md"), &table)?;
+            std::fs::write(
+                out.join("cluster.json"),
+                serde_json::to_string_pretty(&results)?,
+            )?;
+        }
         Command::Plan {
             command: PlanCommand::Check { file },
         } => {
