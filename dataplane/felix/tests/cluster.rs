@@ -2,8 +2,9 @@
 //! plane elects a leader over mutual-TLS QUIC peer connections, every broker registers,
 //! streams created through any member are placed with each stream's leaders spread, the
 //! control plane survives SIGKILL of its leader and the killed broker catches up when it
-//! rejoins, a paused (SIGSTOP) majority leaves the remaining broker unable to change anything,
-//! and bad cluster settings stop start-up naming the variable.
+//! rejoins, a paused (SIGSTOP) majority leaves the remaining broker unable to change anything
+//! or to acknowledge a publish, acknowledged publishes are on every replica exactly once after
+//! a leader's SIGKILL, and bad cluster settings stop start-up naming the variable.
 
 mod support;
 
@@ -280,15 +281,37 @@ fn the_control_plane_survives_its_leaders_kill_and_the_member_catches_up() {
 }
 
 #[test]
-fn a_member_cut_off_from_the_majority_cannot_change_the_control_plane() {
+fn a_member_cut_off_from_the_majority_cannot_change_the_control_plane_or_ack_a_publish() {
     let cluster = Cluster::start(3);
     let leader = cluster.settled(&[1, 2, 3]);
+    cluster.create(leader, "ledger", 1).expect("created");
+    wait_for(&cluster, &[1, 2, 3], "the shard led as placed", |statuses| {
+        placed_and_in_sync(statuses, 1)
+    });
+    let config = cluster.brokers[&leader].naive_client_config();
     // The lone member is the leader: the hardest case (it must step down, not commit alone).
     let others: Vec<u64> = (1..=3).filter(|id| *id != leader).collect();
     for id in &others {
         cluster.brokers[id].signal("STOP");
     }
+    // A publish through the lone member, while it also tries to create a stream.
+    let publish = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            let client = felix_client::Client::connect(config)
+                .await
+                .expect("the lone member takes connections");
+            let record = felix_client::record("k", "alone");
+            let outcome = tokio::time::timeout(DEADLINE, client.publish("ledger", &[record])).await;
+            client.close().await;
+            outcome
+        })
+    });
     let outcome = cluster.create(leader, "lonely", 3);
+    let published = publish.join().expect("publisher");
     for id in &others {
         cluster.brokers[id].signal("CONT");
     }
@@ -297,6 +320,23 @@ fn a_member_cut_off_from_the_majority_cannot_change_the_control_plane() {
         error.contains("503") || error.contains("no answer") || error.contains("leader"),
         "{error}"
     );
+    match published {
+        Ok(Err(felix_client::ClientError::Server { code, .. })) => {
+            assert_eq!(code, felix_wire::ErrorCode::Unavailable);
+        }
+        other => panic!("a minority acknowledged a publish, or never answered: {other:?}"),
+    }
+    // Healed: the pending batch commits once (its outcome was unknown, never a lie), on
+    // every member.
+    wait_for(&cluster, &[1, 2, 3], "the pending record committed", |statuses| {
+        statuses
+            .iter()
+            .all(|s| s.shards.first().is_some_and(|shard| shard.next_offset == 1))
+    });
+    for id in 1..=3 {
+        let copy = read_copy(&cluster, id, "ledger", 1);
+        assert_eq!(copy[0], vec![("k".to_owned(), b"alone".to_vec())], "member {id}");
+    }
     // Healed: the cluster works again, and a creation commits.
     cluster.settled(&[1, 2, 3]);
     let deadline = Instant::now() + DEADLINE;
