@@ -543,11 +543,11 @@ fn publish_under_faults(
                 tokio::time::sleep(Duration::from_millis(20)).await;
                 continue;
             };
-            if !clients.contains_key(&id) {
+            if let std::collections::btree_map::Entry::Vacant(slot) = clients.entry(id) {
                 let connect = felix_client::Client::connect(config);
                 match tokio::time::timeout(Duration::from_secs(5), connect).await {
                     Ok(Ok(client)) => {
-                        clients.insert(id, client);
+                        slot.insert(client);
                     }
                     _ => {
                         tokio::time::sleep(Duration::from_millis(50)).await;
