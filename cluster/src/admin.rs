@@ -393,32 +393,38 @@ pub fn render_metrics(status: &ClusterStatus) -> String {
             held.pending
         );
     }
+    // Each family's samples follow its own descriptors (OpenMetrics: a family is contiguous).
+    let led = || {
+        status
+            .shards
+            .iter()
+            .filter(|s| s.role == crate::node::Role::Leader)
+    };
     gauge(
         &mut out,
         "felix_cluster_shard_under_replicated",
         "On a replicated shard's leader: 1 when fewer replicas than placed are in sync.",
     );
+    for held in led() {
+        let _ = writeln!(
+            out,
+            "felix_cluster_shard_under_replicated{{stream=\"{}\",shard=\"{}\"}} {}",
+            label(&held.stream),
+            held.shard,
+            u8::from(held.under_replicated)
+        );
+    }
     gauge(
         &mut out,
         "felix_cluster_shard_lag_entries",
         "On a replicated shard's leader: entries its furthest replica is behind.",
     );
-    for held in status
-        .shards
-        .iter()
-        .filter(|s| s.role == crate::node::Role::Leader)
-    {
-        let stream = label(&held.stream);
-        let _ = writeln!(
-            out,
-            "felix_cluster_shard_under_replicated{{stream=\"{stream}\",shard=\"{}\"}} {}",
-            held.shard,
-            u8::from(held.under_replicated)
-        );
+    for held in led() {
         let lag = held.progress.iter().map(|p| p.lag).max().unwrap_or(0);
         let _ = writeln!(
             out,
-            "felix_cluster_shard_lag_entries{{stream=\"{stream}\",shard=\"{}\"}} {lag}",
+            "felix_cluster_shard_lag_entries{{stream=\"{}\",shard=\"{}\"}} {lag}",
+            label(&held.stream),
             held.shard
         );
     }
@@ -448,6 +454,64 @@ fn label(value: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_metric_family_is_contiguous_after_its_descriptors() {
+        use crate::groups::ShardStatus;
+        use crate::node::{NodeStatus, PeerProgress, Role};
+        let shard = |stream: &str, shard: u32| ShardStatus {
+            stream: stream.to_owned(),
+            shard,
+            group: 1,
+            placed_leader: 1,
+            leader: Some(1),
+            role: Role::Leader,
+            term: 2,
+            commit: 3,
+            next_offset: 4,
+            replicas: vec![1, 2, 3],
+            progress: vec![PeerProgress {
+                id: 2,
+                matched: 3,
+                lag: 1,
+            }],
+            under_replicated: shard == 1,
+            pending: 0,
+        };
+        let status = ClusterStatus {
+            node: NodeStatus {
+                id: 1,
+                role: Role::Leader,
+                leader: Some(1),
+                term: 2,
+                commit: 3,
+                applied: 3,
+                last_index: 3,
+                peers: Vec::new(),
+            },
+            state: crate::control::ControlState::default(),
+            connected: vec![2],
+            shards: vec![shard("a", 0), shard("a", 1), shard("b", 0)],
+        };
+        let text = render_metrics(&status);
+        let mut finished: Vec<String> = Vec::new();
+        let mut current = String::new();
+        for line in text.lines() {
+            let family = match line.strip_prefix("# ") {
+                Some(descriptor) => descriptor.split_whitespace().nth(1).unwrap_or_default(),
+                None => line.split(['{', ' ']).next().unwrap_or_default(),
+            };
+            if family != current {
+                assert!(
+                    !finished.iter().any(|f| f == family),
+                    "{family} comes back after another family:\n{text}"
+                );
+                finished.push(std::mem::replace(&mut current, family.to_owned()));
+            }
+        }
+        assert!(text.contains("felix_cluster_shard_under_replicated{stream=\"a\",shard=\"1\"} 1"));
+        assert!(text.contains("felix_cluster_shard_lag_entries{stream=\"b\",shard=\"0\"} 1"));
+    }
 
     #[test]
     fn read_records_round_trip_in_hex_and_bad_hex_is_refused() {

@@ -193,8 +193,6 @@ impl Core {
         self.refuse_publish(stream, publish.request_id);
     }
 
-    /// An admitted publish: each record's shard is computed here, once; the records this core
-    /// owns go to its engine, the others to their owners in one message per owner core.
     /// Runs an admitted publish on its stream: this broker's own, or the cluster's.
     fn run_target(
         &mut self,
@@ -212,6 +210,8 @@ impl Core {
         }
     }
 
+    /// An admitted publish: each record's shard is computed here, once; the records this core
+    /// owns go to its engine, the others to their owners in one message per owner core.
     fn run_publish(
         &mut self,
         now: Now,
