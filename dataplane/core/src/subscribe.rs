@@ -119,6 +119,16 @@ impl Core {
             // Authorized (by name, before the lookup) and counted first: a refusal says
             // nothing of the stream.
             (Err(error), _) => Err(error),
+            // A replicated stream of the cluster exists, but is not served to subscribers
+            // yet (docs/cluster.md): say so rather than claim it does not exist.
+            (Ok(()), None) if self.is_cluster_stream(&name) => Err(EngineError::new(
+                felix_wire::ErrorCode::InvalidArgument,
+                0,
+                format!(
+                    "stream {name:?} is a replicated cluster stream: subscribing to it is not \
+                     supported yet (`felix cluster read` prints its committed records)"
+                ),
+            )),
             (Ok(()), None) => Err(EngineError::stream_not_found(&name)),
             // The selection is checked once, here; each owner checks only its offsets.
             (Ok(()), Some(meta)) => select_shards(&shards, &from, meta.shard_count),

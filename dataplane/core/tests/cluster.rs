@@ -187,3 +187,31 @@ fn the_ingress_job_is_held_until_every_part_is_answered() {
     );
     assert_eq!(next[0].records, vec![record("k", "2")]);
 }
+
+#[test]
+fn subscribing_to_a_replicated_stream_is_refused_saying_why() {
+    let mut broker = Broker::new(1, ingress());
+    let conn = broker.connect(0);
+    broker.cores[0].set_cluster_streams(HashMap::from([("payments".to_owned(), 2)]));
+    let stream = broker.open(&conn);
+    let subscribe = Frame::Subscribe(felix_wire::Subscribe {
+        request_id: 4,
+        stream: "payments".to_owned(),
+        shards: felix_wire::ShardSelection::All,
+        from: felix_wire::StartPosition::Earliest,
+    });
+    let _ = broker.feed(0, stream, subscribe);
+    let frames = broker.read(0, stream);
+    let [Frame::Error(error)] = &frames[..] else {
+        panic!("one error: {frames:?}")
+    };
+    assert_eq!(
+        (error.request_id, error.code),
+        (4, ErrorCode::InvalidArgument)
+    );
+    assert!(
+        error.message.contains("replicated cluster stream"),
+        "{}",
+        error.message
+    );
+}
