@@ -266,8 +266,7 @@ impl Groups {
             return;
         };
         match found.producer.add(records, deadline, timeout, answer) {
-            Ok(data) => {
-                let sequence = found.producer.last_sequence();
+            Ok((sequence, data)) => {
                 // Without a known leader the batch waits for the next tick's retry.
                 if found.node.propose_data(data).is_ok() {
                     found.producer.proposed(sequence, self.ticks);

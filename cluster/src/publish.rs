@@ -131,15 +131,15 @@ impl Producer {
         }
     }
 
-    /// Takes a batch: returns the entry data to propose now, or gives the answer back with
-    /// the refusal when too much is pending.
+    /// Takes a batch: returns its sequence and the entry data to propose now, or gives the
+    /// answer back with the number pending when too much is.
     pub(crate) fn add(
         &mut self,
         records: Vec<ShardRecord>,
         deadline: Instant,
         timeout: Duration,
         answer: PublishAnswer,
-    ) -> Result<Vec<u8>, (PublishAnswer, usize)> {
+    ) -> Result<(u64, Vec<u8>), (PublishAnswer, usize)> {
         if self.pending.len() >= PENDING_BATCHES_MAX || self.pending_bytes >= PENDING_BYTES_MAX {
             return Err((answer, self.pending.len()));
         }
@@ -162,7 +162,7 @@ impl Producer {
                 proposed_at: None,
             },
         );
-        Ok(data)
+        Ok((sequence, data))
     }
 
     /// The batch `sequence` was proposed at tick `tick`.
@@ -170,11 +170,6 @@ impl Producer {
         if let Some(pending) = self.pending.get_mut(&sequence) {
             pending.proposed_at = Some(tick);
         }
-    }
-
-    /// The last sequence handed out.
-    pub(crate) fn last_sequence(&self) -> u64 {
-        self.next_sequence - 1
     }
 
     /// An entry applied on this member: answers the batch if it is one of ours and took its
@@ -273,11 +268,11 @@ mod tests {
         let now = Instant::now();
         let later = now + Duration::from_secs(60);
         let timeout = Duration::from_secs(60);
-        let first = producer
+        let (_, first) = producer
             .add(records(2), later, timeout, answer_into(&answers, 1))
             .unwrap_or_else(|_| panic!("room"));
         producer.proposed(1, 0);
-        let second = producer
+        let (_, second) = producer
             .add(records(3), later, timeout, answer_into(&answers, 2))
             .unwrap_or_else(|_| panic!("room"));
         producer.proposed(2, 0);
@@ -332,7 +327,7 @@ mod tests {
         let mut producer = Producer::new(1, 5);
         let now = Instant::now();
         let timeout = Duration::from_millis(10);
-        let data = producer
+        let (_, data) = producer
             .add(records(1), now + timeout, timeout, answer_into(&answers, 1))
             .unwrap_or_else(|_| panic!("room"));
         producer.proposed(1, 0);

@@ -407,12 +407,7 @@ async fn serve(
     // before it serves: the cores then know the streams created before a restart at once,
     // rather than answering `stream_not_found` until the first peer message.
     let recovered = node.advance()?;
-    for message in recovered.messages {
-        let to = message.to;
-        if !transport.send(to, encode_frame(CONTROL_GROUP, &message)) {
-            node.report_unreachable(to);
-        }
-    }
+    send_control(&transport, &mut node, recovered.messages);
     let status = Arc::new(Mutex::new(ClusterStatus {
         node: node.status(),
         state: node.state().clone(),
@@ -487,17 +482,7 @@ async fn serve(
             }
         }
         let output = node.advance()?;
-        for message in output.messages {
-            let to = message.to;
-            let snapshot = message.get_msg_type() == MessageType::MsgSnapshot;
-            let sent = transport.send(to, encode_frame(CONTROL_GROUP, &message));
-            if snapshot {
-                node.report_snapshot(to, sent);
-            }
-            if !sent {
-                node.report_unreachable(to);
-            }
-        }
+        send_control(&transport, &mut node, output.messages);
         if node.state().applied != reconciled_at {
             // A shard whose log cannot be opened here (a full disk) stays without this
             // replica: its leader reports it under-replicated. Tried again at the next change.
@@ -585,6 +570,26 @@ fn shard_group(state: &ControlState, stream: &str, shard: u32) -> Result<u64, Pu
         });
     }
     Ok(group_id(placement.incarnation, shard))
+}
+
+/// Sends the control plane's messages, telling its node which could not be sent (and the fate
+/// of each snapshot).
+fn send_control(
+    transport: &PeerTransport,
+    node: &mut Node<RaftLog>,
+    messages: Vec<raft::prelude::Message>,
+) {
+    for message in messages {
+        let to = message.to;
+        let snapshot = message.get_msg_type() == MessageType::MsgSnapshot;
+        let sent = transport.send(to, encode_frame(CONTROL_GROUP, &message));
+        if snapshot {
+            node.report_snapshot(to, sent);
+        }
+        if !sent {
+            node.report_unreachable(to);
+        }
+    }
 }
 
 /// Most queued frames or requests taken in after the one that woke the service, before the

@@ -243,16 +243,7 @@ impl Core {
         let buffers = RecordBuffers::Shared {
             len: felix_wire::encoded_publish_len(&name, records.len(), key_payload_bytes) as u64,
         };
-        let pending = PendingPublish {
-            stream,
-            request_id,
-            ack,
-            payload_bytes,
-            records: record_count,
-            parts: 0,
-            acks: Vec::new(),
-            error: None,
-        };
+        let pending = PendingPublish::new(stream, request_id, ack, payload_bytes, record_count, 0);
         if local {
             // The common case (a core-aware client): no split, no allocation here.
             let token = if durable { self.token() } else { 0 };
