@@ -19,7 +19,7 @@ use crate::control::{ControlState, StreamKind};
 use crate::node::{Node, NodeConfig, NodeError, PeerProgress, Role};
 use crate::publish::{Producer, PublishAnswer, PublishError};
 use crate::raft_log::{RaftLog, raft_log_config};
-use crate::shard::{ShardRecord, ShardState};
+use crate::shard::{ReadError, ShardRecord, ShardState};
 
 /// Group id 0 is the control plane's; a shard's group id is its stream's incarnation (the
 /// control-plane index that created it) shifted over the shard number (shards < 2^16).
@@ -288,14 +288,41 @@ impl Groups {
         from: u64,
         max_records: usize,
     ) -> Result<Vec<(u64, ShardRecord)>, String> {
-        let group = self
+        let found = self
             .groups
             .get(&group)
             .ok_or_else(|| format!("shard group {group} is not running on this member"))?;
-        group
+        found
             .node
             .state()
-            .read(group.node.store(), from, max_records)
+            .read(found.node.store(), from, max_records, usize::MAX)
+            .map_err(|error| format!("offset {from}: {error}"))
+    }
+
+    /// Like [`Groups::read`], bounded by `max_bytes` of keys and payloads too (at least one
+    /// record), for a group known to run here (`subscribe.rs`).
+    pub(crate) fn read_bytes(
+        &self,
+        group: u64,
+        from: u64,
+        max_records: usize,
+        max_bytes: usize,
+    ) -> Result<Vec<(u64, ShardRecord)>, ReadError> {
+        let found = self.groups.get(&group).ok_or_else(|| {
+            ReadError::Failed(format!("shard group {group} is not running on this member"))
+        })?;
+        found
+            .node
+            .state()
+            .read(found.node.store(), from, max_records, max_bytes)
+    }
+
+    /// The offsets this member's copy of `group` holds: `(oldest, next)`, every offset in
+    /// between committed and readable. `None` when the group does not run here.
+    #[must_use]
+    pub fn range(&self, group: u64) -> Option<(u64, u64)> {
+        let state = self.groups.get(&group)?.node.state();
+        Some((state.oldest_offset(), state.next_offset()))
     }
 
     /// Whether shard group `group` runs on this member.

@@ -12,6 +12,8 @@
 //! - `node`: the sans-IO Raft node (raft-rs `RawNode`): ticks, messages and proposals in,
 //!   messages, persistence and applied commands out; driven by the broker's cluster thread and
 //!   by the seeded simulation alike.
+//! - `groups`, `shard`, `publish`, `subscribe`: the replicated shards a member holds, what
+//!   their Raft groups apply, publishing into them and subscribing to them.
 //!
 //! The design and its trade-offs are in `docs/cluster.md`.
 
@@ -25,4 +27,5 @@ pub mod publish;
 pub mod raft_log;
 pub mod service;
 pub mod shard;
+pub mod subscribe;
 pub mod transport;

@@ -27,6 +27,7 @@ use crate::pki::NodeIdentity;
 use crate::publish::{PublishAnswer, PublishError};
 use crate::raft_log::RaftLog;
 use crate::shard::ShardRecord;
+use crate::subscribe::{SubscribeRequest, SubscriptionSink, Subscriptions};
 use crate::transport::{PeerTransport, TransportConfig};
 
 /// The logical clock's period: elections after 1-2 s without a leader, heartbeats every
@@ -120,12 +121,27 @@ enum Request {
     },
 }
 
+/// Subscribes, credits and unsubscribes: on a channel of their own, in one order (an
+/// unsubscribe never overtakes its subscribe), never refused (a lost credit would stall a
+/// subscription for good). Bounded by the subscriptions the callers hold (the broker's
+/// subscription limits): one subscribe, at most `subscribe::CREDITS` credits and one
+/// unsubscribe each.
+enum SubscriptionControl {
+    Subscribe {
+        request: SubscribeRequest,
+        sink: SubscriptionSink,
+    },
+    Credit(u64),
+    Unsubscribe(u64),
+}
+
 /// The cluster's durable (replicated) streams: name to shard count.
 pub type DurableStreams = Arc<HashMap<String, u32>>;
 
 /// A running control-plane service. Dropping it stops the thread.
 pub struct Service {
     requests: mpsc::Sender<Request>,
+    subscription_control: mpsc::UnboundedSender<SubscriptionControl>,
     streams: tokio::sync::watch::Receiver<DurableStreams>,
     status: Arc<Mutex<ClusterStatus>>,
     peer_addr: SocketAddr,
@@ -145,12 +161,13 @@ impl Service {
     /// Opens (or recovers) the Raft log, binds the peer endpoint and starts the thread.
     pub fn start(config: ServiceConfig) -> Result<Service, ServiceError> {
         let (requests, inbox) = mpsc::channel(REQUESTS_MAX);
+        let (subscription_control, control_inbox) = mpsc::unbounded_channel();
         let (stop, stopped) = oneshot::channel();
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let id = config.member.id;
         let thread = std::thread::Builder::new()
             .name("felix-cluster".to_owned())
-            .spawn(move || run(config, inbox, stopped, ready_tx))
+            .spawn(move || run(config, (inbox, control_inbox), stopped, ready_tx))
             .map_err(|error| ServiceError::Start(format!("spawn the cluster thread: {error}")))?;
         let started = ready_rx.recv_timeout(Duration::from_secs(60));
         let (peer_addr, status, streams) = match started {
@@ -168,6 +185,7 @@ impl Service {
         };
         Ok(Service {
             requests,
+            subscription_control,
             streams,
             status,
             peer_addr,
@@ -318,6 +336,31 @@ impl Service {
         }
     }
 
+    /// Subscribes to shards of a replicated stream on this member's copy (`subscribe.rs`).
+    /// Never blocks: `sink` hears, on the cluster thread, `Started` or `Refused`, then a batch
+    /// of committed records per credit (at most `subscribe::CREDITS` in flight; give one back
+    /// with [`Service::credit`] for each batch written), until `Ended`.
+    pub fn subscribe(&self, request: SubscribeRequest, sink: SubscriptionSink) {
+        // A service that stopped drops the sink, which then hears `Ended(Stopped)`.
+        let _ = self
+            .subscription_control
+            .send(SubscriptionControl::Subscribe { request, sink });
+    }
+
+    /// Subscription `id`'s caller wrote one of its batches.
+    pub fn credit(&self, id: u64) {
+        let _ = self
+            .subscription_control
+            .send(SubscriptionControl::Credit(id));
+    }
+
+    /// Subscription `id`'s caller is gone: it is forgotten (its sink hears nothing more).
+    pub fn unsubscribe(&self, id: u64) {
+        let _ = self
+            .subscription_control
+            .send(SubscriptionControl::Unsubscribe(id));
+    }
+
     /// Stops the thread and waits for it; returns its error, if it failed.
     pub fn shutdown(mut self) -> Result<(), ServiceError> {
         self.stop_and_join()
@@ -349,9 +392,14 @@ type Started = Result<
     ServiceError,
 >;
 
+type Inboxes = (
+    mpsc::Receiver<Request>,
+    mpsc::UnboundedReceiver<SubscriptionControl>,
+);
+
 fn run(
     config: ServiceConfig,
-    inbox: mpsc::Receiver<Request>,
+    inbox: Inboxes,
     stopped: oneshot::Receiver<()>,
     ready: std::sync::mpsc::Sender<Started>,
 ) -> Result<(), ServiceError> {
@@ -375,7 +423,7 @@ fn run(
 
 async fn serve(
     config: ServiceConfig,
-    mut inbox: mpsc::Receiver<Request>,
+    (mut inbox, mut control_inbox): Inboxes,
     mut stopped: oneshot::Receiver<()>,
     ready: std::sync::mpsc::Sender<Started>,
 ) -> Result<(), ServiceError> {
@@ -428,6 +476,7 @@ async fn serve(
         streams_watched,
     )));
     let mut waiting: HashMap<u64, Waiting> = HashMap::new();
+    let mut subscriptions = Subscriptions::default();
     let mut ticks = tokio::time::interval(TICK);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut tick_count = 0u64;
@@ -474,10 +523,28 @@ async fn serve(
                 }
             }
             Some(request) = inbox.recv() => {
-                serve_request(request, &mut node, &mut groups, &mut waiting, tick_count);
+                let mut serving = Serving {
+                    node: &mut node,
+                    groups: &mut groups,
+                    waiting: &mut waiting,
+                    tick_count,
+                };
+                serving.request(request);
                 for _ in 0..BATCH_MAX {
                     let Ok(request) = inbox.try_recv() else { break };
-                    serve_request(request, &mut node, &mut groups, &mut waiting, tick_count);
+                    serving.request(request);
+                }
+            }
+            Some(control) = control_inbox.recv() => {
+                let mut control = Some(control);
+                while let Some(next) = control.take().or_else(|| control_inbox.try_recv().ok()) {
+                    match next {
+                        SubscriptionControl::Subscribe { request, sink } => {
+                            subscriptions.add(request, sink, node.state(), &groups);
+                        }
+                        SubscriptionControl::Credit(id) => subscriptions.credit(id),
+                        SubscriptionControl::Unsubscribe(id) => subscriptions.remove(id),
+                    }
                 }
             }
         }
@@ -503,6 +570,8 @@ async fn serve(
                 groups.report_unreachable(group, to);
             }
         }
+        // Subscribers read what this round applied (and what they have credit for).
+        subscriptions.pump(&groups);
         if refresh_status {
             refresh_status = false;
             let mut shown = status
@@ -535,6 +604,7 @@ async fn serve(
             }
         }
     }
+    subscriptions.stop_all();
     Ok(())
 }
 
@@ -625,60 +695,70 @@ fn step_frame(
     }
 }
 
-/// A request from another thread of the broker.
-fn serve_request(
-    request: Request,
-    node: &mut Node<RaftLog>,
-    groups: &mut Groups,
-    waiting: &mut HashMap<u64, Waiting>,
+/// What a request from another thread of the broker works on.
+struct Serving<'a> {
+    node: &'a mut Node<RaftLog>,
+    groups: &'a mut Groups,
+    waiting: &'a mut HashMap<u64, Waiting>,
     tick_count: u64,
-) {
-    match request {
-        Request::Propose {
-            command,
-            answer,
-            deadline,
-        } => match node.propose(command.clone()) {
-            Ok(sequence) => {
-                waiting.insert(
-                    sequence,
-                    Waiting {
-                        command,
-                        answer,
-                        deadline,
-                        proposed_at: tick_count,
-                    },
-                );
+}
+
+impl Serving<'_> {
+    /// A request from another thread of the broker.
+    fn request(&mut self, request: Request) {
+        let Serving {
+            node,
+            groups,
+            waiting,
+            tick_count,
+        } = self;
+        match request {
+            Request::Propose {
+                command,
+                answer,
+                deadline,
+            } => match node.propose(command.clone()) {
+                Ok(sequence) => {
+                    waiting.insert(
+                        sequence,
+                        Waiting {
+                            command,
+                            answer,
+                            deadline,
+                            proposed_at: *tick_count,
+                        },
+                    );
+                }
+                Err(error) => {
+                    let _ = answer.send(Err(error.into()));
+                }
+            },
+            Request::Publish {
+                stream,
+                shard,
+                records,
+                deadline,
+                timeout,
+                answer,
+            } => match shard_group(node.state(), &stream, shard) {
+                Ok(group) if groups.holds(group) => {
+                    groups.publish(group, records, deadline, timeout, answer);
+                }
+                Ok(_) => answer.answer(Err(PublishError::NotReplicatedHere { stream, shard })),
+                Err(error) => answer.answer(Err(error)),
+            },
+            Request::Read {
+                stream,
+                shard,
+                from,
+                max_records,
+                answer,
+            } => {
+                let read = shard_group(node.state(), &stream, shard)
+                    .map_err(|error| error.to_string())
+                    .and_then(|group| groups.read(group, from, max_records));
+                let _ = answer.send(read);
             }
-            Err(error) => {
-                let _ = answer.send(Err(error.into()));
-            }
-        },
-        Request::Publish {
-            stream,
-            shard,
-            records,
-            deadline,
-            timeout,
-            answer,
-        } => match shard_group(node.state(), &stream, shard) {
-            Ok(group) if groups.holds(group) => {
-                groups.publish(group, records, deadline, timeout, answer);
-            }
-            Ok(_) => answer.answer(Err(PublishError::NotReplicatedHere { stream, shard })),
-            Err(error) => answer.answer(Err(error)),
-        },
-        Request::Read {
-            stream,
-            shard,
-            from,
-            max_records,
-            answer,
-        } => {
-            let read = shard_group(node.state(), &stream, shard)
-                .map_err(|error| error.to_string())
-                .and_then(|group| groups.read(group, from, max_records));
-            let _ = answer.send(read);
         }
     }
 }

@@ -135,6 +135,15 @@ pub struct Span {
     pub index: u64,
 }
 
+/// Why records could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReadError {
+    #[error("the offset is no longer in the log; the oldest is {oldest}")]
+    Compacted { oldest: u64 },
+    #[error("{0}")]
+    Failed(String),
+}
+
 /// A producer's last applied batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ProducerState {
@@ -174,26 +183,33 @@ impl ShardState {
         })
     }
 
-    /// Reads up to `max_records` committed records from `from` out of the group's log store:
-    /// `(offset, record)` in offset order. Empty when `from` is at the end; an error when
-    /// `from` was compacted away (the reader is told the oldest offset it can still read).
+    /// The oldest offset this copy still holds (the next offset when it holds none).
+    #[must_use]
+    pub fn oldest_offset(&self) -> u64 {
+        self.spans
+            .first()
+            .map_or(self.next_offset, |span| span.first_offset)
+    }
+
+    /// Reads committed records from `from` out of the group's log store: `(offset, record)`
+    /// in offset order, at most `max_records`, and no more once `max_bytes` of keys and
+    /// payloads are read (at least one record, whatever its size). Empty when `from` is at
+    /// the end; [`ReadError::Compacted`] when `from` was compacted away.
     pub fn read<S: raft::Storage>(
         &self,
         store: &S,
         from: u64,
         max_records: usize,
-    ) -> Result<Vec<(u64, ShardRecord)>, String> {
+        max_bytes: usize,
+    ) -> Result<Vec<(u64, ShardRecord)>, ReadError> {
         let mut out = Vec::new();
+        let mut bytes = 0;
         let mut offset = from;
-        while out.len() < max_records && offset < self.next_offset {
+        while out.len() < max_records && bytes < max_bytes && offset < self.next_offset {
             let Some((span, within)) = self.locate(offset) else {
-                let oldest = self
-                    .spans
-                    .first()
-                    .map_or(self.next_offset, |s| s.first_offset);
-                return Err(format!(
-                    "offset {offset} is no longer in the log; the oldest is {oldest}"
-                ));
+                return Err(ReadError::Compacted {
+                    oldest: self.oldest_offset(),
+                });
             };
             let entries = store
                 .entries(
@@ -202,15 +218,16 @@ impl ShardState {
                     None,
                     raft::GetEntriesContext::empty(false),
                 )
-                .map_err(|error| format!("entry {}: {error}", span.index))?;
+                .map_err(|error| ReadError::Failed(format!("entry {}: {error}", span.index)))?;
             let entry = entries
                 .first()
-                .ok_or_else(|| format!("entry {} is missing", span.index))?;
-            let batch = Batch::decode(&entry.data)?;
+                .ok_or_else(|| ReadError::Failed(format!("entry {} is missing", span.index)))?;
+            let batch = Batch::decode(&entry.data).map_err(ReadError::Failed)?;
             for (position, record) in batch.records.into_iter().enumerate().skip(within) {
-                if out.len() == max_records {
-                    break;
+                if out.len() == max_records || (bytes >= max_bytes && !out.is_empty()) {
+                    return Ok(out);
                 }
+                bytes += record.key.len() + record.payload.len();
                 out.push((span.first_offset + position as u64, record));
             }
             offset = span.first_offset + u64::from(span.count);

@@ -8,20 +8,19 @@
 //! - no record is there twice (retried proposals are applied once), none from nowhere.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::net::SocketAddr;
-use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
-use felix_cluster::control::{Command, Member, Outcome, StreamKind};
-use felix_cluster::pki::ClusterCa;
+use felix_cluster::control::{Command, Outcome, StreamKind};
 use felix_cluster::publish::{PublishAck, PublishAnswer, PublishError};
-use felix_cluster::service::{Service, ServiceConfig};
+use felix_cluster::service::Service;
 use felix_cluster::shard::ShardRecord;
 
-/// Generous deadline for anything the test waits for (loaded 2-core machine, parallel tests).
-const DEADLINE: Duration = Duration::from_secs(60);
+mod common;
+
+use common::{Cluster, DEADLINE, Slot, wait_until};
+
 const STREAM: &str = "orders";
 const SHARDS: u32 = 3;
 /// Batches each publisher sends (bounded: the test stops by itself).
@@ -30,79 +29,6 @@ const BATCHES: u64 = 200;
 const TIMEOUT: Duration = Duration::from_secs(10);
 /// Batches each publisher keeps in flight.
 const WINDOW: usize = 8;
-
-type Slot = Arc<Mutex<Option<Service>>>;
-
-struct Cluster {
-    ca: ClusterCa,
-    addrs: BTreeMap<u64, SocketAddr>,
-    root: tempfile::TempDir,
-}
-
-impl Cluster {
-    fn new(ids: &[u64]) -> Cluster {
-        let addrs = ids
-            .iter()
-            .map(|id| {
-                let socket = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
-                (*id, socket.local_addr().expect("addr"))
-            })
-            .collect();
-        Cluster {
-            ca: ClusterCa::generate("publish test CA").expect("ca"),
-            addrs,
-            root: tempfile::tempdir().expect("tempdir"),
-        }
-    }
-
-    fn start(&self, id: u64) -> Service {
-        let peers: BTreeMap<u64, SocketAddr> = self
-            .addrs
-            .iter()
-            .filter(|(peer, _)| **peer != id)
-            .map(|(peer, addr)| (*peer, *addr))
-            .collect();
-        let dir = member_dir(self.root.path(), id);
-        let deadline = Instant::now() + DEADLINE;
-        loop {
-            // The port was free a moment ago (or this member's earlier run just let it go).
-            match Service::start(ServiceConfig {
-                member: Member {
-                    id,
-                    client_addr: format!("127.0.0.1:{}", 7000 + id),
-                    peer_addr: self.addrs[&id].to_string(),
-                    cores: 2,
-                },
-                peer_bind: self.addrs[&id],
-                peers: peers.clone(),
-                identity: self.ca.issue_node(id, &[]).expect("cert"),
-                ca_pem: self.ca.cert_pem.clone(),
-                dir: dir.clone(),
-            }) {
-                Ok(service) => return service,
-                Err(error) if Instant::now() < deadline => {
-                    eprintln!("member {id} did not start yet: {error}");
-                    std::thread::sleep(Duration::from_millis(200));
-                }
-                Err(error) => panic!("member {id} does not start: {error}"),
-            }
-        }
-    }
-}
-
-fn member_dir(root: &Path, id: u64) -> std::path::PathBuf {
-    root.join(format!("member-{id}"))
-        .join("cluster")
-        .join("raft")
-}
-
-fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + DEADLINE;
-    while !done() {
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
 
 fn payload(publisher: u64, batch: u64, record: u64) -> Bytes {
     Bytes::from(format!("p{publisher}-b{batch}-r{record}"))

@@ -204,11 +204,16 @@ impl Run {
         for id in self.group.ids() {
             let node = self.group.member(id).expect("healed");
             let state = node.state();
-            let oldest = (0..next_offset)
-                .find(|offset| state.locate(*offset).is_some())
-                .unwrap_or(next_offset);
+            let oldest = state.oldest_offset();
+            assert_eq!(
+                oldest,
+                (0..next_offset)
+                    .find(|offset| state.locate(*offset).is_some())
+                    .unwrap_or(next_offset),
+                "member {id}: the oldest offset held is the first one located"
+            );
             let read = state
-                .read(node.store(), oldest, usize::MAX)
+                .read(node.store(), oldest, usize::MAX, usize::MAX)
                 .expect("read back");
             assert_eq!(
                 read.len() as u64,

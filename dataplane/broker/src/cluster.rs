@@ -6,7 +6,9 @@
 //!
 //! Each core has a [`CoreLink`] to the service: publishes to the cluster's durable streams
 //! leave the core's state machine as parts (`felix_core`'s `cluster.rs`), go to the service,
-//! and their answers come back to the core on its own thread ([`core_task`]).
+//! and their answers come back to the core on its own thread ([`core_task`]). Subscriptions to
+//! them go the same way: the service's batches of committed records come back on the same
+//! channel, at most `felix_cluster::subscribe::CREDITS` in flight per subscription.
 
 use std::path::Path;
 use std::rc::Rc;
@@ -17,9 +19,12 @@ use felix_cluster::pki::NodeIdentity;
 use felix_cluster::publish::PublishError;
 use felix_cluster::service::{DurableStreams, Service, ServiceConfig, parse_members};
 use felix_cluster::shard::ShardRecord;
-use felix_core::{ClusterPublish, ClusterRefusal};
+use felix_cluster::subscribe::{
+    Start, SubscribeError, SubscribeRequest, SubscriptionEvent, SubscriptionSink,
+};
+use felix_core::{ClusterPublish, ClusterRefusal, ClusterRequest, ClusterStart, ClusterSubscribe};
 use felix_tuning::Config;
-use felix_wire::{ErrorCode, ShardAck};
+use felix_wire::{DeliveredRecord, ErrorCode, ShardAck};
 
 use crate::BrokerError;
 use crate::shell::Shell;
@@ -112,28 +117,67 @@ pub(crate) fn start(
 /// `unavailable` (the records may still commit).
 pub(crate) const CLUSTER_COMMIT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// The cluster's answer to one publish part, for the core that handed it over.
-pub(crate) type PartAnswer = (u64, Result<ShardAck, ClusterRefusal>);
+/// What the service sends back to the core that asked: answers to publish parts and the
+/// events of its subscriptions, each named by the core's token.
+#[derive(Debug)]
+pub(crate) enum LinkEvent {
+    Part(u64, Result<ShardAck, ClusterRefusal>),
+    Subscribed(u64, Result<Vec<(u32, u64)>, ClusterRefusal>),
+    Delivery(u64, Vec<DeliveredRecord>),
+    Ended(u64, ClusterRefusal),
+}
 
-/// One core's link to the cluster service: parts go to the service (which never blocks), the
-/// answers come back on the core's own channel, drained by [`core_task`] on the core's thread.
+// A cluster subscription's batches wait in the subscription slot like another core's do:
+// the slot's bound counts on the same number of credits.
+const _: () = assert!(felix_cluster::subscribe::CREDITS == felix_core::REMOTE_DELIVERY_CREDITS);
+
+/// One core's link to the cluster service: requests go to the service (which never blocks),
+/// the answers come back on the core's own channel, drained by [`core_task`] on the core's
+/// thread. The channel holds at most the parts in flight (bounded by the core's ingress
+/// queue) and, per subscription, its credits' batches and two other events.
 pub(crate) struct CoreLink {
     service: Arc<Service>,
-    answers: tokio::sync::mpsc::UnboundedSender<PartAnswer>,
+    core: u16,
+    events: tokio::sync::mpsc::UnboundedSender<LinkEvent>,
 }
 
 impl CoreLink {
-    /// A link and the receiving end of its answers.
+    /// The link of core `core` and the receiving end of its events.
     pub(crate) fn new(
         service: Arc<Service>,
-    ) -> (CoreLink, tokio::sync::mpsc::UnboundedReceiver<PartAnswer>) {
-        let (answers, received) = tokio::sync::mpsc::unbounded_channel();
-        (CoreLink { service, answers }, received)
+        core: u16,
+    ) -> (CoreLink, tokio::sync::mpsc::UnboundedReceiver<LinkEvent>) {
+        let (events, received) = tokio::sync::mpsc::unbounded_channel();
+        (
+            CoreLink {
+                service,
+                core,
+                events,
+            },
+            received,
+        )
     }
 
-    /// Hands a part to the service. Its answer arrives on the link's channel; the channel
-    /// holds at most the parts in flight, which the core's ingress queue bounds.
-    pub(crate) fn send(&self, part: ClusterPublish) {
+    /// The service's id of this core's subscription `token`: unique among every core's.
+    fn subscription_id(&self, token: u64) -> u64 {
+        (u64::from(self.core) << 48) | (token & ((1 << 48) - 1))
+    }
+
+    /// Hands a request to the service.
+    pub(crate) fn send(&self, request: ClusterRequest) {
+        match request {
+            ClusterRequest::Publish(part) => self.publish(part),
+            ClusterRequest::Subscribe(subscribe) => self.subscribe(subscribe),
+            ClusterRequest::Credit { token } => {
+                self.service.credit(self.subscription_id(token));
+            }
+            ClusterRequest::Unsubscribe { token } => {
+                self.service.unsubscribe(self.subscription_id(token));
+            }
+        }
+    }
+
+    fn publish(&self, part: ClusterPublish) {
         let ClusterPublish {
             token,
             stream,
@@ -149,7 +193,7 @@ impl CoreLink {
                 payload: record.payload,
             })
             .collect();
-        let answers = self.answers.clone();
+        let events = self.events.clone();
         self.service.publish(
             &stream,
             shard,
@@ -163,9 +207,88 @@ impl CoreLink {
                         count: ack.count,
                     })
                     .map_err(|error| refusal(&error));
-                let _ = answers.send((token, result));
+                let _ = events.send(LinkEvent::Part(token, result));
             }),
         );
+    }
+
+    fn subscribe(&self, subscribe: ClusterSubscribe) {
+        let ClusterSubscribe {
+            token,
+            stream,
+            shards,
+            max_records,
+            max_bytes,
+        } = subscribe;
+        let shards = shards
+            .into_iter()
+            .map(|(shard, start)| {
+                let start = match start {
+                    ClusterStart::Earliest => Start::Earliest,
+                    ClusterStart::Latest => Start::Latest,
+                    ClusterStart::Offset(offset) => Start::Offset(offset),
+                };
+                (shard, start)
+            })
+            .collect();
+        let events = self.events.clone();
+        self.service.subscribe(
+            SubscribeRequest {
+                id: self.subscription_id(token),
+                stream,
+                shards,
+                max_records,
+                max_bytes,
+            },
+            SubscriptionSink::new(move |event| {
+                let event = match event {
+                    SubscriptionEvent::Started(start) => LinkEvent::Subscribed(token, Ok(start)),
+                    SubscriptionEvent::Refused(error) => {
+                        LinkEvent::Subscribed(token, Err(subscribe_refusal(&error)))
+                    }
+                    SubscriptionEvent::Records(batch) => LinkEvent::Delivery(
+                        token,
+                        batch
+                            .into_iter()
+                            .map(|delivered| DeliveredRecord {
+                                shard: delivered.shard,
+                                offset: delivered.offset,
+                                timestamp_us: delivered.record.timestamp_us,
+                                key: delivered.record.key,
+                                payload: delivered.record.payload,
+                            })
+                            .collect(),
+                    ),
+                    SubscriptionEvent::Ended(error) => {
+                        LinkEvent::Ended(token, subscribe_refusal(&error))
+                    }
+                };
+                let _ = events.send(event);
+            }),
+        );
+    }
+}
+
+/// A cluster subscription's refusal or end as the subscriber hears it.
+pub(crate) fn subscribe_refusal(error: &SubscribeError) -> ClusterRefusal {
+    let (code, detail) = match error {
+        SubscribeError::NoSuchStream { .. } | SubscribeError::Deleted { .. } => {
+            (ErrorCode::StreamNotFound, 0)
+        }
+        SubscribeError::NoSuchShard { .. } | SubscribeError::BeyondEnd { .. } => {
+            (ErrorCode::InvalidArgument, 0)
+        }
+        SubscribeError::TooOld { oldest, .. } => (ErrorCode::TooOld, *oldest),
+        SubscribeError::NotReplicatedHere { .. } | SubscribeError::Stopped => {
+            (ErrorCode::Unavailable, 0)
+        }
+        SubscribeError::Read { .. } => (ErrorCode::StorageFailed, 0),
+        SubscribeError::IdInUse(_) => (ErrorCode::Internal, 0),
+    };
+    ClusterRefusal {
+        code,
+        detail,
+        message: error.to_string(),
     }
 }
 
@@ -180,15 +303,17 @@ pub(crate) fn refusal(error: &PublishError) -> ClusterRefusal {
     };
     ClusterRefusal {
         code,
+        detail: 0,
         message: error.to_string(),
     }
 }
 
-/// Answers published parts and keeps the core's set of cluster streams current: runs on the
-/// core's thread for as long as the core serves.
+/// Hands the service's events to the core (answers to published parts, subscriptions'
+/// batches) and keeps the core's set of cluster streams current: runs on the core's thread
+/// for as long as the core serves.
 pub(crate) async fn core_task(
     shell: Rc<Shell>,
-    mut answers: tokio::sync::mpsc::UnboundedReceiver<PartAnswer>,
+    mut answers: tokio::sync::mpsc::UnboundedReceiver<LinkEvent>,
     mut streams: tokio::sync::watch::Receiver<DurableStreams>,
 ) {
     let mut batch = Vec::with_capacity(ANSWERS_PER_INPUT);
@@ -201,8 +326,21 @@ pub(crate) async fn core_task(
                     return;
                 }
                 shell.input(|core, now| {
-                    for (token, result) in batch.drain(..) {
-                        core.handle_cluster_answer(now, token, result);
+                    for event in batch.drain(..) {
+                        match event {
+                            LinkEvent::Part(token, result) => {
+                                core.handle_cluster_answer(now, token, result);
+                            }
+                            LinkEvent::Subscribed(token, result) => {
+                                core.handle_cluster_subscribed(token, result);
+                            }
+                            LinkEvent::Delivery(token, records) => {
+                                core.handle_cluster_delivery(token, records);
+                            }
+                            LinkEvent::Ended(token, refusal) => {
+                                core.handle_cluster_ended(token, refusal);
+                            }
+                        }
                     }
                 });
             }
@@ -219,5 +357,5 @@ pub(crate) async fn core_task(
     }
 }
 
-/// Answers handed to the core per input.
+/// Events handed to the core per input.
 const ANSWERS_PER_INPUT: usize = 256;

@@ -240,7 +240,7 @@ fn run_thread(
         let (cluster_link, cluster_parts) = match settings.cluster {
             Some(service) => {
                 let streams = service.durable_streams();
-                let (link, answers) = crate::cluster::CoreLink::new(service);
+                let (link, answers) = crate::cluster::CoreLink::new(service, index);
                 (Some(link), Some((answers, streams)))
             }
             None => (None, None),

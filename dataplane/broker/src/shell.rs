@@ -170,17 +170,27 @@ impl Shell {
                 core.handle_catalog_written(now, write.id, result);
                 more = true;
             }
-            while let Some(part) = core.poll_cluster_publish() {
+            while let Some(request) = core.poll_cluster() {
                 match &self.cluster {
-                    Some(link) => link.send(part),
+                    Some(link) => link.send(request),
                     None => {
                         // The core routes to cluster streams only when told of them, which
                         // only a member's link does.
                         let refusal = felix_core::ClusterRefusal {
                             code: ErrorCode::Unavailable,
+                            detail: 0,
                             message: "this broker is not a cluster member".to_owned(),
                         };
-                        core.handle_cluster_answer(now, part.token, Err(refusal));
+                        match request {
+                            felix_core::ClusterRequest::Publish(part) => {
+                                core.handle_cluster_answer(now, part.token, Err(refusal));
+                            }
+                            felix_core::ClusterRequest::Subscribe(subscribe) => {
+                                core.handle_cluster_subscribed(subscribe.token, Err(refusal));
+                            }
+                            felix_core::ClusterRequest::Credit { .. }
+                            | felix_core::ClusterRequest::Unsubscribe { .. } => {}
+                        }
                         more = true;
                     }
                 }

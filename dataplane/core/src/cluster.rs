@@ -1,10 +1,16 @@
 //! Replicated streams on one core (docs/cluster.md, "The publish path"): a publish to a
 //! durable stream of the cluster is admitted like any durable publish, split by shard, and each
-//! shard's part is handed to the shell ([`Core::poll_cluster_publish`]), which passes it to the
+//! shard's part is handed to the shell ([`Core::poll_cluster`]), which passes it to the
 //! cluster service; the service answers once the part is committed by the shard's Raft group
 //! and applied on this broker ([`Core::handle_cluster_answer`]). The publish is acked when
 //! every part is answered, with the offsets the group gave: Quorum consistency, whichever
 //! member the publish entered.
+//!
+//! A subscription to a replicated stream ("Subscribing" there; the slot side is in
+//! `subscribe.rs`) is one request to the service for all its shards; the service reads this
+//! member's copy (committed records only) and sends batches back under the same credits as
+//! another core's deliveries: a credit goes back for each batch the subscription's stream
+//! takes.
 //!
 //! The core knows the cluster's durable streams by name and shard count
 //! ([`Core::set_cluster_streams`], from the shell whenever the control plane changes). A
@@ -32,11 +38,49 @@ pub struct ClusterPublish {
     pub unix_us: u64,
 }
 
-/// Why the cluster did not take a part: the publish answers it.
+/// Why the cluster did not take a part, or refused or ended a subscription.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClusterRefusal {
     pub code: ErrorCode,
+    /// The error's detail (`TooOld`: the oldest offset held), else 0.
+    pub detail: u64,
     pub message: String,
+}
+
+/// Where a replicated shard's delivery starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClusterStart {
+    Earliest,
+    Latest,
+    Offset(u64),
+}
+
+/// A subscription to shards of a replicated stream, for the cluster service.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterSubscribe {
+    /// Names the subscription in every later request and answer.
+    pub token: u64,
+    pub stream: String,
+    /// `(shard, start)` per selected shard, ascending.
+    pub shards: Vec<(u32, ClusterStart)>,
+    /// Bounds of one delivered batch.
+    pub max_records: usize,
+    pub max_bytes: usize,
+}
+
+/// What a core asks of the cluster service, in the order it asked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClusterRequest {
+    Publish(ClusterPublish),
+    Subscribe(ClusterSubscribe),
+    /// The subscription's stream took one of its batches: send one more.
+    Credit {
+        token: u64,
+    },
+    /// The subscription's stream is gone.
+    Unsubscribe {
+        token: u64,
+    },
 }
 
 /// Where a publish's stream is.
@@ -59,8 +103,8 @@ impl Core {
         self.cluster_streams.contains_key(name)
     }
 
-    /// The next part for the cluster service, oldest first.
-    pub fn poll_cluster_publish(&mut self) -> Option<ClusterPublish> {
+    /// The next request for the cluster service, oldest first.
+    pub fn poll_cluster(&mut self) -> Option<ClusterRequest> {
         self.cluster_out.pop_front()
     }
 
@@ -77,7 +121,7 @@ impl Core {
         };
         let result = result
             .map(|ack| vec![ack])
-            .map_err(|refusal| EngineError::new(refusal.code, 0, refusal.message));
+            .map_err(ClusterRefusal::into_error);
         self.resolve_part(now, publish, result);
         // The freed ingress job admits the next waiter.
         self.settle(now);
@@ -134,14 +178,21 @@ impl Core {
                     publish: publish_token,
                 },
             );
-            self.cluster_out.push_back(ClusterPublish {
-                token,
-                stream: name.clone(),
-                shard,
-                records,
-                unix_us: now.unix_us,
-            });
+            self.cluster_out
+                .push_back(ClusterRequest::Publish(ClusterPublish {
+                    token,
+                    stream: name.clone(),
+                    shard,
+                    records,
+                    unix_us: now.unix_us,
+                }));
         }
         self.hold(publish_token, pending);
+    }
+}
+
+impl ClusterRefusal {
+    pub(crate) fn into_error(self) -> EngineError {
+        EngineError::new(self.code, self.detail, self.message)
     }
 }

@@ -282,8 +282,13 @@ pub struct Core {
     token_checks: VecDeque<TokenCheck>,
     /// The cluster's durable streams by name: their shard counts (`cluster.rs`).
     pub(crate) cluster_streams: std::collections::HashMap<String, u32>,
-    /// Publish parts for the cluster service, oldest first. Bounded by the ingress queue.
-    pub(crate) cluster_out: VecDeque<crate::cluster::ClusterPublish>,
+    /// Requests for the cluster service, oldest first. Bounded by the ingress queue (publish
+    /// parts) and by the subscriptions (one subscribe, at most their credits and one
+    /// unsubscribe each).
+    pub(crate) cluster_out: VecDeque<crate::cluster::ClusterRequest>,
+    /// Subscription streams fed by the cluster service, by the token of their request, from
+    /// the request until the stream is gone or the service refused or ended it.
+    pub(crate) cluster_subscriptions: HashMap<u64, StreamId>,
 }
 
 impl std::fmt::Debug for Core {
@@ -347,6 +352,7 @@ impl Core {
             token_checks: VecDeque::new(),
             cluster_streams: std::collections::HashMap::new(),
             cluster_out: VecDeque::new(),
+            cluster_subscriptions: HashMap::default(),
         }
     }
 
@@ -1408,7 +1414,19 @@ impl Core {
                 if let Some(id) = slot.local {
                     assert_eq!(self.local_subscriptions.get(&id), Some(stream));
                 }
+                if let Some(token) = slot.cluster {
+                    assert_eq!(self.cluster_subscriptions.get(&token), Some(stream));
+                }
             }
+        }
+        for (token, stream) in &self.cluster_subscriptions {
+            assert!(
+                matches!(
+                    self.streams.get(stream).map(|state| &state.role),
+                    Some(Role::Subscription(slot)) if slot.cluster == Some(*token)
+                ),
+                "a cluster subscription feeds the open subscription stream that holds its token"
+            );
         }
         for stream in self.local_subscriptions.values() {
             assert!(

@@ -34,7 +34,9 @@ mod subscribe;
 
 pub use crate::admission::{Admission, AdmissionEvent, Decision, Policy, Ticket};
 pub use crate::catalog::{CATALOG_FILE, Catalog, CatalogChange, CatalogEntry, CatalogError};
-pub use crate::cluster::{ClusterPublish, ClusterRefusal};
+pub use crate::cluster::{
+    ClusterPublish, ClusterRefusal, ClusterRequest, ClusterStart, ClusterSubscribe,
+};
 pub use crate::config::{
     ACCESS_CACHE_ENTRIES_MAX, ConnectionId, CoreConfig, DELIVERY_BYTES_MAX, DELIVERY_RECORDS_MAX,
     HELLO_SHARD_MAP_FRAME_SHARE, INGRESS_EXHAUSTED_MESSAGE, IngressSettings, Now,

@@ -6,6 +6,10 @@
 //! each batch its writer takes. Beyond that the records wait in the owner's engine queue,
 //! where the lag bound ends the subscription as it does for local subscribers. Each shard
 //! comes from one owner core over one FIFO queue, so per-shard order holds.
+//!
+//! A subscription to a replicated stream of the cluster (`cluster.rs`) has one source instead:
+//! the cluster service, which reads this member's copy and sends batches under the same
+//! credits.
 
 use std::collections::VecDeque;
 
@@ -30,6 +34,13 @@ enum Phase {
     Over,
 }
 
+/// Where a batch of a subscription stream came from: its credit goes back there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Source {
+    Core { owner: u16, id: SubscriptionId },
+    Cluster { token: u64 },
+}
+
 /// The state of one subscription stream on its core.
 #[derive(Debug)]
 pub(crate) struct SubscriptionSlot {
@@ -39,8 +50,12 @@ pub(crate) struct SubscriptionSlot {
     pub(crate) local: Option<SubscriptionId>,
     /// The other owner cores' engine subscriptions.
     remotes: Vec<(u16, SubscriptionId)>,
-    /// Batches from owner cores, oldest first; at most [`REMOTE_DELIVERY_CREDITS`] per owner.
-    remote_batches: VecDeque<(u16, SubscriptionId, Vec<DeliveredRecord>)>,
+    /// A replicated stream's subscription: the token of its request to the cluster service,
+    /// until the service refused or ended it.
+    pub(crate) cluster: Option<u64>,
+    /// Batches from owner cores (or the cluster), oldest first; at most
+    /// [`REMOTE_DELIVERY_CREDITS`] per source.
+    remote_batches: VecDeque<(Source, Vec<DeliveredRecord>)>,
     /// `(shard, first offset delivered)` per shard, gathered while registering.
     start: Vec<(u32, u64)>,
     /// From `Subscribed` on: `(shard, next offset to deliver)` per selected shard, ascending,
@@ -67,15 +82,36 @@ impl SubscriptionSlot {
             self.remote_batches.len(),
             self.remote_batches
                 .iter()
-                .map(|(owner, id, _)| (*owner, id.0))
+                .map(|(source, _)| *source)
                 .collect::<Vec<_>>(),
             self.remotes,
             self.phase
+        );
+        assert!(
+            self.cluster.is_none() || (self.local.is_none() && self.remotes.is_empty()),
+            "a cluster subscription has no engine parts"
         );
         match self.phase {
             Phase::Registering { .. } => assert!(!self.counted, "counted from Subscribed on"),
             Phase::Active => assert!(self.counted, "an active subscription is counted"),
             Phase::Over => {}
+        }
+    }
+}
+
+/// The parts feeding a subscription stream, taken out of its slot to be undone.
+struct Parts {
+    local: Option<SubscriptionId>,
+    remotes: Vec<(u16, SubscriptionId)>,
+    cluster: Option<u64>,
+}
+
+impl SubscriptionSlot {
+    fn take_parts(&mut self) -> Parts {
+        Parts {
+            local: self.local.take(),
+            remotes: std::mem::take(&mut self.remotes),
+            cluster: self.cluster.take(),
         }
     }
 }
@@ -103,6 +139,7 @@ impl Core {
             phase: Phase::Registering { waiting: 0 },
             local: None,
             remotes: Vec::new(),
+            cluster: None,
             remote_batches: VecDeque::new(),
             start: Vec::new(),
             next: Vec::new(),
@@ -119,16 +156,17 @@ impl Core {
             // Authorized (by name, before the lookup) and counted first: a refusal says
             // nothing of the stream.
             (Err(error), _) => Err(error),
-            // A replicated stream of the cluster exists, but is not served to subscribers
-            // yet (docs/cluster.md): say so rather than claim it does not exist.
-            (Ok(()), None) if self.is_cluster_stream(&name) => Err(EngineError::new(
-                felix_wire::ErrorCode::InvalidArgument,
-                0,
-                format!(
-                    "stream {name:?} is a replicated cluster stream: subscribing to it is not \
-                     supported yet (`felix cluster read` prints its committed records)"
-                ),
-            )),
+            // A replicated stream of the cluster: the service serves all its shards.
+            (Ok(()), None) if self.is_cluster_stream(&name) => {
+                let shard_count = self.cluster_streams[&name];
+                match select_shards(&shards, &from, shard_count) {
+                    Ok(selected) => {
+                        self.start_cluster_subscription(stream, slot, name, &selected, &from);
+                        return Flow::Subscribed;
+                    }
+                    Err(error) => Err(error),
+                }
+            }
             (Ok(()), None) => Err(EngineError::stream_not_found(&name)),
             // The selection is checked once, here; each owner checks only its offsets.
             (Ok(()), Some(meta)) => select_shards(&shards, &from, meta.shard_count),
@@ -205,6 +243,131 @@ impl Core {
         Flow::Subscribed
     }
 
+    /// Registers a subscription to a replicated stream with the cluster service; `Subscribed`
+    /// follows its answer ([`Core::handle_cluster_subscribed`]).
+    fn start_cluster_subscription(
+        &mut self,
+        stream: StreamId,
+        mut slot: Box<SubscriptionSlot>,
+        name: String,
+        selected: &[u32],
+        from: &StartPosition,
+    ) {
+        let start = |shard: u32| match from {
+            StartPosition::Earliest => crate::ClusterStart::Earliest,
+            StartPosition::Latest => crate::ClusterStart::Latest,
+            StartPosition::Offsets(positions) => positions
+                .iter()
+                .find(|(listed, _)| *listed == shard)
+                .map_or(crate::ClusterStart::Latest, |(_, offset)| {
+                    crate::ClusterStart::Offset(*offset)
+                }),
+        };
+        let token = self.token();
+        slot.cluster = Some(token);
+        slot.phase = Phase::Registering { waiting: 1 };
+        self.stream_mut(stream).role = Role::Subscription(slot);
+        self.cluster_subscriptions.insert(token, stream);
+        let (max_records, max_bytes) = self.delivery_bounds();
+        self.cluster_out
+            .push_back(crate::ClusterRequest::Subscribe(crate::ClusterSubscribe {
+                token,
+                stream: name,
+                shards: selected
+                    .iter()
+                    .map(|&shard| (shard, start(shard)))
+                    .collect(),
+                max_records,
+                max_bytes,
+            }));
+    }
+
+    /// The cluster service registered (or refused) subscription `token`.
+    pub fn handle_cluster_subscribed(
+        &mut self,
+        token: u64,
+        result: Result<Vec<(u32, u64)>, crate::ClusterRefusal>,
+    ) {
+        // Gone: its stream closed (the unsubscribe is on its way).
+        let Some(&stream) = self.cluster_subscriptions.get(&token) else {
+            return;
+        };
+        let slot = self
+            .slot_mut(stream)
+            .expect("a cluster subscription's slot");
+        match result {
+            Ok(start) => {
+                if let Phase::Registering { waiting } = &mut slot.phase {
+                    *waiting = 0;
+                    slot.start = start;
+                    self.end_registration(stream);
+                }
+            }
+            Err(refusal) => {
+                // The service forgot it: nothing to undo there.
+                slot.cluster = None;
+                let registering = matches!(slot.phase, Phase::Registering { .. });
+                if registering {
+                    slot.phase = Phase::Registering { waiting: 0 };
+                    slot.refusal = Some((0, refusal.into_error()));
+                }
+                self.cluster_subscriptions.remove(&token);
+                if registering {
+                    self.end_registration(stream);
+                }
+            }
+        }
+    }
+
+    /// A batch of committed records of subscription `token`, from the cluster service.
+    pub fn handle_cluster_delivery(&mut self, token: u64, records: Vec<DeliveredRecord>) {
+        let Some(&stream) = self.cluster_subscriptions.get(&token) else {
+            return;
+        };
+        if let Some(target) = self.slot_mut(stream)
+            && target.phase != Phase::Over
+        {
+            target
+                .remote_batches
+                .push_back((Source::Cluster { token }, records));
+            self.mark_ready(stream);
+        }
+    }
+
+    /// The cluster service ended subscription `token` (stream deleted, records compacted,
+    /// service stopped); records already delivered go out first.
+    pub fn handle_cluster_ended(&mut self, token: u64, refusal: crate::ClusterRefusal) {
+        let Some(&stream) = self.cluster_subscriptions.get(&token) else {
+            return;
+        };
+        let slot = self
+            .slot_mut(stream)
+            .expect("a cluster subscription's slot");
+        if matches!(slot.phase, Phase::Registering { .. }) {
+            // Ended before it started (the service stopped with the request queued).
+            self.handle_cluster_subscribed(token, Err(refusal));
+            return;
+        }
+        self.cluster_subscriptions.remove(&token);
+        let slot = self
+            .slot_mut(stream)
+            .expect("a cluster subscription's slot");
+        slot.cluster = None;
+        let error = refusal.into_error();
+        slot.ending.get_or_insert(error.code);
+        slot.ended.get_or_insert(error);
+        self.mark_ready(stream);
+    }
+
+    /// The bounds of one delivered batch: records and bytes.
+    fn delivery_bounds(&self) -> (usize, usize) {
+        let max_records = DELIVERY_RECORDS_MAX
+            .min(usize::try_from(self.limits.max_batch_records).unwrap_or(usize::MAX));
+        let max_bytes = DELIVERY_BYTES_MAX
+            .min(usize::try_from(self.limits.max_frame_bytes / 2).unwrap_or(usize::MAX));
+        (max_records, max_bytes)
+    }
+
     /// Every owner answered: `Subscribed`, or the first refusal (and every part undone).
     fn end_registration(&mut self, stream: StreamId) {
         let slot = self
@@ -216,9 +379,8 @@ impl Core {
                 slot.phase = Phase::Over;
                 // Batches the parts that did register sent meanwhile are not delivered.
                 slot.remote_batches.clear();
-                let local = slot.local.take();
-                let remotes = std::mem::take(&mut slot.remotes);
-                self.unsubscribe_parts(local, remotes);
+                let parts = slot.take_parts();
+                self.unsubscribe_parts(parts);
                 self.write_error(stream, error.to_frame(request_id));
                 self.stream_mut(stream).finishing = true;
             }
@@ -284,12 +446,13 @@ impl Core {
         }
     }
 
-    /// Forgets engine subscriptions here and on their owner cores.
-    fn unsubscribe_parts(
-        &mut self,
-        local: Option<SubscriptionId>,
-        remotes: Vec<(u16, SubscriptionId)>,
-    ) {
+    /// Forgets engine subscriptions here and on their owner cores, and the cluster's.
+    fn unsubscribe_parts(&mut self, parts: Parts) {
+        let Parts {
+            local,
+            remotes,
+            cluster,
+        } = parts;
         if let Some(id) = local {
             self.local_subscriptions.remove(&id);
             self.engine.unsubscribe(id);
@@ -297,14 +460,20 @@ impl Core {
         for (core, id) in remotes {
             self.send(core, CoreMessage::Unsubscribe { id });
         }
+        if let Some(token) = cluster {
+            self.cluster_subscriptions.remove(&token);
+            self.cluster_out
+                .push_back(crate::ClusterRequest::Unsubscribe { token });
+        }
     }
 
     /// The subscription stream closed: its parts are forgotten everywhere.
-    pub(crate) fn drop_subscription(&mut self, slot: SubscriptionSlot) {
+    pub(crate) fn drop_subscription(&mut self, mut slot: SubscriptionSlot) {
         if slot.counted {
             self.counters.subscribers -= 1;
         }
-        self.unsubscribe_parts(slot.local, slot.remotes);
+        let parts = slot.take_parts();
+        self.unsubscribe_parts(parts);
     }
 
     /// The owner's side: registers a part whose records go to another core.
@@ -390,13 +559,12 @@ impl Core {
         }
         slot.phase = Phase::Over;
         let counted = std::mem::take(&mut slot.counted);
-        let local = slot.local.take();
-        let remotes = std::mem::take(&mut slot.remotes);
+        let parts = slot.take_parts();
         slot.remote_batches.clear();
         if counted {
             self.counters.subscribers -= 1;
         }
-        self.unsubscribe_parts(local, remotes);
+        self.unsubscribe_parts(parts);
         self.write_error(
             stream,
             error_frame(
@@ -411,10 +579,7 @@ impl Core {
     /// this core's records first, then a batch from an owner core (its credit goes back),
     /// and once nothing is left, the error that ended the subscription.
     pub(crate) fn fill_delivery(&mut self, stream: StreamId) {
-        let max_records = DELIVERY_RECORDS_MAX
-            .min(usize::try_from(self.limits.max_batch_records).unwrap_or(usize::MAX));
-        let max_bytes = DELIVERY_BYTES_MAX
-            .min(usize::try_from(self.limits.max_frame_bytes / 2).unwrap_or(usize::MAX));
+        let (max_records, max_bytes) = self.delivery_bounds();
         let Some(slot) = self.slot_mut(stream) else {
             return;
         };
@@ -428,10 +593,15 @@ impl Core {
         };
         let slot = self.slot_mut(stream).expect("looked up above");
         if records.is_empty()
-            && let Some((owner, id, batch)) = slot.remote_batches.pop_front()
+            && let Some((source, batch)) = slot.remote_batches.pop_front()
         {
             records = batch;
-            self.send(owner, CoreMessage::Credit { id });
+            match source {
+                Source::Core { owner, id } => self.send(owner, CoreMessage::Credit { id }),
+                Source::Cluster { token } => self
+                    .cluster_out
+                    .push_back(crate::ClusterRequest::Credit { token }),
+            }
         }
         if !records.is_empty() {
             let slot = self.slot_mut(stream).expect("looked up above");
@@ -498,10 +668,7 @@ impl Core {
 
     /// Sends queued records of an owner-side subscription while it has credits.
     fn pump_remote(&mut self, id: SubscriptionId) {
-        let max_records = DELIVERY_RECORDS_MAX
-            .min(usize::try_from(self.limits.max_batch_records).unwrap_or(usize::MAX));
-        let max_bytes = DELIVERY_BYTES_MAX
-            .min(usize::try_from(self.limits.max_frame_bytes / 2).unwrap_or(usize::MAX));
+        let (max_records, max_bytes) = self.delivery_bounds();
         // At most REMOTE_DELIVERY_CREDITS rounds: each takes a credit.
         loop {
             let Some(remote) = self.remote_subscriptions.get(&id) else {
@@ -542,7 +709,9 @@ impl Core {
         if let Some(target) = self.slot_mut(slot)
             && target.phase != Phase::Over
         {
-            target.remote_batches.push_back((owner, id, records));
+            target
+                .remote_batches
+                .push_back((Source::Core { owner, id }, records));
             self.mark_ready(slot);
         }
     }

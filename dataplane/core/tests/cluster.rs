@@ -2,18 +2,32 @@
 //! a batch is split by shard into parts for the cluster service, the ack waits for every
 //! part and carries the offsets the cluster gave, in shard order; a refused part answers the
 //! publish with its error; a stream of the broker's own catalogue wins over a cluster stream
-//! of the same name; the ingress job is held until every part is answered.
+//! of the same name; the ingress job is held until every part is answered. Subscriptions to
+//! replicated streams: one request to the cluster service per subscription stream, deliveries
+//! under credits, refusals and ends written as errors, an unsubscribe when the stream goes.
 
 mod support;
 
 use std::collections::HashMap;
 
-use felix_core::{ClusterPublish, ClusterRefusal};
-use felix_wire::{AckMode, ErrorCode, Frame, ShardAck, StreamKind};
+use felix_core::{ClusterPublish, ClusterRefusal, ClusterRequest, ClusterStart, ClusterSubscribe};
+use felix_wire::{
+    AckMode, DeliveredRecord, ErrorCode, Frame, ShardAck, ShardSelection, StartPosition, StreamKind,
+};
 use support::{Broker, ingress, publish, record};
 
+fn requests(broker: &mut Broker, core: usize) -> Vec<ClusterRequest> {
+    std::iter::from_fn(|| broker.cores[core].poll_cluster()).collect()
+}
+
 fn parts(broker: &mut Broker, core: usize) -> Vec<ClusterPublish> {
-    std::iter::from_fn(|| broker.cores[core].poll_cluster_publish()).collect()
+    requests(broker, core)
+        .into_iter()
+        .map(|request| match request {
+            ClusterRequest::Publish(part) => part,
+            other => panic!("a publish part, not {other:?}"),
+        })
+        .collect()
 }
 
 #[test]
@@ -91,6 +105,7 @@ fn a_refused_part_answers_the_publish_with_its_error() {
         let result = if n == 0 {
             Err(ClusterRefusal {
                 code: ErrorCode::Unavailable,
+                detail: 0,
                 message: "no quorum".to_owned(),
             })
         } else {
@@ -188,30 +203,268 @@ fn the_ingress_job_is_held_until_every_part_is_answered() {
     assert_eq!(next[0].records, vec![record("k", "2")]);
 }
 
+fn subscribe_frame(request_id: u64, shards: ShardSelection, from: StartPosition) -> Frame {
+    Frame::Subscribe(felix_wire::Subscribe {
+        request_id,
+        stream: "payments".to_owned(),
+        shards,
+        from,
+    })
+}
+
+/// Subscribes on a fresh stream of `conn` and returns the stream and the request the cluster
+/// service got.
+fn cluster_subscribe(
+    broker: &mut Broker,
+    conn: &support::Conn,
+    shards: ShardSelection,
+    from: StartPosition,
+) -> (felix_core::StreamId, ClusterSubscribe) {
+    let stream = broker.open(conn);
+    let _ = broker.feed(conn.core, stream, subscribe_frame(4, shards, from));
+    let handed = requests(broker, conn.core);
+    let [ClusterRequest::Subscribe(subscribe)] = &handed[..] else {
+        panic!("one subscribe: {handed:?}")
+    };
+    (stream, subscribe.clone())
+}
+
+fn delivered(shard: u32, offset: u64) -> DeliveredRecord {
+    DeliveredRecord {
+        shard,
+        offset,
+        timestamp_us: 1,
+        key: bytes::Bytes::new(),
+        payload: bytes::Bytes::from(format!("{shard}:{offset}")),
+    }
+}
+
 #[test]
-fn subscribing_to_a_replicated_stream_is_refused_saying_why() {
+fn a_replicated_subscription_is_served_by_the_cluster_under_credits() {
+    let mut broker = Broker::new(2, ingress());
+    let conn = broker.connect(1);
+    broker.cores[1].set_cluster_streams(HashMap::from([("payments".to_owned(), 3)]));
+    let (stream, subscribe) = cluster_subscribe(
+        &mut broker,
+        &conn,
+        ShardSelection::List(vec![2, 0]),
+        StartPosition::Offsets(vec![(2, 5)]),
+    );
+    assert_eq!(subscribe.stream, "payments");
+    assert_eq!(
+        subscribe.shards,
+        vec![(0, ClusterStart::Latest), (2, ClusterStart::Offset(5))],
+        "selected shards ascending; unlisted ones from latest"
+    );
+    assert!(subscribe.max_records > 0 && subscribe.max_bytes > 0);
+    assert!(
+        broker.read(1, stream).is_empty(),
+        "Subscribed waits for the service"
+    );
+    let token = subscribe.token;
+    broker.cores[1].handle_cluster_subscribed(token, Ok(vec![(0, 3), (2, 5)]));
+    broker.collect();
+    let frames = broker.read(1, stream);
+    let [Frame::Subscribed(subscribed)] = &frames[..] else {
+        panic!("Subscribed: {frames:?}")
+    };
+    assert_eq!(subscribed.shards, vec![(0, 3), (2, 5)]);
+    assert_eq!(broker.cores[1].counters().subscribers, 1);
+
+    // Two batches: each written in order, each written batch gives a credit back.
+    broker.cores[1].handle_cluster_delivery(token, vec![delivered(0, 3), delivered(2, 5)]);
+    broker.cores[1].handle_cluster_delivery(token, vec![delivered(2, 6)]);
+    broker.collect();
+    assert!(
+        requests(&mut broker, 1).is_empty(),
+        "no credit before a write"
+    );
+    let frames = broker.read(1, stream);
+    let offsets: Vec<(u32, u64)> = frames
+        .iter()
+        .flat_map(|frame| match frame {
+            Frame::Delivery(delivery) => delivery.records.iter().map(|r| (r.shard, r.offset)),
+            other => panic!("deliveries only: {other:?}"),
+        })
+        .collect();
+    assert_eq!(offsets, vec![(0, 3), (2, 5), (2, 6)]);
+    assert_eq!(
+        requests(&mut broker, 1),
+        vec![ClusterRequest::Credit { token }; 2],
+        "a credit per batch written"
+    );
+
+    // The stream goes: the service hears it; late batches for it are dropped.
+    let now = broker.now();
+    broker.cores[1].handle_stream_closed(now, stream);
+    broker.collect();
+    assert_eq!(
+        requests(&mut broker, 1),
+        vec![ClusterRequest::Unsubscribe { token }]
+    );
+    broker.cores[1].handle_cluster_delivery(token, vec![delivered(0, 4)]);
+    broker.cores[1].handle_cluster_ended(
+        token,
+        ClusterRefusal {
+            code: ErrorCode::Unavailable,
+            detail: 0,
+            message: "late".to_owned(),
+        },
+    );
+    broker.collect();
+    assert!(requests(&mut broker, 1).is_empty());
+    assert_eq!(broker.cores[1].counters().subscribers, 0);
+}
+
+#[test]
+fn a_replicated_subscription_refused_or_ended_says_why() {
     let mut broker = Broker::new(1, ingress());
     let conn = broker.connect(0);
     broker.cores[0].set_cluster_streams(HashMap::from([("payments".to_owned(), 2)]));
+
+    // The core checks the selection itself: the service is not asked.
     let stream = broker.open(&conn);
-    let subscribe = Frame::Subscribe(felix_wire::Subscribe {
-        request_id: 4,
-        stream: "payments".to_owned(),
-        shards: felix_wire::ShardSelection::All,
-        from: felix_wire::StartPosition::Earliest,
-    });
-    let _ = broker.feed(0, stream, subscribe);
+    let _ = broker.feed(
+        0,
+        stream,
+        subscribe_frame(4, ShardSelection::List(vec![2]), StartPosition::Latest),
+    );
+    assert!(requests(&mut broker, 0).is_empty());
     let frames = broker.read(0, stream);
+    assert!(
+        matches!(&frames[..], [Frame::Error(e)] if e.code == ErrorCode::InvalidArgument),
+        "{frames:?}"
+    );
+
+    // Refused by the service (too old, with the oldest offset held): nothing to undo.
+    let (stream, subscribe) = cluster_subscribe(
+        &mut broker,
+        &conn,
+        ShardSelection::All,
+        StartPosition::Offsets(vec![(1, 2)]),
+    );
+    broker.cores[0].handle_cluster_subscribed(
+        subscribe.token,
+        Err(ClusterRefusal {
+            code: ErrorCode::TooOld,
+            detail: 7,
+            message: "shard 1: offset 2 is no longer held; the oldest is 7".to_owned(),
+        }),
+    );
+    broker.collect();
+    let (frames, finished) = broker.read_all(0, stream);
     let [Frame::Error(error)] = &frames[..] else {
         panic!("one error: {frames:?}")
     };
     assert_eq!(
-        (error.request_id, error.code),
-        (4, ErrorCode::InvalidArgument)
+        (error.request_id, error.code, error.detail),
+        (4, ErrorCode::TooOld, 7)
     );
+    assert!(finished, "the stream finishes");
+    assert!(requests(&mut broker, 0).is_empty(), "no unsubscribe");
+
+    // Ended after a batch: the batch goes out first, then the error.
+    let (ended, subscribe) = cluster_subscribe(
+        &mut broker,
+        &conn,
+        ShardSelection::All,
+        StartPosition::Latest,
+    );
+    broker.cores[0].handle_cluster_subscribed(subscribe.token, Ok(vec![(0, 0), (1, 0)]));
+    broker.cores[0].handle_cluster_delivery(subscribe.token, vec![delivered(1, 0)]);
+    broker.cores[0].handle_cluster_ended(
+        subscribe.token,
+        ClusterRefusal {
+            code: ErrorCode::Unavailable,
+            detail: 0,
+            message: "the cluster service stopped".to_owned(),
+        },
+    );
+    broker.collect();
+    let (frames, finished) = broker.read_all(0, ended);
     assert!(
-        error.message.contains("replicated cluster stream"),
-        "{}",
-        error.message
+        matches!(
+            &frames[..],
+            [Frame::Subscribed(_), Frame::Delivery(_), Frame::Error(e)]
+                if e.code == ErrorCode::Unavailable
+        ),
+        "{frames:?}"
+    );
+    assert!(finished);
+    assert_eq!(
+        requests(&mut broker, 0),
+        vec![ClusterRequest::Credit {
+            token: subscribe.token
+        }],
+        "the written batch's credit, no unsubscribe: the service ended it"
+    );
+
+    // Ended before it started (the service stopped with the request queued): refused.
+    let (stream, subscribe) = cluster_subscribe(
+        &mut broker,
+        &conn,
+        ShardSelection::All,
+        StartPosition::Latest,
+    );
+    broker.cores[0].handle_cluster_ended(
+        subscribe.token,
+        ClusterRefusal {
+            code: ErrorCode::Unavailable,
+            detail: 0,
+            message: "the cluster service stopped".to_owned(),
+        },
+    );
+    broker.collect();
+    let (frames, finished) = broker.read_all(0, stream);
+    assert!(
+        matches!(&frames[..], [Frame::Error(e)] if e.code == ErrorCode::Unavailable),
+        "{frames:?}"
+    );
+    assert!(finished);
+    // Counted while their streams are open (as a local subscription is).
+    assert_eq!(
+        broker.cores[0].counters().subscribers,
+        1,
+        "the one that started"
+    );
+    let now = broker.now();
+    broker.cores[0].handle_stream_closed(now, ended);
+    broker.cores[0].handle_stream_closed(now, stream);
+    broker.collect();
+    assert_eq!(broker.cores[0].counters().subscribers, 0);
+    assert!(
+        requests(&mut broker, 0).is_empty(),
+        "nothing to undo at the service"
+    );
+}
+
+#[test]
+fn extra_data_on_a_replicated_subscription_unsubscribes_it() {
+    let mut broker = Broker::new(1, ingress());
+    let conn = broker.connect(0);
+    broker.cores[0].set_cluster_streams(HashMap::from([("payments".to_owned(), 1)]));
+    let (stream, subscribe) = cluster_subscribe(
+        &mut broker,
+        &conn,
+        ShardSelection::All,
+        StartPosition::Latest,
+    );
+    broker.cores[0].handle_cluster_subscribed(subscribe.token, Ok(vec![(0, 0)]));
+    broker.collect();
+    let _ = broker.feed(
+        0,
+        stream,
+        subscribe_frame(5, ShardSelection::All, StartPosition::Latest),
+    );
+    assert_eq!(
+        requests(&mut broker, 0),
+        vec![ClusterRequest::Unsubscribe {
+            token: subscribe.token
+        }]
+    );
+    let (frames, _) = broker.read_all(0, stream);
+    assert!(
+        matches!(frames.last(), Some(Frame::Error(e)) if e.code == ErrorCode::ProtocolViolation),
+        "{frames:?}"
     );
 }

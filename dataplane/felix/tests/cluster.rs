@@ -4,7 +4,8 @@
 //! control plane survives SIGKILL of its leader and the killed broker catches up when it
 //! rejoins, a paused (SIGSTOP) majority leaves the remaining broker unable to change anything
 //! or to acknowledge a publish, acknowledged publishes are on every replica exactly once after
-//! a leader's SIGKILL, and bad cluster settings stop start-up naming the variable.
+//! a leader's SIGKILL while subscribers on every member receive them once and in order, and
+//! bad cluster settings stop start-up naming the variable.
 
 mod support;
 
@@ -928,7 +929,9 @@ fn acked_publishes_are_on_every_replica_once_after_a_leaders_kill() {
         placed_and_in_sync(statuses, shards as usize)
     });
     // One publisher per member, through the plain client (no cluster map yet: a publish
-    // entering a member that does not lead its shard goes to the leader through Raft).
+    // entering a member that does not lead its shard goes to the leader through Raft), and a
+    // subscriber on every member from the start.
+    let ends: Ends = Arc::default();
     let configs: BTreeMap<u64, Arc<Mutex<Option<felix_client::ClientConfig>>>> = cluster
         .brokers
         .iter()
@@ -952,6 +955,10 @@ fn acked_publishes_are_on_every_replica_once_after_a_leaders_kill() {
             })
         })
         .collect();
+    let mut subscribers: Vec<(u64, std::thread::JoinHandle<Received>)> = configs
+        .iter()
+        .map(|(&id, slot)| (id, subscriber(id, Arc::clone(slot), Arc::clone(&ends))))
+        .collect();
     // SIGKILL the leader of shard 0 once some batches are in, then start it again.
     wait_for(&cluster, &[1], "some batches committed", |statuses| {
         statuses[0]
@@ -972,6 +979,11 @@ fn acked_publishes_are_on_every_replica_once_after_a_leaders_kill() {
     });
     cluster.brokers.get_mut(&victim).expect("victim").restart();
     *configs[&victim].lock().unwrap() = Some(cluster.brokers[&victim].naive_client_config());
+    // A subscriber on the restarted member, from the start of its recovered copy.
+    subscribers.push((
+        victim,
+        subscriber(victim, Arc::clone(&configs[&victim]), Arc::clone(&ends)),
+    ));
 
     let mut acked = Vec::new();
     let mut refused = 0usize;
@@ -1006,6 +1018,36 @@ fn acked_publishes_are_on_every_replica_once_after_a_leaders_kill() {
             "member {id}'s copy differs from member 1's"
         );
     }
+    // Every subscriber received the committed records of each shard once, in offset order,
+    // from offset 0: to the end, or (the first one on the killed member) until the kill.
+    *ends.lock().unwrap() = Some(reference.iter().map(|r| r.len() as u64).collect());
+    for (index, (id, subscriber)) in subscribers.into_iter().enumerate() {
+        let received = subscriber.join().expect("subscriber");
+        let killed = index < 3 && id == victim;
+        let mut total = 0;
+        for (shard, records) in received.iter().enumerate() {
+            for (position, (offset, payload)) in records.iter().enumerate() {
+                assert_eq!(
+                    *offset, position as u64,
+                    "subscriber {index} on member {id}: shard {shard} in order, once, from 0"
+                );
+                assert_eq!(
+                    &reference[shard][position].1, payload,
+                    "subscriber {index} on member {id}: shard {shard} offset {offset} is the \
+                     committed record"
+                );
+            }
+            if !killed {
+                assert_eq!(
+                    records.len(),
+                    reference[shard].len(),
+                    "subscriber {index} on member {id}: shard {shard} to the end"
+                );
+            }
+            total += records.len();
+        }
+        eprintln!("subscriber {index} on member {id}: {total} records");
+    }
     let mut seen = std::collections::HashSet::new();
     for records in &reference {
         for (_, payload) in records {
@@ -1036,6 +1078,70 @@ fn acked_publishes_are_on_every_replica_once_after_a_leaders_kill() {
             }
         }
     }
+}
+
+/// The end of each shard, once the publishers are done and every copy is complete.
+type Ends = Arc<Mutex<Option<Vec<u64>>>>;
+
+/// What a subscriber received: per shard, `(offset, payload)` in arrival order.
+type Received = Vec<Vec<(u64, Vec<u8>)>>;
+
+/// A subscriber to every shard of "payments" from the start, through the member whose client
+/// configuration `slot` holds, on its own thread: it stops once it holds every record below
+/// `ends` (set when the publishers are done), or when its member is killed (its slot empties).
+fn subscriber(
+    member: u64,
+    slot: Arc<Mutex<Option<felix_client::ClientConfig>>>,
+    ends: Ends,
+) -> std::thread::JoinHandle<Received> {
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async move {
+            use futures::StreamExt as _;
+            let config = slot.lock().unwrap().clone().expect("the member runs");
+            let client = support::within(felix_client::Client::connect(config))
+                .await
+                .expect("connects");
+            let mut subscription = support::within(client.subscribe(
+                "payments",
+                felix_wire::ShardSelection::All,
+                felix_wire::StartPosition::Earliest,
+            ))
+            .await
+            .expect("subscribed");
+            let mut received: Received = Vec::new();
+            let deadline = Instant::now() + DEADLINE * 4;
+            loop {
+                let done = ends.lock().unwrap().as_ref().is_some_and(|ends| {
+                    ends.iter()
+                        .enumerate()
+                        .all(|(shard, end)| received.get(shard).map_or(0, Vec::len) as u64 >= *end)
+                });
+                if done || slot.lock().unwrap().is_none() {
+                    return received;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "subscriber on member {member} stalled"
+                );
+                match tokio::time::timeout(Duration::from_millis(100), subscription.next()).await {
+                    Ok(Some(Ok(record))) => {
+                        let shard = record.shard as usize;
+                        if received.len() <= shard {
+                            received.resize_with(shard + 1, Vec::new);
+                        }
+                        received[shard].push((record.offset, record.payload.to_vec()));
+                    }
+                    Ok(Some(Err(error))) => panic!("subscriber on member {member}: {error}"),
+                    Ok(None) => panic!("subscriber on member {member}: the subscription ended"),
+                    Err(_) => {}
+                }
+            }
+        })
+    })
 }
 
 /// Publishes PUBLISH_BATCHES batches of 1-4 keyed records through the member whose client
