@@ -1,13 +1,19 @@
 //! `felix-bench cluster`: replicated publishing measured side by side in one run
-//! (docs/performance.md, "Cluster"). Three arms, each the same acked load for the same time:
+//! (docs/performance.md, "Cluster"). Five arms, each the same acked load for the same time:
 //!
 //! - `single`: one broker, a durable stream of its own (on_commit: acked after its fdatasync);
 //! - `cluster-leader`: three brokers on this machine, a durable cluster stream (3 replicas,
 //!   Quorum), the publisher connected to the shard's leader;
 //! - `cluster-follower`: the same cluster, the publisher connected to a follower, whose
-//!   publishes reach the leader as Raft proposal forwards (the forwarding path).
+//!   publishes reach the leader as Raft proposal forwards (the forwarding path);
+//! - `spread-forwarding`: a stream of three shards whose leaders are spread over the three
+//!   members, a plain client connected to member 1: each batch's records of the shards led
+//!   elsewhere are forwarded;
+//! - `spread-cluster-client`: the same stream through the cluster client
+//!   (`felix_client::ClusterClient`), each shard's records straight to its leader.
 //!
-//! One shard, so the leader is one member and the arms differ only in the path. Each arm reports
+//! In the first three arms one shard, so the leader is one member and the arms differ only in
+//! the path. Each arm reports
 //! acked records per second, MB/s, the ack latency (p50, p99), and the servers' CPU time (all
 //! three brokers of a cluster arm: replication costs CPU on every member) per GB and per
 //! million records. With `--server-cpus` / `--generator-cpus` the brokers and this process are
@@ -20,7 +26,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use felix_client::{Client, ClientConfig};
+use felix_client::{Client, ClientConfig, ClusterClient};
 use felix_cluster::control::StreamKind as ClusterKind;
 use felix_wire::{Record, StreamKind};
 
@@ -63,9 +69,11 @@ pub struct ArmResult {
 }
 
 const STREAM: &str = "bench";
+/// The spread arms' stream: one shard led by each member.
+const SPREAD: &str = "spread";
 const DEADLINE: Duration = Duration::from_secs(60);
 
-/// Runs the three arms and returns their figures, in order.
+/// Runs the five arms and returns their figures, in order.
 pub fn run(bench: &ClusterBench) -> Result<Vec<ArmResult>, BenchError> {
     std::fs::create_dir_all(&bench.work).map_err(|e| BenchError::io(&bench.work, e))?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -92,7 +100,8 @@ pub fn run(bench: &ClusterBench) -> Result<Vec<ArmResult>, BenchError> {
             .await
             .map_err(|e| BenchError::Broker(format!("create the stream: {e}")))?;
         client.close().await;
-        measure(bench, "single", config, &[pid]).await
+        let client = Publisher::Plain(Box::new(connect(config).await?));
+        measure(bench, "single", STREAM, client, &[pid]).await
     })?);
     let _ = single.stop();
 
@@ -139,15 +148,22 @@ pub fn run(bench: &ClusterBench) -> Result<Vec<ArmResult>, BenchError> {
     }
     let admin = members[&1].endpoint().metrics_addr;
     let deadline = Instant::now() + DEADLINE;
-    while let Err(error) =
-        felix_cluster::admin::create_stream(admin, STREAM, ClusterKind::Durable, 1, 3, DEADLINE)
-    {
-        if Instant::now() > deadline {
-            return Err(BenchError::Broker(format!(
-                "create the cluster stream: {error}"
-            )));
+    for (name, shards) in [(STREAM, 1), (SPREAD, 3)] {
+        while let Err(error) = felix_cluster::admin::create_stream(
+            admin,
+            name,
+            ClusterKind::Durable,
+            shards,
+            3,
+            DEADLINE,
+        ) {
+            if Instant::now() > deadline {
+                return Err(BenchError::Broker(format!(
+                    "create the cluster stream {name}: {error}"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(200));
         }
-        std::thread::sleep(Duration::from_millis(200));
     }
     // Every member holds the shard and agrees on its placed leader.
     let leader = loop {
@@ -157,16 +173,23 @@ pub fn run(bench: &ClusterBench) -> Result<Vec<ArmResult>, BenchError> {
             .collect();
         let leaders: Vec<Option<u64>> = statuses
             .iter()
-            .map(|s| s.shards.first().and_then(|shard| shard.leader))
-            .collect();
-        if statuses.len() == 3
-            && let Some(Some(leader)) = leaders.first().copied()
-            && leaders.iter().all(|l| *l == Some(leader))
-            && statuses.iter().all(|s| {
+            .map(|s| {
                 s.shards
-                    .first()
-                    .is_some_and(|sh| sh.placed_leader == leader)
+                    .iter()
+                    .find(|shard| shard.stream == STREAM)
+                    .and_then(|shard| shard.leader)
             })
+            .collect();
+        // Every shard of both streams led by its placed leader, as every member sees it.
+        let placed = statuses.iter().all(|s| {
+            s.shards.len() == 4
+                && s.shards
+                    .iter()
+                    .all(|shard| shard.leader == Some(shard.placed_leader))
+        });
+        if statuses.len() == 3
+            && placed
+            && let Some(Some(leader)) = leaders.first().copied()
         {
             break leader;
         }
@@ -182,8 +205,42 @@ pub fn run(bench: &ClusterBench) -> Result<Vec<ArmResult>, BenchError> {
     for (arm, id) in [("cluster-leader", leader), ("cluster-follower", follower)] {
         let endpoint = members[&id].endpoint();
         let config = client_config(endpoint.quic_addr, &endpoint.ca);
-        results.push(runtime.block_on(measure(bench, arm, config, &pids))?);
+        results.push(runtime.block_on(async {
+            let client = Publisher::Plain(Box::new(connect(config).await?));
+            measure(bench, arm, STREAM, client, &pids).await
+        })?);
     }
+    // The spread stream: through member 1 (forwarding), then through the cluster client.
+    let endpoint = members[&1].endpoint();
+    let config = client_config(endpoint.quic_addr, &endpoint.ca);
+    results.push(runtime.block_on(async {
+        let client = Publisher::Plain(Box::new(connect(config).await?));
+        measure(bench, "spread-forwarding", SPREAD, client, &pids).await
+    })?);
+    // The cluster client trusts every member's development certificate.
+    let bundle = bench.work.join("members.pem");
+    let mut pems = String::new();
+    for member in members.values() {
+        let ca = &member.endpoint().ca;
+        pems.push_str(&std::fs::read_to_string(ca).map_err(|e| BenchError::io(ca, e))?);
+    }
+    std::fs::write(&bundle, pems).map_err(|e| BenchError::io(&bundle, e))?;
+    let mut config = client_config(endpoint.quic_addr, &bundle);
+    config.core_aware = true;
+    results.push(runtime.block_on(async {
+        let client = tokio::time::timeout(DEADLINE, ClusterClient::connect(config))
+            .await
+            .map_err(|_| BenchError::Broker("connect: timed out".to_owned()))?
+            .map_err(|e| BenchError::Broker(format!("connect the cluster client: {e}")))?;
+        measure(
+            bench,
+            "spread-cluster-client",
+            SPREAD,
+            Publisher::Cluster(Box::new(client)),
+            &pids,
+        )
+        .await
+    })?);
     for (_, member) in members {
         let _ = member.stop();
     }
@@ -213,15 +270,39 @@ fn cpu_seconds(pids: &[Option<u32>]) -> f64 {
         .sum()
 }
 
-/// Acked publishes from `bench.publishers` tasks for one second of warm-up and
+/// What an arm publishes through.
+enum Publisher {
+    Plain(Box<Client>),
+    Cluster(Box<ClusterClient>),
+}
+
+impl Publisher {
+    async fn publish(&self, stream: &str, records: &[Record]) -> Result<(), String> {
+        match self {
+            Publisher::Plain(client) => client.publish(stream, records).await.map(drop),
+            Publisher::Cluster(client) => client.publish(stream, records).await.map(drop),
+        }
+        .map_err(|error| error.to_string())
+    }
+
+    async fn close(self) {
+        match self {
+            Publisher::Plain(client) => client.close().await,
+            Publisher::Cluster(_) => {}
+        }
+    }
+}
+
+/// Acked publishes to `stream` from `bench.publishers` tasks for one second of warm-up and
 /// `bench.seconds` measured.
 async fn measure(
     bench: &ClusterBench,
     arm: &str,
-    config: ClientConfig,
+    stream: &'static str,
+    client: Publisher,
     pids: &[Option<u32>],
 ) -> Result<ArmResult, BenchError> {
-    let client = Arc::new(connect(config).await?);
+    let client = Arc::new(client);
     let records: Vec<Record> = (0..bench.batch)
         .map(|i| felix_client::record(format!("k{i}"), Bytes::from(vec![b'x'; bench.size])))
         .collect();
@@ -241,7 +322,7 @@ async fn measure(
             while !stop.load(Ordering::Relaxed) {
                 let started = Instant::now();
                 let outcome =
-                    tokio::time::timeout(DEADLINE, client.publish(STREAM, &records)).await;
+                    tokio::time::timeout(DEADLINE, client.publish(stream, &records)).await;
                 if !measuring.load(Ordering::Relaxed) {
                     continue;
                 }

@@ -89,7 +89,9 @@ enum Command {
     },
     /// Replicated publishing side by side: a single broker's durable stream, then three
     /// brokers' replicated stream through the shard's leader and through a follower (the
-    /// forwarding path); prints a table and writes cluster.json and cluster.md into --out.
+    /// forwarding path), then a stream of three shards led by the three members through one
+    /// member (forwarding) and through the cluster client (straight to each leader); prints a
+    /// table and writes cluster.json and cluster.md into --out.
     Cluster {
         /// The `felix` binary.
         #[arg(long, default_value = DEFAULT_FELIX)]

@@ -37,6 +37,7 @@
 //!
 //! The runnable version is `client/examples/quickstart.rs`.
 
+mod cluster;
 mod error;
 mod subscription;
 
@@ -56,6 +57,7 @@ use s2n_quic::client::Connect;
 use s2n_quic::stream::{ReceiveStream, SendStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
+pub use cluster::{ClusterAck, ClusterClient};
 pub use error::ClientError;
 pub use felix_wire::{
     DeliveredRecord, ErrorCode, Record, ShardAck, ShardSelection, StartPosition, StreamKind,
@@ -80,6 +82,9 @@ const CLOSE_FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 const CLOSE_IDLE_TIMEOUT: Duration = Duration::from_secs(1);
 /// Default of [`ClientConfig::max_mtu`]: the broker's default FELIX_MTU_UPPER_BOUND.
 pub const DEFAULT_MAX_MTU: u16 = 4096;
+
+/// Default [`ClientConfig::idle_timeout`] (QUIC's usual 30 s).
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 /// QUIC's minimum datagram size.
 const MTU_UPPER_BOUND_MIN: u16 = 1200;
 /// The broker's clamp of FELIX_MTU_UPPER_BOUND (s2n-quic misbehaves with GSO above 32768).
@@ -135,6 +140,10 @@ pub struct ClientConfig {
     /// broker's FELIX_MTU_UPPER_BOUND; clamped to 1200..=16384. Default 4096, the broker's
     /// default: a path that carries less (a 1500-byte Ethernet) simply stays lower.
     pub max_mtu: u16,
+    /// A connection that hears nothing from the broker for this long is closed (keep-alives
+    /// go out well within it; the broker's own idle timeout, if shorter, wins). Default 30 s;
+    /// a cluster client that should notice a dead member sooner sets less.
+    pub idle_timeout: Duration,
 }
 
 impl std::fmt::Debug for ClientConfig {
@@ -152,6 +161,7 @@ impl std::fmt::Debug for ClientConfig {
             .field("token", &self.token.as_ref().map(|_| "(hidden)"))
             .field("identity", &self.identity)
             .field("max_mtu", &self.max_mtu)
+            .field("idle_timeout", &self.idle_timeout)
             .finish()
     }
 }
@@ -172,6 +182,7 @@ impl ClientConfig {
             token: None,
             identity: None,
             max_mtu: DEFAULT_MAX_MTU,
+            idle_timeout: DEFAULT_IDLE_TIMEOUT,
         }
     }
 }
@@ -393,9 +404,14 @@ fn endpoint(config: &ClientConfig) -> Result<s2n_quic::Client, ClientError> {
         .and_then(|builder| builder.with_max_mtu(max_mtu))
         .and_then(|builder| builder.build())
         .map_err(|error| connect_error(error.to_string()))?;
+    let limits = s2n_quic::provider::limits::Limits::new()
+        .with_max_idle_timeout(config.idle_timeout)
+        .map_err(|error| connect_error(error.to_string()))?;
     s2n_quic::Client::builder()
         .with_tls(tls)
         .map_err(|error| ClientError::Tls(error.to_string()))?
+        .with_limits(limits)
+        .map_err(|error| connect_error(error.to_string()))?
         .with_io(io)
         .map_err(|error| connect_error(error.to_string()))?
         .start()
@@ -1403,6 +1419,7 @@ fn route(shared: &Shared, frame: Frame) -> Result<(), Failure> {
     let request_id = match &frame {
         Frame::StreamInfo(info) => info.request_id,
         Frame::StreamList { request_id, .. } | Frame::Done { request_id } => *request_id,
+        Frame::ClusterMap(map) => map.request_id,
         Frame::Ack(ack) => ack.request_id,
         Frame::Error(error) if error.request_id == 0 => {
             return Err(Failure::Server {

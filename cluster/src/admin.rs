@@ -469,6 +469,7 @@ mod tests {
             term: 2,
             commit: 3,
             next_offset: 4,
+            oldest_offset: 0,
             replicas: vec![1, 2, 3],
             progress: vec![PeerProgress {
                 id: 2,

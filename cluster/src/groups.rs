@@ -62,6 +62,9 @@ pub struct ShardStatus {
     pub commit: u64,
     /// The shard's next offset here: every offset below is committed and applied.
     pub next_offset: u64,
+    /// The oldest offset this member's copy still holds (older ones were compacted).
+    #[serde(default)]
+    pub oldest_offset: u64,
     pub replicas: Vec<u64>,
     /// On the leader: each replica's progress.
     pub progress: Vec<PeerProgress>,
@@ -374,6 +377,7 @@ impl Groups {
                     term: status.term,
                     commit: status.commit,
                     next_offset: group.node.state().next_offset(),
+                    oldest_offset: group.node.state().oldest_offset(),
                     replicas: group.replicas.clone(),
                     under_replicated: status.role == Role::Leader && in_sync < group.replicas.len(),
                     pending: group.producer.pending(),

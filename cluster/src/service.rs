@@ -135,14 +135,81 @@ enum SubscriptionControl {
     Unsubscribe(u64),
 }
 
-/// The cluster's durable (replicated) streams: name to shard count.
-pub type DurableStreams = Arc<HashMap<String, u32>>;
+/// The cluster as this member sees it, for the data-plane cores: the members' client
+/// addresses and, per replicated (durable) stream, each shard's leader and this member's
+/// offsets. Rebuilt at every tick and control-plane change; the cores route publishes,
+/// subscriptions, describes and `DescribeCluster` by it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ClusterView {
+    /// This member's id.
+    pub member: u64,
+    /// Client address of each registered member, by id.
+    pub members: BTreeMap<u64, String>,
+    /// Each durable stream's shards, shard 0 first.
+    pub streams: BTreeMap<String, Vec<ShardView>>,
+}
+
+/// One replicated shard in a [`ClusterView`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ShardView {
+    /// Its group's leader as this member knows it; for a shard this member holds no copy of,
+    /// the placed leader.
+    pub leader: Option<u64>,
+    /// This member's copy: the oldest offset held and the next one (0 and 0 without a copy).
+    pub oldest_offset: u64,
+    pub next_offset: u64,
+}
+
+impl ClusterView {
+    /// The view of `state` with the shard groups' `shards` (their status on this member).
+    #[must_use]
+    pub fn new(member: u64, state: &ControlState, shards: &[crate::groups::ShardStatus]) -> Self {
+        let members = state
+            .members
+            .iter()
+            .map(|(id, m)| (*id, m.client_addr.clone()))
+            .collect();
+        let streams = state
+            .streams
+            .values()
+            .filter(|stream| stream.kind == StreamKind::Durable)
+            .map(|stream| {
+                let views = stream
+                    .shards
+                    .iter()
+                    .enumerate()
+                    .map(|(shard, placement)| {
+                        let group =
+                            group_id(stream.incarnation, u32::try_from(shard).unwrap_or(u32::MAX));
+                        match shards.iter().find(|status| status.group == group) {
+                            Some(status) => ShardView {
+                                leader: status.leader,
+                                oldest_offset: status.oldest_offset,
+                                next_offset: status.next_offset,
+                            },
+                            None => ShardView {
+                                leader: Some(placement.leader),
+                                ..ShardView::default()
+                            },
+                        }
+                    })
+                    .collect();
+                (stream.name.clone(), views)
+            })
+            .collect();
+        ClusterView {
+            member,
+            members,
+            streams,
+        }
+    }
+}
 
 /// A running control-plane service. Dropping it stops the thread.
 pub struct Service {
     requests: mpsc::Sender<Request>,
     subscription_control: mpsc::UnboundedSender<SubscriptionControl>,
-    streams: tokio::sync::watch::Receiver<DurableStreams>,
+    view: tokio::sync::watch::Receiver<Arc<ClusterView>>,
     status: Arc<Mutex<ClusterStatus>>,
     peer_addr: SocketAddr,
     stop: Option<oneshot::Sender<()>>,
@@ -170,7 +237,7 @@ impl Service {
             .spawn(move || run(config, (inbox, control_inbox), stopped, ready_tx))
             .map_err(|error| ServiceError::Start(format!("spawn the cluster thread: {error}")))?;
         let started = ready_rx.recv_timeout(Duration::from_secs(60));
-        let (peer_addr, status, streams) = match started {
+        let (peer_addr, status, view) = match started {
             Ok(Ok(started)) => started,
             Ok(Err(error)) => {
                 let _ = thread.join();
@@ -186,7 +253,7 @@ impl Service {
         Ok(Service {
             requests,
             subscription_control,
-            streams,
+            view,
             status,
             peer_addr,
             stop: Some(stop),
@@ -194,11 +261,12 @@ impl Service {
         })
     }
 
-    /// The cluster's durable streams, updated whenever the control plane changes them: the
-    /// data-plane cores route publishes to them (`felix_core`'s `cluster.rs`).
+    /// The cluster as this member sees it, updated whenever it changes (checked at every
+    /// tick and control-plane change): the data-plane cores route by it (`felix_core`'s
+    /// `cluster.rs`).
     #[must_use]
-    pub fn durable_streams(&self) -> tokio::sync::watch::Receiver<DurableStreams> {
-        self.streams.clone()
+    pub fn view(&self) -> tokio::sync::watch::Receiver<Arc<ClusterView>> {
+        self.view.clone()
     }
 
     /// Where the peer endpoint listens.
@@ -387,7 +455,7 @@ type Started = Result<
     (
         SocketAddr,
         Arc<Mutex<ClusterStatus>>,
-        tokio::sync::watch::Receiver<DurableStreams>,
+        tokio::sync::watch::Receiver<Arc<ClusterView>>,
     ),
     ServiceError,
 >;
@@ -469,11 +537,12 @@ async fn serve(
         });
     let mut groups = Groups::new(id, boot, config.dir.with_file_name("shards"));
     let mut reconciled_at = 0u64;
-    let (streams, streams_watched) = tokio::sync::watch::channel(durable_streams(node.state()));
+    let (view, view_watched) =
+        tokio::sync::watch::channel(Arc::new(ClusterView::new(id, node.state(), &[])));
     let _ = ready.send(Ok((
         transport.local_addr(),
         Arc::clone(&status),
-        streams_watched,
+        view_watched,
     )));
     let mut waiting: HashMap<u64, Waiting> = HashMap::new();
     let mut subscriptions = Subscriptions::default();
@@ -580,17 +649,17 @@ async fn serve(
             shown.node = node.status();
             if shown.state.applied != node.state().applied {
                 shown.state = node.state().clone();
-                let now = durable_streams(node.state());
-                streams.send_if_modified(|known| {
-                    let changed = *known != now;
-                    if changed {
-                        *known = Arc::clone(&now);
-                    }
-                    changed
-                });
             }
             shown.connected = transport.connected_peers();
             shown.shards = groups.status();
+            let now = ClusterView::new(id, node.state(), &shown.shards);
+            view.send_if_modified(|known| {
+                let changed = **known != now;
+                if changed {
+                    *known = Arc::new(now);
+                }
+                changed
+            });
         }
         // Callers are answered after the status shows what they waited for.
         for applied in output.applied {
@@ -606,20 +675,6 @@ async fn serve(
     }
     subscriptions.stop_all();
     Ok(())
-}
-
-fn durable_streams(state: &ControlState) -> DurableStreams {
-    Arc::new(
-        state
-            .streams
-            .values()
-            .filter(|stream| stream.kind == StreamKind::Durable)
-            .map(|stream| {
-                let shards = u32::try_from(stream.shards.len()).expect("shards below 2^32");
-                (stream.name.clone(), shards)
-            })
-            .collect(),
-    )
 }
 
 /// The shard group of shard `shard` of durable stream `stream`, by the control plane's state.

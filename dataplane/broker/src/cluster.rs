@@ -17,7 +17,7 @@ use std::sync::Arc;
 use felix_cluster::control::Member;
 use felix_cluster::pki::NodeIdentity;
 use felix_cluster::publish::PublishError;
-use felix_cluster::service::{DurableStreams, Service, ServiceConfig, parse_members};
+use felix_cluster::service::{ClusterView, Service, ServiceConfig, parse_members};
 use felix_cluster::shard::ShardRecord;
 use felix_cluster::subscribe::{
     Start, SubscribeError, SubscribeRequest, SubscriptionEvent, SubscriptionSink,
@@ -308,17 +308,49 @@ pub(crate) fn refusal(error: &PublishError) -> ClusterRefusal {
     }
 }
 
+/// The service's view of the cluster as the core takes it. Member ids are 1..=65535
+/// (`parse_members`).
+fn core_view(view: &ClusterView) -> Arc<felix_core::ClusterView> {
+    let id = |member: u64| u16::try_from(member).unwrap_or(0);
+    Arc::new(felix_core::ClusterView {
+        member: id(view.member),
+        members: view
+            .members
+            .iter()
+            .map(|(member, addr)| felix_wire::ClusterMember {
+                id: id(*member),
+                addr: addr.clone(),
+            })
+            .collect(),
+        streams: view
+            .streams
+            .iter()
+            .map(|(name, shards)| {
+                let shards = shards
+                    .iter()
+                    .map(|shard| felix_core::ClusterShard {
+                        leader: shard.leader.map_or(0, id),
+                        oldest_offset: shard.oldest_offset,
+                        next_offset: shard.next_offset,
+                    })
+                    .collect();
+                (name.clone(), shards)
+            })
+            .collect(),
+    })
+}
+
 /// Hands the service's events to the core (answers to published parts, subscriptions'
-/// batches) and keeps the core's set of cluster streams current: runs on the core's thread
-/// for as long as the core serves.
+/// batches) and keeps the core's view of the cluster current: runs on the core's thread for
+/// as long as the core serves.
 pub(crate) async fn core_task(
     shell: Rc<Shell>,
     mut answers: tokio::sync::mpsc::UnboundedReceiver<LinkEvent>,
-    mut streams: tokio::sync::watch::Receiver<DurableStreams>,
+    mut view: tokio::sync::watch::Receiver<Arc<ClusterView>>,
 ) {
     let mut batch = Vec::with_capacity(ANSWERS_PER_INPUT);
-    let initial = (**streams.borrow_and_update()).clone();
-    shell.input(|core, _| core.set_cluster_streams(initial));
+    let initial = core_view(&view.borrow_and_update());
+    shell.input(|core, _| core.set_cluster_view(initial));
     loop {
         tokio::select! {
             received = answers.recv_many(&mut batch, ANSWERS_PER_INPUT) => {
@@ -344,14 +376,14 @@ pub(crate) async fn core_task(
                     }
                 });
             }
-            changed = streams.changed() => {
+            changed = view.changed() => {
                 if changed.is_err() {
                     // The service stopped: its streams stay known, publishes to them are
                     // answered `unavailable`.
                     std::future::pending::<()>().await;
                 }
-                let now_known = (**streams.borrow_and_update()).clone();
-                shell.input(|core, _| core.set_cluster_streams(now_known));
+                let now = core_view(&view.borrow_and_update());
+                shell.input(|core, _| core.set_cluster_view(now));
             }
         }
     }

@@ -239,7 +239,7 @@ fn run_thread(
             })?;
         let (cluster_link, cluster_parts) = match settings.cluster {
             Some(service) => {
-                let streams = service.durable_streams();
+                let streams = service.view();
                 let (link, answers) = crate::cluster::CoreLink::new(service, index);
                 (Some(link), Some((answers, streams)))
             }

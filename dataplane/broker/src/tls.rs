@@ -41,11 +41,25 @@ pub fn generate_self_signed(names: &[String]) -> Result<CertificatePair, BrokerE
             "at least one name is needed".to_owned(),
         ));
     }
-    let certified = rcgen::generate_simple_self_signed(names.to_vec())
-        .map_err(|error| BrokerError::CertificateGeneration(error.to_string()))?;
+    let failed = |error: rcgen::Error| BrokerError::CertificateGeneration(error.to_string());
+    let mut params = rcgen::CertificateParams::new(names.to_vec()).map_err(failed)?;
+    // A subject of its own: a client that trusts several development certificates at once
+    // (a cluster client trusting every member's) finds each one's issuer by subject, and
+    // identical subjects would make it pick the wrong one.
+    let unique = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_nanos())
+        ^ u128::from(std::process::id()) << 64;
+    params.distinguished_name = rcgen::DistinguishedName::new();
+    params.distinguished_name.push(
+        rcgen::DnType::CommonName,
+        format!("Felix development certificate {unique:x}"),
+    );
+    let key = rcgen::KeyPair::generate().map_err(failed)?;
+    let cert = params.self_signed(&key).map_err(failed)?;
     Ok(CertificatePair {
-        cert_pem: certified.cert.pem(),
-        key_pem: certified.signing_key.serialize_pem(),
+        cert_pem: cert.pem(),
+        key_pem: key.serialize_pem(),
     })
 }
 

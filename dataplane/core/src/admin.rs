@@ -427,6 +427,10 @@ impl Core {
         }
         let description = match self.engine.describe_stream(name) {
             Ok(description) => description,
+            Err(_) if self.is_cluster_stream(name) => {
+                self.describe_cluster_stream(stream, request_id, name);
+                return Flow::Continue;
+            }
             Err(error) => {
                 self.write_error(stream, error.to_frame(request_id));
                 return Flow::Continue;

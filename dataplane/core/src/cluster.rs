@@ -12,14 +12,21 @@
 //! another core's deliveries: a credit goes back for each batch the subscription's stream
 //! takes.
 //!
-//! The core knows the cluster's durable streams by name and shard count
-//! ([`Core::set_cluster_streams`], from the shell whenever the control plane changes). A
-//! stream of this broker's own catalogue wins over a cluster stream of the same name.
+//! The core knows the cluster through a [`ClusterView`] ([`Core::set_cluster_view`], from
+//! the shell whenever the service's view changes): the members' client addresses and, per
+//! replicated stream, each shard's leader and this member's offsets. It routes by it, and
+//! answers `DescribeStream`, `ListStreams` and `DescribeCluster` (the cluster map a cluster
+//! client publishes by) from it. A stream of this broker's own catalogue wins over a cluster
+//! stream of the same name.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use felix_engine::EngineError;
-use felix_wire::{ErrorCode, Publish, Record, ShardAck};
+use felix_wire::{
+    ClusterMap, ClusterMember, ClusterRoute, ErrorCode, Frame, HashKind, Publish, Record, ShardAck,
+    ShardInfo, StreamInfo, StreamKind, StreamSummary,
+};
 
 use crate::config::{Now, StreamId};
 use crate::core::{Core, Request};
@@ -36,6 +43,27 @@ pub struct ClusterPublish {
     pub records: Vec<Record>,
     /// Broker time at admission, microseconds since the Unix epoch (the records' timestamp).
     pub unix_us: u64,
+}
+
+/// The cluster as this member's service last described it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ClusterView {
+    /// This member's id (0: not a cluster member).
+    pub member: u16,
+    /// Every registered member's client address.
+    pub members: Vec<ClusterMember>,
+    /// Each replicated (durable) stream's shards, shard 0 first.
+    pub streams: HashMap<String, Vec<ClusterShard>>,
+}
+
+/// One replicated shard in a [`ClusterView`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ClusterShard {
+    /// The member leading it, as this member knows it (0: none known).
+    pub leader: u16,
+    /// This member's copy: the oldest offset held and the next one.
+    pub oldest_offset: u64,
+    pub next_offset: u64,
 }
 
 /// Why the cluster did not take a part, or refused or ended a subscription.
@@ -91,16 +119,96 @@ pub(crate) enum Target {
 }
 
 impl Core {
-    /// The cluster's durable streams (name, shard count); replaces the previous set. Parts
-    /// already handed to the cluster are answered as usual.
-    pub fn set_cluster_streams(&mut self, streams: HashMap<String, u32>) {
-        self.cluster_streams = streams;
+    /// The cluster as the service now sees it; replaces the previous view. Parts and
+    /// subscriptions already handed to the cluster go on as usual.
+    pub fn set_cluster_view(&mut self, view: Arc<ClusterView>) {
+        self.cluster = view;
     }
 
     /// Whether `name` is a stream of the cluster this core routes publishes for.
     #[must_use]
     pub fn is_cluster_stream(&self, name: &str) -> bool {
-        self.cluster_streams.contains_key(name)
+        self.cluster.streams.contains_key(name)
+    }
+
+    /// The shard count of cluster stream `name`.
+    pub(crate) fn cluster_shard_count(&self, name: &str) -> Option<u32> {
+        self.cluster
+            .streams
+            .get(name)
+            .map(|shards| u32::try_from(shards.len()).unwrap_or(u32::MAX))
+    }
+
+    /// `DescribeStream` of a cluster stream: its shards with this member's offsets (as of the
+    /// service's last view, at most a tick old) and the core a core-aware client should
+    /// send each shard's records to (any core takes them; these spread the load).
+    pub(crate) fn describe_cluster_stream(
+        &mut self,
+        stream: StreamId,
+        request_id: u64,
+        name: &str,
+    ) {
+        let shards = self.cluster.streams[name]
+            .iter()
+            .enumerate()
+            .map(|(shard, view)| {
+                let shard = u32::try_from(shard).unwrap_or(u32::MAX);
+                ShardInfo {
+                    shard,
+                    core: self.owner(shard),
+                    oldest_offset: view.oldest_offset,
+                    next_offset: view.next_offset,
+                }
+            })
+            .collect();
+        let info = StreamInfo {
+            request_id,
+            name: name.to_owned(),
+            kind: StreamKind::Durable,
+            hash: HashKind::Fnv1a64Mod,
+            shards,
+        };
+        self.write(stream, &Frame::StreamInfo(info));
+    }
+
+    /// The cluster streams `ListStreams` adds to this broker's own (those not shadowed by an
+    /// own stream of the same name).
+    pub(crate) fn cluster_summaries(&self, stream: StreamId) -> Vec<StreamSummary> {
+        let mut summaries: Vec<StreamSummary> = self
+            .cluster
+            .streams
+            .iter()
+            .filter(|(name, _)| self.engine.lookup(name).is_none() && self.may_see(stream, name))
+            .map(|(name, shards)| StreamSummary {
+                name: name.clone(),
+                kind: StreamKind::Durable,
+                shard_count: u32::try_from(shards.len()).unwrap_or(u32::MAX),
+            })
+            .collect();
+        summaries.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+        summaries
+    }
+
+    /// `DescribeCluster`: the members and each visible replicated stream's leaders.
+    pub(crate) fn describe_cluster(&mut self, stream: StreamId, request_id: u64) {
+        let mut streams: Vec<ClusterRoute> = self
+            .cluster
+            .streams
+            .iter()
+            .filter(|(name, _)| self.engine.lookup(name).is_none() && self.may_see(stream, name))
+            .map(|(name, shards)| ClusterRoute {
+                name: name.clone(),
+                leaders: shards.iter().map(|shard| shard.leader).collect(),
+            })
+            .collect();
+        streams.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+        let map = ClusterMap {
+            request_id,
+            member: self.cluster.member,
+            members: self.cluster.members.clone(),
+            streams,
+        };
+        self.write(stream, &Frame::ClusterMap(map));
     }
 
     /// The next request for the cluster service, oldest first.
@@ -132,9 +240,7 @@ impl Core {
         if let Some(meta) = self.engine.lookup(name) {
             return Some(Target::Local(meta));
         }
-        self.cluster_streams
-            .get(name)
-            .map(|shards| Target::Cluster(*shards))
+        self.cluster_shard_count(name).map(Target::Cluster)
     }
 
     /// Splits an admitted publish by shard and hands each part to the cluster.

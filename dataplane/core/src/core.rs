@@ -280,8 +280,8 @@ pub struct Core {
     /// Tokens of hellos waiting for the shell's verdict, oldest first. At most one per
     /// connection (its hello stream is parked meanwhile).
     token_checks: VecDeque<TokenCheck>,
-    /// The cluster's durable streams by name: their shard counts (`cluster.rs`).
-    pub(crate) cluster_streams: std::collections::HashMap<String, u32>,
+    /// The cluster as its service last described it (`cluster.rs`).
+    pub(crate) cluster: Arc<crate::cluster::ClusterView>,
     /// Requests for the cluster service, oldest first. Bounded by the ingress queue (publish
     /// parts) and by the subscriptions (one subscribe, at most their credits and one
     /// unsubscribe each).
@@ -350,7 +350,7 @@ impl Core {
             appends_held: false,
             reads_held: false,
             token_checks: VecDeque::new(),
-            cluster_streams: std::collections::HashMap::new(),
+            cluster: Arc::default(),
             cluster_out: VecDeque::new(),
             cluster_subscriptions: HashMap::default(),
         }
@@ -1234,6 +1234,10 @@ impl Core {
             Frame::DescribeStream { request_id, name } => {
                 self.start_describe(stream, request_id, &name)
             }
+            Frame::DescribeCluster { request_id } => {
+                self.describe_cluster(stream, request_id);
+                Flow::Continue
+            }
             Frame::ListStreams { request_id } => {
                 let streams = self
                     .engine
@@ -1245,6 +1249,7 @@ impl Core {
                         kind,
                         shard_count,
                     })
+                    .chain(self.cluster_summaries(stream))
                     .collect();
                 self.write(
                     stream,

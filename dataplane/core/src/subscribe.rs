@@ -158,7 +158,7 @@ impl Core {
             (Err(error), _) => Err(error),
             // A replicated stream of the cluster: the service serves all its shards.
             (Ok(()), None) if self.is_cluster_stream(&name) => {
-                let shard_count = self.cluster_streams[&name];
+                let shard_count = self.cluster_shard_count(&name).expect("a cluster stream");
                 match select_shards(&shards, &from, shard_count) {
                     Ok(selected) => {
                         self.start_cluster_subscription(stream, slot, name, &selected, &from);

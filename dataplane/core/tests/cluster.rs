@@ -10,11 +10,42 @@ mod support;
 
 use std::collections::HashMap;
 
-use felix_core::{ClusterPublish, ClusterRefusal, ClusterRequest, ClusterStart, ClusterSubscribe};
+use felix_core::{
+    ClusterPublish, ClusterRefusal, ClusterRequest, ClusterShard, ClusterStart, ClusterSubscribe,
+    ClusterView,
+};
 use felix_wire::{
     AckMode, DeliveredRecord, ErrorCode, Frame, ShardAck, ShardSelection, StartPosition, StreamKind,
 };
 use support::{Broker, ingress, publish, record};
+
+/// Tells core `core` the cluster's replicated streams (name, shard count), led by member 2
+/// of members 1-3; this is member 1.
+fn set_view(broker: &mut Broker, core: usize, streams: &[(&str, usize)]) {
+    let view = ClusterView {
+        member: 1,
+        members: (1..=3)
+            .map(|id| felix_wire::ClusterMember {
+                id,
+                addr: format!("127.0.0.1:74{id}0"),
+            })
+            .collect(),
+        streams: streams
+            .iter()
+            .map(|(name, shards)| {
+                let shards = (0..*shards)
+                    .map(|shard| ClusterShard {
+                        leader: 2,
+                        oldest_offset: 0,
+                        next_offset: 10 * shard as u64,
+                    })
+                    .collect();
+                ((*name).to_owned(), shards)
+            })
+            .collect::<HashMap<_, _>>(),
+    };
+    broker.cores[core].set_cluster_view(std::sync::Arc::new(view));
+}
 
 fn requests(broker: &mut Broker, core: usize) -> Vec<ClusterRequest> {
     std::iter::from_fn(|| broker.cores[core].poll_cluster()).collect()
@@ -34,7 +65,7 @@ fn parts(broker: &mut Broker, core: usize) -> Vec<ClusterPublish> {
 fn a_publish_is_split_by_shard_and_acked_with_the_clusters_offsets() {
     let mut broker = Broker::new(2, ingress());
     let conn = broker.connect(1);
-    broker.cores[1].set_cluster_streams(HashMap::from([("payments".to_owned(), 4)]));
+    set_view(&mut broker, 1, &[("payments", 4)]);
     let records: Vec<_> = (0..12).map(|i| record(&format!("k{i}"), "p")).collect();
     let _ = broker.feed(
         1,
@@ -91,7 +122,7 @@ fn a_publish_is_split_by_shard_and_acked_with_the_clusters_offsets() {
 fn a_refused_part_answers_the_publish_with_its_error() {
     let mut broker = Broker::new(1, ingress());
     let conn = broker.connect(0);
-    broker.cores[0].set_cluster_streams(HashMap::from([("payments".to_owned(), 2)]));
+    set_view(&mut broker, 0, &[("payments", 2)]);
     let records = vec![record("a", "1"), record("b", "2"), record("c", "3")];
     let _ = broker.feed(
         0,
@@ -131,7 +162,7 @@ fn own_streams_win_and_unknown_names_are_not_found() {
     let mut broker = Broker::new(1, ingress());
     let conn = broker.connect(0);
     let _ = broker.create(&conn, "local", 1, StreamKind::InMemory);
-    broker.cores[0].set_cluster_streams(HashMap::from([("local".to_owned(), 3)]));
+    set_view(&mut broker, 0, &[("local", 3)]);
     let _ = broker.feed(
         0,
         conn.requests,
@@ -156,7 +187,7 @@ fn own_streams_win_and_unknown_names_are_not_found() {
         "{frames:?}"
     );
     // Told the cluster stream is gone, the core routes nothing more to it.
-    broker.cores[0].set_cluster_streams(HashMap::new());
+    set_view(&mut broker, 0, &[]);
     assert!(!broker.cores[0].is_cluster_stream("local"));
 }
 
@@ -168,7 +199,7 @@ fn the_ingress_job_is_held_until_every_part_is_answered() {
     let mut broker = Broker::new(1, settings);
     let first = broker.connect(0);
     let second = broker.connect(0);
-    broker.cores[0].set_cluster_streams(HashMap::from([("payments".to_owned(), 1)]));
+    set_view(&mut broker, 0, &[("payments", 1)]);
     let _ = broker.feed(
         0,
         first.requests,
@@ -243,7 +274,7 @@ fn delivered(shard: u32, offset: u64) -> DeliveredRecord {
 fn a_replicated_subscription_is_served_by_the_cluster_under_credits() {
     let mut broker = Broker::new(2, ingress());
     let conn = broker.connect(1);
-    broker.cores[1].set_cluster_streams(HashMap::from([("payments".to_owned(), 3)]));
+    set_view(&mut broker, 1, &[("payments", 3)]);
     let (stream, subscribe) = cluster_subscribe(
         &mut broker,
         &conn,
@@ -320,7 +351,7 @@ fn a_replicated_subscription_is_served_by_the_cluster_under_credits() {
 fn a_replicated_subscription_refused_or_ended_says_why() {
     let mut broker = Broker::new(1, ingress());
     let conn = broker.connect(0);
-    broker.cores[0].set_cluster_streams(HashMap::from([("payments".to_owned(), 2)]));
+    set_view(&mut broker, 0, &[("payments", 2)]);
 
     // The core checks the selection itself: the service is not asked.
     let stream = broker.open(&conn);
@@ -442,7 +473,7 @@ fn a_replicated_subscription_refused_or_ended_says_why() {
 fn extra_data_on_a_replicated_subscription_unsubscribes_it() {
     let mut broker = Broker::new(1, ingress());
     let conn = broker.connect(0);
-    broker.cores[0].set_cluster_streams(HashMap::from([("payments".to_owned(), 1)]));
+    set_view(&mut broker, 0, &[("payments", 1)]);
     let (stream, subscribe) = cluster_subscribe(
         &mut broker,
         &conn,
@@ -465,6 +496,75 @@ fn extra_data_on_a_replicated_subscription_unsubscribes_it() {
     let (frames, _) = broker.read_all(0, stream);
     assert!(
         matches!(frames.last(), Some(Frame::Error(e)) if e.code == ErrorCode::ProtocolViolation),
+        "{frames:?}"
+    );
+}
+
+#[test]
+fn describe_list_and_the_cluster_map_show_replicated_streams() {
+    let mut broker = Broker::new(2, ingress());
+    let conn = broker.connect(1);
+    let _ = broker.create(&conn, "local", 1, StreamKind::InMemory);
+    set_view(&mut broker, 1, &[("payments", 3), ("local", 2)]);
+
+    let _ = broker.feed(
+        1,
+        conn.requests,
+        Frame::DescribeStream {
+            request_id: 1,
+            name: "payments".to_owned(),
+        },
+    );
+    let _ = broker.feed(1, conn.requests, Frame::ListStreams { request_id: 2 });
+    let _ = broker.feed(1, conn.requests, Frame::DescribeCluster { request_id: 3 });
+    let frames = broker.read(1, conn.requests);
+    let [
+        Frame::StreamInfo(info),
+        Frame::StreamList { streams, .. },
+        Frame::ClusterMap(map),
+    ] = &frames[..]
+    else {
+        panic!("three answers: {frames:?}")
+    };
+    // The member's offsets, and each shard's owner core among this broker's two.
+    assert_eq!(info.request_id, 1);
+    assert_eq!(info.kind, StreamKind::Durable);
+    let shards: Vec<(u32, u16, u64)> = info
+        .shards
+        .iter()
+        .map(|s| (s.shard, s.core, s.next_offset))
+        .collect();
+    assert_eq!(shards, vec![(0, 0, 0), (1, 1, 10), (2, 0, 20)]);
+    // The own "local" stream shadows the cluster's of the same name, in every answer.
+    let listed: Vec<(&str, StreamKind, u32)> = streams
+        .iter()
+        .map(|s| (s.name.as_str(), s.kind, s.shard_count))
+        .collect();
+    assert_eq!(
+        listed,
+        vec![
+            ("local", StreamKind::InMemory, 1),
+            ("payments", StreamKind::Durable, 3)
+        ]
+    );
+    assert_eq!((map.request_id, map.member), (3, 1));
+    assert_eq!(map.members.len(), 3);
+    assert_eq!(map.members[1].addr, "127.0.0.1:7420");
+    assert_eq!(
+        map.streams,
+        vec![felix_wire::ClusterRoute {
+            name: "payments".to_owned(),
+            leaders: vec![2, 2, 2],
+        }]
+    );
+
+    // A broker outside any cluster answers an empty map.
+    let mut single = Broker::new(1, ingress());
+    let conn = single.connect(0);
+    let _ = single.feed(0, conn.requests, Frame::DescribeCluster { request_id: 9 });
+    let frames = single.read(0, conn.requests);
+    assert!(
+        matches!(&frames[..], [Frame::ClusterMap(map)] if map.member == 0 && map.members.is_empty() && map.streams.is_empty()),
         "{frames:?}"
     );
 }

@@ -955,6 +955,16 @@ fn acked_publishes_are_on_every_replica_once_after_a_leaders_kill() {
             })
         })
         .collect();
+    // And a cluster client, seeded with member 1, straight to each shard's leader.
+    let bundle = tempfile::tempdir().expect("temp dir");
+    let cluster_config = cluster_client_config(&cluster, 1, bundle.path());
+    let cluster_publisher = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(cluster_publish_batches(cluster_config))
+    });
     let mut subscribers: Vec<(u64, std::thread::JoinHandle<Received>)> = configs
         .iter()
         .map(|(&id, slot)| (id, subscriber(id, Arc::clone(slot), Arc::clone(&ends))))
@@ -992,6 +1002,18 @@ fn acked_publishes_are_on_every_replica_once_after_a_leaders_kill() {
         acked.extend(batches);
         refused += refusals;
     }
+    let (batches, refusals, straight) = cluster_publisher.join().expect("cluster publisher");
+    eprintln!(
+        "cluster client: {} batches acknowledged, {refusals} refused, {straight} parts straight \
+         to a leader that is not its seed",
+        batches.len()
+    );
+    assert!(
+        straight > 0,
+        "the cluster client sent parts straight to leaders other than its seed"
+    );
+    acked.extend(batches);
+    refused += refusals;
     eprintln!("{} batches acknowledged, {refused} refused", acked.len());
     assert!(
         acked.len() as u64 > PUBLISH_BATCHES,
@@ -1078,6 +1100,75 @@ fn acked_publishes_are_on_every_replica_once_after_a_leaders_kill() {
             }
         }
     }
+}
+
+/// A cluster client configuration through member `via` that trusts every member's development
+/// certificate (a bundle written under `dir`), noticing a dead member within 3 s.
+fn cluster_client_config(cluster: &Cluster, via: u64, dir: &Path) -> felix_client::ClientConfig {
+    let bundle: String = cluster
+        .brokers
+        .values()
+        .map(|broker| std::fs::read_to_string(broker.ca_path()).expect("a member's certificate"))
+        .collect();
+    let path = dir.join("members.pem");
+    std::fs::write(&path, bundle).expect("write the bundle");
+    let mut config = cluster.brokers[&via].client_config();
+    config.ca = Some(path);
+    config.idle_timeout = Duration::from_secs(3);
+    config
+}
+
+/// Publishes PUBLISH_BATCHES batches of 1-4 keyed records through a cluster client, across
+/// the leader's kill: a failed publish is counted and not published again (its records may
+/// still commit). Returns the acknowledged batches, the refused count, and how many parts went
+/// to a leader other than the seed (member 1).
+async fn cluster_publish_batches(
+    config: felix_client::ClientConfig,
+) -> (Vec<AckedBatch>, usize, usize) {
+    let client = support::within(felix_client::ClusterClient::connect(config))
+        .await
+        .expect("the cluster client connects");
+    let mut acked = Vec::new();
+    let mut refused = 0;
+    let mut straight = 0;
+    let deadline = Instant::now() + DEADLINE * 4;
+    for batch in 0..PUBLISH_BATCHES {
+        assert!(Instant::now() < deadline, "the cluster publisher stalled");
+        let count = 1 + batch % 4;
+        let keys: Vec<String> = (0..count).map(|r| format!("kc-{batch}-{r}")).collect();
+        let payloads: Vec<Vec<u8>> = (0..count)
+            .map(|r| format!("c-b{batch}-r{r}").into_bytes())
+            .collect();
+        let records: Vec<felix_wire::Record> = keys
+            .iter()
+            .zip(&payloads)
+            .map(|(key, payload)| felix_client::record(key.clone(), payload.clone()))
+            .collect();
+        let leaders: std::collections::BTreeSet<u16> = keys
+            .iter()
+            .filter_map(|key| {
+                client.leader("payments", felix_wire::shard_for_key(key.as_bytes(), 3))
+            })
+            .collect();
+        straight += leaders.iter().filter(|leader| **leader != 1).count();
+        match tokio::time::timeout(DEADLINE, client.publish("payments", &records)).await {
+            Ok(Ok(acks)) => acked.push(AckedBatch {
+                payloads,
+                acks,
+                keys,
+            }),
+            Ok(Err(error)) => {
+                eprintln!(
+                    "cluster publisher: batch {batch} to leaders {leaders:?} at {:?}: {error}",
+                    deadline - Instant::now()
+                );
+                refused += 1;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(_) => panic!("a cluster publish was not answered within {DEADLINE:?}"),
+        }
+    }
+    (acked, refused, straight)
 }
 
 /// The end of each shard, once the publishers are done and every copy is complete.

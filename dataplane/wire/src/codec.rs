@@ -9,7 +9,8 @@
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 use crate::{
-    Ack, AckMode, CLIENT_NAME_BYTES_MAX, CORES_MAX, CreateStream, DeliveredRecord, Delivery,
+    Ack, AckMode, CLIENT_NAME_BYTES_MAX, CLUSTER_ADDRESS_BYTES_MAX, CLUSTER_MEMBERS_MAX, CORES_MAX,
+    ClusterMap, ClusterMember, ClusterRoute, CreateStream, DeliveredRecord, Delivery,
     ERROR_MESSAGE_BYTES_MAX, ErrorCode, ErrorFrame, FEATURE_TOKEN, FRAME_HEADER_LEN, Frame,
     FrameType, HashKind, Hello, HelloOk, LISTED_STREAMS_MAX, Limits, Publish, Record, ShardAck,
     ShardInfo, ShardSelection, StartPosition, StreamInfo, StreamKind, StreamRoute, StreamSummary,
@@ -34,6 +35,12 @@ const ROUTE_LEN_MIN: usize = SHORT_LEN_LEN + 1 + 4 + 1 + LONG_LEN_LEN;
 const SHARD_INFO_LEN: usize = 4 + 2 + 8 + 8;
 /// name (empty) + kind + shard_count.
 const SUMMARY_LEN_MIN: usize = SHORT_LEN_LEN + 1 + 4;
+/// A `ClusterMap` member without its address bytes: id, address length.
+const CLUSTER_MEMBER_LEN_MIN: usize = 2 + SHORT_LEN_LEN;
+/// A `ClusterMap` route without its name and leaders: name length, leader count.
+const CLUSTER_ROUTE_LEN_MIN: usize = SHORT_LEN_LEN + LONG_LEN_LEN;
+/// One leader of a `ClusterMap` route.
+const CLUSTER_LEADER_LEN: usize = 2;
 /// Key length + payload length; the key and payload bytes follow.
 pub const PUBLISH_RECORD_OVERHEAD: usize = SHORT_LEN_LEN + LONG_LEN_LEN;
 /// shard + first_offset + count.
@@ -269,8 +276,27 @@ fn put_body(frame: &Frame, buf: &mut BytesMut) {
             buf.put_u64_le(*request_id);
             put_str(buf, name);
         }
-        Frame::ListStreams { request_id } | Frame::Done { request_id } => {
+        Frame::ListStreams { request_id }
+        | Frame::Done { request_id }
+        | Frame::DescribeCluster { request_id } => {
             buf.put_u64_le(*request_id);
+        }
+        Frame::ClusterMap(map) => {
+            buf.put_u64_le(map.request_id);
+            buf.put_u16_le(map.member);
+            put_count(buf, map.members.len());
+            for member in &map.members {
+                buf.put_u16_le(member.id);
+                put_str(buf, &member.addr);
+            }
+            put_count(buf, map.streams.len());
+            for route in &map.streams {
+                put_str(buf, &route.name);
+                put_count(buf, route.leaders.len());
+                for leader in &route.leaders {
+                    buf.put_u16_le(*leader);
+                }
+            }
         }
         Frame::StreamInfo(info) => {
             buf.put_u64_le(info.request_id);
@@ -386,7 +412,24 @@ fn body_len(frame: &Frame) -> usize {
         Frame::DescribeStream { name, .. } | Frame::DeleteStream { name, .. } => {
             REQUEST_ID_LEN + str_len(name)
         }
-        Frame::ListStreams { .. } | Frame::Done { .. } => REQUEST_ID_LEN,
+        Frame::ListStreams { .. } | Frame::Done { .. } | Frame::DescribeCluster { .. } => {
+            REQUEST_ID_LEN
+        }
+        Frame::ClusterMap(map) => {
+            let members: usize = map
+                .members
+                .iter()
+                .map(|m| CLUSTER_MEMBER_LEN_MIN + m.addr.len())
+                .sum();
+            let routes: usize = map
+                .streams
+                .iter()
+                .map(|r| {
+                    CLUSTER_ROUTE_LEN_MIN + r.name.len() + CLUSTER_LEADER_LEN * r.leaders.len()
+                })
+                .sum();
+            REQUEST_ID_LEN + 2 + LONG_LEN_LEN + members + LONG_LEN_LEN + routes
+        }
         Frame::StreamInfo(info) => {
             REQUEST_ID_LEN
                 + str_len(&info.name)
@@ -553,7 +596,26 @@ pub fn validate(frame: &Frame, limits: &Limits) -> Result<(), WireError> {
             Some(token) => check_len("token length", token.len(), TOKEN_BYTES_MAX),
             None => Ok(()),
         },
-        Frame::ListStreams { .. } | Frame::Done { .. } | Frame::Error(_) => Ok(()),
+        Frame::ListStreams { .. }
+        | Frame::Done { .. }
+        | Frame::DescribeCluster { .. }
+        | Frame::Error(_) => Ok(()),
+        Frame::ClusterMap(map) => {
+            check_count("member count", map.members.len(), CLUSTER_MEMBERS_MAX)?;
+            for member in &map.members {
+                check_len(
+                    "member address length",
+                    member.addr.len(),
+                    CLUSTER_ADDRESS_BYTES_MAX,
+                )?;
+            }
+            check_count("stream count", map.streams.len(), LISTED_STREAMS_MAX)?;
+            for route in &map.streams {
+                check_len("stream name length", route.name.len(), name_max)?;
+                check_count("shard count", route.leaders.len(), limits.max_shards)?;
+            }
+            Ok(())
+        }
         Frame::HelloOk(ok) => {
             check_count("core port count", ok.core_ports.len(), CORES_MAX)?;
             check_count("stream count", ok.shard_map.len(), LISTED_STREAMS_MAX)?;
@@ -790,6 +852,10 @@ impl Decoder {
             FrameType::Done => Frame::Done {
                 request_id: r.u64("request_id")?,
             },
+            FrameType::DescribeCluster => Frame::DescribeCluster {
+                request_id: r.u64("request_id")?,
+            },
+            FrameType::ClusterMap => Frame::ClusterMap(r.cluster_map()?),
             FrameType::Publish => Frame::Publish(r.publish()?),
             FrameType::Ack => Frame::Ack(r.ack()?),
             FrameType::Subscribe => Frame::Subscribe(r.subscribe()?),
@@ -1022,6 +1088,36 @@ impl Reader<'_> {
             kind,
             hash,
             shards,
+        })
+    }
+
+    fn cluster_map(&mut self) -> Result<ClusterMap, WireError> {
+        let request_id = self.u64("request_id")?;
+        let member = self.u16("member")?;
+        let count = self.count("member count", CLUSTER_MEMBERS_MAX, CLUSTER_MEMBER_LEN_MIN)?;
+        let mut members = Vec::with_capacity(count);
+        for _ in 0..count {
+            members.push(ClusterMember {
+                id: self.u16("member id")?,
+                addr: self.string("member address length", CLUSTER_ADDRESS_BYTES_MAX)?,
+            });
+        }
+        let count = self.count("stream count", LISTED_STREAMS_MAX, CLUSTER_ROUTE_LEN_MIN)?;
+        let mut streams = Vec::with_capacity(count);
+        for _ in 0..count {
+            let name = self.name()?;
+            let shards = self.count("shard count", self.limits.max_shards, CLUSTER_LEADER_LEN)?;
+            let mut leaders = Vec::with_capacity(shards);
+            for _ in 0..shards {
+                leaders.push(self.u16("leader")?);
+            }
+            streams.push(ClusterRoute { name, leaders });
+        }
+        Ok(ClusterMap {
+            request_id,
+            member,
+            members,
+            streams,
         })
     }
 

@@ -18,6 +18,8 @@ pub enum FrameType {
     StreamInfo = 0x14,
     StreamList = 0x15,
     Done = 0x16,
+    DescribeCluster = 0x17,
+    ClusterMap = 0x18,
     Publish = 0x20,
     Ack = 0x21,
     Subscribe = 0x30,
@@ -28,7 +30,7 @@ pub enum FrameType {
 
 impl FrameType {
     /// Every frame type of protocol v1, in code order.
-    pub const ALL: [FrameType; 15] = [
+    pub const ALL: [FrameType; 17] = [
         FrameType::Hello,
         FrameType::HelloOk,
         FrameType::CreateStream,
@@ -38,6 +40,8 @@ impl FrameType {
         FrameType::StreamInfo,
         FrameType::StreamList,
         FrameType::Done,
+        FrameType::DescribeCluster,
+        FrameType::ClusterMap,
         FrameType::Publish,
         FrameType::Ack,
         FrameType::Subscribe,
@@ -59,6 +63,8 @@ impl FrameType {
             0x14 => FrameType::StreamInfo,
             0x15 => FrameType::StreamList,
             0x16 => FrameType::Done,
+            0x17 => FrameType::DescribeCluster,
+            0x18 => FrameType::ClusterMap,
             0x20 => FrameType::Publish,
             0x21 => FrameType::Ack,
             0x30 => FrameType::Subscribe,
@@ -82,6 +88,8 @@ impl FrameType {
             FrameType::StreamInfo => "stream_info",
             FrameType::StreamList => "stream_list",
             FrameType::Done => "done",
+            FrameType::DescribeCluster => "describe_cluster",
+            FrameType::ClusterMap => "cluster_map",
             FrameType::Publish => "publish",
             FrameType::Ack => "ack",
             FrameType::Subscribe => "subscribe",
@@ -280,6 +288,35 @@ pub struct StreamInfo {
     pub shards: Vec<ShardInfo>,
 }
 
+/// A cluster member as a `ClusterMap` lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterMember {
+    /// Member id, 1..=65535.
+    pub id: u16,
+    /// Where clients reach it: `IP:PORT`, at most [`crate::CLUSTER_ADDRESS_BYTES_MAX`] bytes.
+    pub addr: String,
+}
+
+/// A replicated stream of the cluster as a `ClusterMap` routes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterRoute {
+    pub name: String,
+    /// The member leading each shard (shard 0 first) as the answering member knows it; 0 when
+    /// it knows of none. The shard count is the list's length.
+    pub leaders: Vec<u16>,
+}
+
+/// The answer to `DescribeCluster`: the members and who leads each replicated shard.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterMap {
+    pub request_id: u64,
+    /// The answering member's id; 0 when the broker is not a cluster member (then nothing is
+    /// listed).
+    pub member: u16,
+    pub members: Vec<ClusterMember>,
+    pub streams: Vec<ClusterRoute>,
+}
+
 /// One entry of a `StreamList` answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StreamSummary {
@@ -409,6 +446,10 @@ pub enum Frame {
     Done {
         request_id: u64,
     },
+    DescribeCluster {
+        request_id: u64,
+    },
+    ClusterMap(ClusterMap),
     Publish(Publish),
     Ack(Ack),
     Subscribe(Subscribe),
@@ -431,6 +472,8 @@ impl Frame {
             Frame::StreamInfo(_) => FrameType::StreamInfo,
             Frame::StreamList { .. } => FrameType::StreamList,
             Frame::Done { .. } => FrameType::Done,
+            Frame::DescribeCluster { .. } => FrameType::DescribeCluster,
+            Frame::ClusterMap(_) => FrameType::ClusterMap,
             Frame::Publish(_) => FrameType::Publish,
             Frame::Ack(_) => FrameType::Ack,
             Frame::Subscribe(_) => FrameType::Subscribe,
@@ -451,7 +494,9 @@ impl Frame {
             | Frame::ListStreams { request_id }
             | Frame::DeleteStream { request_id, .. }
             | Frame::StreamList { request_id, .. }
-            | Frame::Done { request_id } => Some(*request_id),
+            | Frame::Done { request_id }
+            | Frame::DescribeCluster { request_id } => Some(*request_id),
+            Frame::ClusterMap(f) => Some(f.request_id),
             Frame::StreamInfo(f) => Some(f.request_id),
             Frame::Publish(f) => Some(f.request_id),
             Frame::Ack(f) => Some(f.request_id),

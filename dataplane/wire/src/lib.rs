@@ -47,6 +47,11 @@ pub const CORES_MAX: u32 = 1024;
 /// this cannot list them all in one frame (paging is not part of v1).
 pub const LISTED_STREAMS_MAX: u32 = 65_536;
 
+/// Most members in a `ClusterMap`.
+pub const CLUSTER_MEMBERS_MAX: u32 = 1024;
+/// Longest member address in a `ClusterMap` (`[IPv6%scope]:port` fits).
+pub const CLUSTER_ADDRESS_BYTES_MAX: usize = 64;
+
 /// FNV-1a 64-bit hash of `key` (offset basis 0xcbf29ce484222325, prime 0x100000001b3).
 #[must_use]
 pub fn fnv1a_64(key: &[u8]) -> u64 {

@@ -227,6 +227,30 @@ fn frame_of(t: FrameType, sz: Sizes) -> BoxedStrategy<Frame> {
         FrameType::Done => any::<u64>()
             .prop_map(|request_id| Frame::Done { request_id })
             .boxed(),
+        FrameType::DescribeCluster => any::<u64>()
+            .prop_map(|request_id| Frame::DescribeCluster { request_id })
+            .boxed(),
+        FrameType::ClusterMap => {
+            let member = (any::<u16>(), text(16))
+                .prop_map(|(id, addr)| felix_wire::ClusterMember { id, addr });
+            let route = (name(), vec(any::<u16>(), 0..=sz.shards))
+                .prop_map(|(name, leaders)| felix_wire::ClusterRoute { name, leaders });
+            (
+                any::<u64>(),
+                any::<u16>(),
+                vec(member, 0..=4),
+                vec(route, 0..=sz.streams),
+            )
+                .prop_map(|(request_id, member, members, streams)| {
+                    Frame::ClusterMap(felix_wire::ClusterMap {
+                        request_id,
+                        member,
+                        members,
+                        streams,
+                    })
+                })
+                .boxed()
+        }
         FrameType::Publish => publish(sz).prop_map(Frame::Publish).boxed(),
         FrameType::Ack => {
             let shard = (any::<u32>(), any::<u64>(), any::<u32>()).prop_map(

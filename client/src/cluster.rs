@@ -1,0 +1,375 @@
+//! The cluster client (docs/cluster.md, "The cluster client"): publishes each shard's records
+//! of a replicated stream straight to the member leading that shard, so no publish waits for
+//! a forward from a follower to the leader.
+//!
+//! It learns the cluster from any member (`DescribeCluster`, answered with a `ClusterMap`:
+//! the members' client addresses and each replicated shard's leader), keeps one [`Client`]
+//! per member it has published to (opened lazily, core-aware within the member), and splits
+//! each batch by leader, keeping each shard's records in batch order. When a part fails
+//! because a member is gone or has no quorum (`unavailable`, a closed connection), the map is
+//! refreshed before the next publish, from any member that answers; the error goes to the
+//! caller, who decides whether to publish again (the records of a failed publish may still
+//! commit, so publishing them again may store them twice). Streams that are not replicated
+//! go through the seed member as with a plain [`Client`].
+//!
+//! Every member must present a certificate the configuration trusts (`ClientConfig::ca` may
+//! hold several PEM certificates: one CA for the cluster, or each member's development
+//! certificate).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use felix_wire::{ClusterMap, ErrorCode, Frame, Record, ShardAck};
+
+use crate::{Client, ClientConfig, ClientError, PendingAck};
+
+/// What the client knows of the cluster.
+#[derive(Debug, Default)]
+struct Map {
+    /// Member id to client address.
+    members: HashMap<u16, SocketAddr>,
+    /// Replicated stream to the leader of each shard (0: none known).
+    leaders: HashMap<String, Vec<u16>>,
+}
+
+impl Map {
+    fn from_frame(map: &ClusterMap) -> Map {
+        Map {
+            members: map
+                .members
+                .iter()
+                .filter_map(|member| Some((member.id, member.addr.parse().ok()?)))
+                .collect(),
+            leaders: map
+                .streams
+                .iter()
+                .map(|route| (route.name.clone(), route.leaders.clone()))
+                .collect(),
+        }
+    }
+}
+
+/// Splits `records` by the leader of each record's shard, keeping batch order within each
+/// part; parts in the order their first record came.
+fn split(map: &Map, stream: &str, records: &[Record]) -> Vec<Part> {
+    let Some(leaders) = map.leaders.get(stream).filter(|l| !l.is_empty()) else {
+        return vec![Part {
+            member: None,
+            records: records.to_vec(),
+        }];
+    };
+    let shard_count = u32::try_from(leaders.len()).unwrap_or(u32::MAX);
+    let mut parts: Vec<Part> = Vec::new();
+    for record in records {
+        let shard = felix_wire::shard_for_key(&record.key, shard_count);
+        let member = Some(leaders[shard as usize]);
+        match parts.iter_mut().find(|part| part.member == member) {
+            Some(part) => part.records.push(record.clone()),
+            None => parts.push(Part {
+                member,
+                records: vec![record.clone()],
+            }),
+        }
+    }
+    parts
+}
+
+/// A client of a Felix cluster: straight to each shard's leader (module docs).
+pub struct ClusterClient {
+    /// The configuration of every member connection (its address replaced).
+    config: ClientConfig,
+    /// The member the client was pointed at.
+    seed: Arc<Client>,
+    /// The seed's member id (0: the seed is not a cluster member).
+    seed_id: u16,
+    /// Connections to other members, by member id.
+    members: tokio::sync::Mutex<HashMap<u16, Arc<Client>>>,
+    map: Mutex<Arc<Map>>,
+    /// A part failed in a way a stale map explains: refresh before the next publish.
+    stale: AtomicBool,
+}
+
+impl std::fmt::Debug for ClusterClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterClient")
+            .field("seed", &self.config.addr)
+            .field("seed_id", &self.seed_id)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Where one publish's records go.
+struct Part {
+    /// The shards' leader; 0: no leader known (any member takes it and forwards); `None`: not
+    /// a replicated stream (through the seed).
+    member: Option<u16>,
+    records: Vec<Record>,
+}
+
+impl ClusterClient {
+    /// Connects to the member at `config.addr` and asks it for the cluster map.
+    pub async fn connect(config: ClientConfig) -> Result<ClusterClient, ClientError> {
+        let seed = Arc::new(Client::connect(config.clone()).await?);
+        let map = seed.describe_cluster().await?;
+        let mut members = HashMap::new();
+        if map.member != 0 {
+            members.insert(map.member, Arc::clone(&seed));
+        }
+        let client = ClusterClient {
+            seed_id: map.member,
+            config,
+            seed,
+            members: tokio::sync::Mutex::new(members),
+            map: Mutex::new(Arc::new(Map::from_frame(&map))),
+            stale: AtomicBool::new(false),
+        };
+        Ok(client)
+    }
+
+    /// The member the client was pointed at, on the connection made at start (subscriptions
+    /// and admin go through it; it is not opened again if that member dies).
+    #[must_use]
+    pub fn seed(&self) -> &Client {
+        &self.seed
+    }
+
+    /// The member leading shard `shard` of replicated stream `stream`, as last learned.
+    #[must_use]
+    pub fn leader(&self, stream: &str, shard: u32) -> Option<u16> {
+        self.map()
+            .leaders
+            .get(stream)
+            .and_then(|leaders| leaders.get(shard as usize).copied())
+            .filter(|leader| *leader != 0)
+    }
+
+    fn map(&self) -> Arc<Map> {
+        Arc::clone(&self.map.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// Asks for the cluster map again: from the seed, else from each other member in turn.
+    pub async fn refresh(&self) -> Result<(), ClientError> {
+        let mut last = match self.seed.describe_cluster().await {
+            Ok(map) => return self.learn(&map),
+            Err(error) => error,
+        };
+        let ids: Vec<u16> = self.map().members.keys().copied().collect();
+        for id in ids {
+            match self.member(id).await {
+                Ok(client) => match client.describe_cluster().await {
+                    Ok(map) => return self.learn(&map),
+                    Err(error) => {
+                        self.forget(id).await;
+                        last = error;
+                    }
+                },
+                Err(error) => last = error,
+            }
+        }
+        Err(last)
+    }
+
+    fn learn(&self, map: &ClusterMap) -> Result<(), ClientError> {
+        *self.map.lock().unwrap_or_else(PoisonError::into_inner) = Arc::new(Map::from_frame(map));
+        self.stale.store(false, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The connection for a part bound to `member` (see [`Part::member`]): the member's own,
+    /// else any member that can be reached (it forwards to the leader).
+    async fn route(&self, member: Option<u16>) -> Result<(u16, Arc<Client>), ClientError> {
+        let Some(id) = member else {
+            return Ok((0, Arc::clone(&self.seed)));
+        };
+        let mut last = None;
+        if id != 0 {
+            match self.member(id).await {
+                Ok(client) => return Ok((id, client)),
+                Err(error) => {
+                    tracing::debug!(member = id, %error, "a shard's leader is unreachable");
+                    self.stale.store(true, Ordering::Relaxed);
+                    last = Some(error);
+                }
+            }
+        }
+        let mut ids: Vec<u16> = self.map().members.keys().copied().collect();
+        ids.sort_unstable();
+        for other in ids.into_iter().filter(|other| *other != id) {
+            match self.member(other).await {
+                Ok(client) => return Ok((other, client)),
+                Err(error) => last = Some(error),
+            }
+        }
+        Err(last
+            .unwrap_or_else(|| ClientError::Protocol("the cluster map lists no member".to_owned())))
+    }
+
+    /// The connection to member `id`, opened on first use (and again after it failed).
+    async fn member(&self, id: u16) -> Result<Arc<Client>, ClientError> {
+        let mut members = self.members.lock().await;
+        if let Some(client) = members.get(&id) {
+            return Ok(Arc::clone(client));
+        }
+        let Some(addr) = self.map().members.get(&id).copied() else {
+            return Err(ClientError::Protocol(format!(
+                "member {id} is not in the cluster map"
+            )));
+        };
+        let mut config = self.config.clone();
+        config.addr = addr;
+        let client = Arc::new(Client::connect(config).await?);
+        members.insert(id, Arc::clone(&client));
+        Ok(client)
+    }
+
+    async fn forget(&self, id: u16) {
+        self.members.lock().await.remove(&id);
+    }
+
+    /// Queues an acked publish: each leader's records go to that member; the returned future
+    /// resolves to the acks of every part, one per shard in ascending shard order, or to the
+    /// first part's error.
+    pub async fn publish_pipelined(
+        &self,
+        stream: &str,
+        records: &[Record],
+    ) -> Result<ClusterAck, ClientError> {
+        if self.stale.load(Ordering::Relaxed) {
+            // Best effort: with no member answering, the old map is as good as any.
+            let _ = self.refresh().await;
+        }
+        let mut pending = Vec::new();
+        for part in split(&self.map(), stream, records) {
+            let (member, client) = self.route(part.member).await?;
+            match client.publish_pipelined(stream, &part.records).await {
+                Ok(ack) => pending.push((member, ack)),
+                Err(error) => {
+                    self.failed(member, &error).await;
+                    return Err(error);
+                }
+            }
+        }
+        Ok(ClusterAck { pending })
+    }
+
+    /// Publishes and waits for the acks (see [`ClusterClient::publish_pipelined`]).
+    pub async fn publish(
+        &self,
+        stream: &str,
+        records: &[Record],
+    ) -> Result<Vec<ShardAck>, ClientError> {
+        let pending = self.publish_pipelined(stream, records).await?;
+        self.settle(pending).await
+    }
+
+    /// Waits for a pipelined publish's acks; a failure that a stale map explains marks the
+    /// map for a refresh.
+    pub async fn settle(&self, ack: ClusterAck) -> Result<Vec<ShardAck>, ClientError> {
+        let mut acks = Vec::new();
+        let mut first_error = None;
+        for (member, pending) in ack.pending {
+            match pending.await {
+                Ok(part) => acks.extend(part),
+                Err(error) => {
+                    self.failed(member, &error).await;
+                    first_error.get_or_insert(error);
+                }
+            }
+        }
+        if let Some(error) = first_error {
+            return Err(error);
+        }
+        acks.sort_unstable_by_key(|ack| ack.shard);
+        Ok(acks)
+    }
+
+    /// A part to `member` failed with `error`.
+    async fn failed(&self, member: u16, error: &ClientError) {
+        match error {
+            ClientError::Server {
+                code: ErrorCode::Unavailable | ErrorCode::StreamNotFound,
+                ..
+            } => self.stale.store(true, Ordering::Relaxed),
+            ClientError::Server { .. } => {}
+            _ => {
+                // The connection is gone: a new one next time, after a refresh.
+                self.stale.store(true, Ordering::Relaxed);
+                if member != 0 {
+                    self.forget(member).await;
+                }
+            }
+        }
+    }
+}
+
+/// The acks of a pipelined cluster publish: settle it with [`ClusterClient::settle`].
+#[must_use = "the publish is sent; settle it to learn its offsets or its error"]
+pub struct ClusterAck {
+    pending: Vec<(u16, PendingAck)>,
+}
+
+impl std::fmt::Debug for ClusterAck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterAck")
+            .field("parts", &self.pending.len())
+            .finish()
+    }
+}
+
+impl Client {
+    /// The cluster map of the broker this client is connected to (`DescribeCluster`):
+    /// members and each replicated shard's leader; `member` 0 when it is not a cluster
+    /// member.
+    pub async fn describe_cluster(&self) -> Result<ClusterMap, ClientError> {
+        match self
+            .request(|request_id| Frame::DescribeCluster { request_id })
+            .await?
+        {
+            Frame::ClusterMap(map) => Ok(map),
+            other => Err(crate::unexpected("ClusterMap", &other)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(key: String) -> Record {
+        crate::record(key.clone(), key)
+    }
+
+    #[test]
+    fn a_batch_splits_by_leader_in_batch_order() {
+        let map = Map {
+            members: HashMap::new(),
+            leaders: HashMap::from([("s".to_owned(), vec![2, 3, 2, 0])]),
+        };
+        let records: Vec<Record> = (0..40).map(|i| record(format!("k{i}"))).collect();
+        let parts = split(&map, "s", &records);
+        let members: Vec<Option<u16>> = parts.iter().map(|part| part.member).collect();
+        let mut sorted = members.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), members.len(), "one part per leader");
+        for part in &parts {
+            // Each part holds exactly the records whose shard that member leads, in order.
+            let expected: Vec<&Record> = records
+                .iter()
+                .filter(|r| {
+                    let shard = felix_wire::shard_for_key(&r.key, 4) as usize;
+                    Some([2, 3, 2, 0][shard]) == part.member
+                })
+                .collect();
+            assert_eq!(part.records.iter().collect::<Vec<_>>(), expected);
+        }
+        assert_eq!(parts.iter().map(|p| p.records.len()).sum::<usize>(), 40);
+        // A stream the map does not know goes whole through the seed.
+        let whole = split(&map, "other", &records);
+        assert_eq!(whole.len(), 1);
+        assert_eq!(whole[0].member, None);
+        assert_eq!(whole[0].records, records);
+    }
+}
