@@ -589,6 +589,105 @@ fn publish_under_faults(
     })
 }
 
+/// What the subscriber of the fault run received: each shard's payloads from offset 0 on, and
+/// how many times it moved to another member.
+struct Resumed {
+    shards: Vec<Vec<Vec<u8>>>,
+    moves: usize,
+}
+
+/// Subscribes to both shards of `events` through a random running member and, whenever that
+/// member is silent for a second (killed, paused, or just nothing new) or every 50 records,
+/// moves to another member, resuming from the next offset of each shard. Every record must be
+/// the next offset of its shard (no gap, no duplicate, across moves). Stops once `stop` is set
+/// and it holds every record below `ends` (set after healing).
+fn subscribe_under_faults(
+    configs: &std::sync::Mutex<BTreeMap<u64, Option<felix_client::ClientConfig>>>,
+    ends: &Ends,
+    seed: u64,
+) -> Resumed {
+    use futures::StreamExt as _;
+    use rand::{Rng, SeedableRng};
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut shards: Vec<Vec<Vec<u8>>> = vec![Vec::new(), Vec::new()];
+        let mut moves = 0;
+        let deadline = Instant::now() + DEADLINE * 4;
+        loop {
+            let done = |shards: &[Vec<Vec<u8>>]| {
+                ends.lock().unwrap().as_ref().is_some_and(|ends| {
+                    ends.iter()
+                        .zip(shards)
+                        .all(|(end, got)| got.len() as u64 >= *end)
+                })
+            };
+            if done(&shards) {
+                return Resumed { shards, moves };
+            }
+            assert!(Instant::now() < deadline, "the resuming subscriber stalled");
+            let up: Vec<felix_client::ClientConfig> = configs
+                .lock()
+                .expect("lock")
+                .values()
+                .flatten()
+                .cloned()
+                .collect();
+            let Some(config) = up.get(rng.random_range(0..up.len().max(1))).cloned() else {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            };
+            let from = felix_wire::StartPosition::Offsets(
+                shards
+                    .iter()
+                    .enumerate()
+                    .map(|(shard, got)| (shard as u32, got.len() as u64))
+                    .collect(),
+            );
+            let attempt = async {
+                let client = felix_client::Client::connect(config).await.ok()?;
+                let subscription = client
+                    .subscribe("events", felix_wire::ShardSelection::All, from)
+                    .await
+                    .ok()?;
+                Some((client, subscription))
+            };
+            // A paused member never answers; a member behind this subscriber refuses offsets
+            // beyond its end (`invalid_argument`): try another.
+            let Ok(Some((client, mut subscription))) =
+                tokio::time::timeout(Duration::from_secs(3), attempt).await
+            else {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            };
+            moves += 1;
+            let mut here = 0;
+            while here < 50 && !done(&shards) {
+                match tokio::time::timeout(Duration::from_secs(1), subscription.next()).await {
+                    Ok(Some(Ok(record))) => {
+                        let got = &mut shards[record.shard as usize];
+                        assert_eq!(
+                            record.offset,
+                            got.len() as u64,
+                            "shard {}: a gap or a duplicate after {moves} moves",
+                            record.shard
+                        );
+                        got.push(record.payload.to_vec());
+                        here += 1;
+                    }
+                    // Ended (its member stopped), silent, or gone: move.
+                    _ => break,
+                }
+            }
+            drop(subscription);
+            let _ = tokio::time::timeout(Duration::from_secs(1), client.close()).await;
+        }
+    })
+}
+
 /// A Jepsen-style run: a client creates streams (unique names) through random members, and
 /// another publishes unique records to a replicated stream through random members, while a
 /// nemesis kills members with SIGKILL and restarts them, and pauses them with SIGSTOP
@@ -600,7 +699,8 @@ fn publish_under_faults(
 /// earlier place in the log. And of the published records: every member's copy is the same;
 /// every acknowledged record is there once, where its ack said; none is there twice or from
 /// nowhere; and a record acknowledged before another (of its shard) was published has the lower
-/// offset. FELIX_CLUSTER_NEMESIS_SEED replays a nemesis schedule.
+/// offset. A subscriber moving between members (`subscribe_under_faults`) received every
+/// record of the copies once, in order. FELIX_CLUSTER_NEMESIS_SEED replays a nemesis schedule.
 #[test]
 fn randomized_faults_keep_acked_creations_once_and_in_real_time_order() {
     use rand::{Rng, SeedableRng};
@@ -693,6 +793,12 @@ fn randomized_faults_keep_acked_creations_once_and_in_real_time_order() {
         let configs = Arc::clone(&configs);
         let stop = Arc::clone(&stop);
         std::thread::spawn(move || publish_under_faults(&configs, &stop, seed ^ 0xfeed))
+    };
+    let ends: Ends = Arc::default();
+    let subscriber = {
+        let configs = Arc::clone(&configs);
+        let ends = Arc::clone(&ends);
+        std::thread::spawn(move || subscribe_under_faults(&configs, &ends, seed ^ 0x50b))
     };
     let deadline = Instant::now() + Duration::from_secs(seconds);
     let mut faults = Vec::new();
@@ -801,11 +907,26 @@ fn randomized_faults_keep_acked_creations_once_and_in_real_time_order() {
         }
     }
     assert!(!acked.is_empty(), "the run acknowledged creations");
-    audit_published(&cluster, &published);
+    let reference = audit_published(&cluster, &published);
+    *ends.lock().unwrap() = Some(reference.iter().map(|r| r.len() as u64).collect());
+    let resumed = subscriber.join().expect("subscriber");
+    for (shard, got) in resumed.shards.iter().enumerate() {
+        let stored: Vec<&Vec<u8>> = reference[shard].iter().map(|(_, p)| p).collect();
+        assert!(
+            got.iter().collect::<Vec<_>>() == stored,
+            "the resuming subscriber's shard {shard} differs from the copies"
+        );
+    }
+    eprintln!(
+        "nemesis: the subscriber received {} records over {} subscriptions on random members",
+        resumed.shards.iter().map(Vec::len).sum::<usize>(),
+        resumed.moves
+    );
 }
 
-/// The audit of the records published during the fault run (see the run's comment).
-fn audit_published(cluster: &Cluster, published: &[PublishOp]) {
+/// The audit of the records published during the fault run (see the run's comment); returns
+/// the copies' records.
+fn audit_published(cluster: &Cluster, published: &[PublishOp]) -> Vec<Vec<(String, Vec<u8>)>> {
     // Batches still pending on a member commit (or stay lost with a killed member's memory);
     // wait until nothing is pending and every copy has the same end.
     wait_for(
@@ -879,6 +1000,7 @@ fn audit_published(cluster: &Cluster, published: &[PublishOp]) {
         seen.len()
     );
     assert!(!acked.is_empty(), "the run acknowledged publishes");
+    reference
 }
 
 /// Publishers' batches for the replicated publish test (bounded: the test stops by itself).
