@@ -1,5 +1,6 @@
 //! The cluster's admin requests as a client makes them: plain HTTP/1.0 to a broker's metrics
-//! endpoint (`GET /v1/cluster/status`, `POST /v1/cluster/streams`, `POST /v1/cluster/read`),
+//! endpoint (`GET /v1/cluster/status`, `POST` and `DELETE /v1/cluster/streams`,
+//! `POST /v1/cluster/read`),
 //! used by `felix cluster status`, `create-stream` and `read` and by the cluster tests; and
 //! the status as a table for people.
 
@@ -114,6 +115,17 @@ pub fn create_stream(
     })
     .to_string();
     let (status, answer) = request(addr, "POST", "/v1/cluster/streams", Some(&body), timeout)?;
+    if status != 200 {
+        return Err(refused(status, &answer));
+    }
+    Ok(())
+}
+
+/// Deletes a stream through the control plane (any member; it waits until applied): every
+/// member stops its shard groups and removes their logs; subscribers hear `stream_not_found`.
+pub fn delete_stream(addr: SocketAddr, name: &str, timeout: Duration) -> Result<(), AdminError> {
+    let body = serde_json::json!({ "name": name }).to_string();
+    let (status, answer) = request(addr, "DELETE", "/v1/cluster/streams", Some(&body), timeout)?;
     if status != 200 {
         return Err(refused(status, &answer));
     }

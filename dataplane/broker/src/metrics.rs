@@ -1077,6 +1077,42 @@ fn create_stream(
         shards: create.shards,
         replicas: create.replicas,
     };
+    propose(service, command)
+}
+
+/// `DELETE /v1/cluster/streams`: `{"name"}`; 200 once applied, 409 when the control plane
+/// rejected it (no such stream), 503 without a leader or an answer in time.
+fn delete_stream(
+    service: &felix_cluster::service::Service,
+    request: &mut tiny_http::Request,
+) -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
+    #[derive(serde::Deserialize)]
+    struct Delete {
+        name: String,
+    }
+    let mut body = Vec::new();
+    if let Err(error) = std::io::Read::read_to_end(
+        &mut std::io::Read::take(request.as_reader(), ADMIN_BODY_MAX),
+        &mut body,
+    ) {
+        return error_json(400, &format!("cannot read the body: {error}"));
+    }
+    let delete: Delete = match serde_json::from_slice(&body) {
+        Ok(delete) => delete,
+        Err(error) => return error_json(400, &format!("bad request body: {error}")),
+    };
+    propose(
+        service,
+        felix_cluster::control::Command::DeleteStream { name: delete.name },
+    )
+}
+
+/// Proposes `command` and answers: 200 once applied, 409 when the control plane rejected it,
+/// 503 without a leader or an answer in time.
+fn propose(
+    service: &felix_cluster::service::Service,
+    command: felix_cluster::control::Command,
+) -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
     match service.propose(command, CLUSTER_PROPOSE_TIMEOUT) {
         Ok(felix_cluster::control::Outcome::Done) => {
             json_response(200, serde_json::json!({ "outcome": "done" }).to_string())
@@ -1176,6 +1212,10 @@ fn serve(server: &tiny_http::Server, metrics: &Metrics, cluster: &ClusterSlot) {
             },
             (tiny_http::Method::Post, "/v1/cluster/streams") => match cluster.get() {
                 Some(service) => create_stream(service, &mut request),
+                None => error_json(404, "not a cluster member"),
+            },
+            (tiny_http::Method::Delete, "/v1/cluster/streams") => match cluster.get() {
+                Some(service) => delete_stream(service, &mut request),
                 None => error_json(404, "not a cluster member"),
             },
             (tiny_http::Method::Post, "/v1/cluster/read") => match cluster.get() {

@@ -52,6 +52,13 @@ pub enum ClusterCommand {
         #[arg(long, value_enum, default_value = "durable")]
         kind: KindArg,
     },
+    /// Delete a stream through the control plane: every member stops serving it and removes
+    /// its replicated shards' logs; its subscribers are ended (`stream_not_found`).
+    DeleteStream {
+        #[command(flatten)]
+        admin: AdminArgs,
+        name: String,
+    },
     /// Print committed records of a replicated shard from one member's copy (an audit tool:
     /// every member must print the same records at the same offsets).
     Read {
@@ -119,6 +126,19 @@ pub fn run(config: &Config, command: ClusterCommand) -> anyhow::Result<()> {
             felix_cluster::admin::create_stream(addr, &name, kind, shards, replicas, ADMIN_TIMEOUT)
                 .with_context(|| format!("cannot create stream {name:?}"))?;
             println!("created stream {name} ({shards} shards, {replicas} replicas)");
+            if kind == StreamKind::InMemory {
+                eprintln!(
+                    "felix: note: in-memory cluster streams are placed but not served yet \
+                     (docs/cluster.md); publishes to {name:?} answer stream_not_found"
+                );
+            }
+            Ok(())
+        }
+        ClusterCommand::DeleteStream { admin, name } => {
+            let addr = admin_addr(config, &admin)?;
+            felix_cluster::admin::delete_stream(addr, &name, ADMIN_TIMEOUT)
+                .with_context(|| format!("cannot delete stream {name:?}"))?;
+            println!("deleted stream {name}");
             Ok(())
         }
         ClusterCommand::Read {

@@ -495,6 +495,100 @@ fn replicated_shards_elect_their_placed_leaders_and_fail_over() {
         "shards led as placed after the rejoin",
         |statuses| placed_and_in_sync(statuses, 6),
     );
+
+    // Deleting the stream (`felix cluster delete-stream`, through member 3) ends its
+    // subscribers, refuses its publishes and removes every member's shard logs.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let (client, mut subscription) = runtime.block_on(async {
+        let client = support::within(felix_client::Client::connect(
+            cluster.brokers[&2].naive_client_config(),
+        ))
+        .await
+        .expect("connects");
+        let acks = support::within(client.publish(
+            "orders",
+            &[felix_client::record("k", "before the deletion")],
+        ))
+        .await
+        .expect("published");
+        assert_eq!(acks.len(), 1);
+        let subscription = support::within(client.subscribe(
+            "orders",
+            felix_wire::ShardSelection::All,
+            felix_wire::StartPosition::Earliest,
+        ))
+        .await
+        .expect("subscribed");
+        (client, subscription)
+    });
+    let deleted = felix()
+        .args(["cluster", "delete-stream", "orders", "--admin"])
+        .arg(cluster.brokers[&3].metrics_addr.to_string())
+        .output()
+        .expect("felix cluster delete-stream runs");
+    assert!(
+        deleted.status.success(),
+        "{}",
+        String::from_utf8_lossy(&deleted.stderr)
+    );
+    wait_for(
+        &cluster,
+        &[1, 2, 3],
+        "the stream gone everywhere",
+        |statuses| {
+            statuses
+                .iter()
+                .all(|s| s.shards.is_empty() && !s.state.streams.contains_key("orders"))
+        },
+    );
+    for (id, broker) in &cluster.brokers {
+        let shards = broker.data_dir.path().join("cluster").join("shards");
+        let left: Vec<_> = std::fs::read_dir(&shards)
+            .map(|dir| dir.flatten().map(|entry| entry.file_name()).collect())
+            .unwrap_or_default();
+        assert!(left.is_empty(), "member {id} kept shard logs {left:?}");
+    }
+    runtime.block_on(async {
+        use futures::StreamExt as _;
+        // The record published before, then the end.
+        let first = support::within(subscription.next()).await;
+        assert!(matches!(first, Some(Ok(_))), "{first:?}");
+        let end = support::within(subscription.next()).await;
+        assert!(
+            matches!(
+                &end,
+                Some(Err(felix_client::ClientError::Server { code, .. }))
+                    if *code == felix_wire::ErrorCode::StreamNotFound
+            ),
+            "{end:?}"
+        );
+        // Every member dropped the stream's groups: a publish is refused, never acked.
+        let refused = support::within(
+            client.publish("orders", &[felix_client::record("k", "after the deletion")]),
+        )
+        .await;
+        assert!(
+            matches!(
+                &refused,
+                Err(felix_client::ClientError::Server { code, .. })
+                    if *code == felix_wire::ErrorCode::StreamNotFound
+            ),
+            "{refused:?}"
+        );
+    });
+    let again = felix()
+        .args(["cluster", "delete-stream", "orders", "--admin"])
+        .arg(cluster.brokers[&1].metrics_addr.to_string())
+        .output()
+        .expect("felix cluster delete-stream runs");
+    let said = String::from_utf8_lossy(&again.stderr);
+    assert!(
+        !again.status.success() && said.contains("no stream named"),
+        "{said}"
+    );
 }
 
 /// One creation a client made during the randomized fault run.
