@@ -10,7 +10,8 @@ use anyhow::Context as _;
 use bytes::Bytes;
 use clap::Args;
 use felix_client::{
-    Client, ClientConfig, PendingAck, Record, ShardAck, ShardSelection, StartPosition, StreamKind,
+    Client, ClientConfig, ClusterAck, ClusterClient, PendingAck, Record, ShardAck, ShardSelection,
+    StartPosition, StreamKind,
 };
 use felix_tuning::Config;
 use futures::StreamExt as _;
@@ -38,8 +39,13 @@ pub(crate) struct PubArgs {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     batch: u32,
     /// Fire-and-forget: no acks (errors are not reported either).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "cluster")]
     no_ack: bool,
+    /// A cluster's replicated stream: send each shard's records straight to the member
+    /// leading it (the cluster client, docs/cluster.md); --ca must trust every member's
+    /// certificate. Without it, the member at --addr takes every record (and forwards).
+    #[arg(long)]
+    cluster: bool,
 }
 
 #[derive(Debug, Args)]
@@ -205,35 +211,62 @@ fn describe_acks(acks: &[ShardAck]) -> String {
     format!("acked {records} {noun}: {}", shards.join(", "))
 }
 
+/// What `felix pub` publishes through.
+enum Sender {
+    Plain(Box<Client>),
+    /// `--cluster`: straight to each shard's leader.
+    Cluster(Box<ClusterClient>),
+}
+
+/// A publish in flight.
+enum InFlight {
+    Plain(PendingAck),
+    Cluster(ClusterAck),
+}
+
 /// Sends batches, keeping acked ones in flight and printing their acks in order.
 struct Publisher<'a> {
-    client: &'a Client,
+    client: &'a Sender,
     stream: String,
     no_ack: bool,
-    in_flight: VecDeque<PendingAck>,
+    in_flight: VecDeque<InFlight>,
     sent_records: u64,
 }
 
 impl Publisher<'_> {
     async fn send(&mut self, batch: Vec<Record>) -> anyhow::Result<()> {
         self.sent_records += batch.len() as u64;
-        if self.no_ack {
-            self.client.publish_no_ack(&self.stream, &batch).await?;
-            return Ok(());
-        }
         if self.in_flight.len() >= PUB_IN_FLIGHT_MAX {
             self.settle_one().await?;
         }
-        let pending = self.client.publish_pipelined(&self.stream, &batch).await?;
-        self.in_flight.push_back(pending);
+        match self.client {
+            Sender::Plain(client) if self.no_ack => {
+                client.publish_no_ack(&self.stream, &batch).await?;
+            }
+            Sender::Plain(client) => {
+                let pending = client.publish_pipelined(&self.stream, &batch).await?;
+                self.in_flight.push_back(InFlight::Plain(pending));
+            }
+            Sender::Cluster(client) => {
+                let pending = client.publish_pipelined(&self.stream, &batch).await?;
+                self.in_flight.push_back(InFlight::Cluster(pending));
+            }
+        }
         Ok(())
     }
 
     async fn settle_one(&mut self) -> anyhow::Result<()> {
-        if let Some(pending) = self.in_flight.pop_front() {
-            let acks = pending.await.context("publish refused")?;
-            println!("{}", describe_acks(&acks));
-        }
+        let acks = match (self.in_flight.pop_front(), self.client) {
+            (None, _) => return Ok(()),
+            (Some(InFlight::Plain(pending)), _) => pending.await,
+            (Some(InFlight::Cluster(pending)), Sender::Cluster(client)) => {
+                client.settle(pending).await
+            }
+            (Some(InFlight::Cluster(_)), Sender::Plain(_)) => {
+                unreachable!("cluster publishes come from a cluster client")
+            }
+        };
+        println!("{}", describe_acks(&acks.context("publish refused")?));
         Ok(())
     }
 
@@ -249,7 +282,13 @@ impl Publisher<'_> {
 }
 
 pub(crate) async fn publish(config: &Config, args: PubArgs) -> anyhow::Result<()> {
-    let client = connect(config).await?;
+    let client = if args.cluster {
+        Sender::Cluster(Box::new(
+            ClusterClient::connect(client_config(config)).await?,
+        ))
+    } else {
+        Sender::Plain(Box::new(connect(config).await?))
+    };
     let key = Bytes::from(args.key.into_bytes());
     let batch_size = usize::try_from(args.batch).unwrap_or(usize::MAX);
     let record = |payload: String| Record {
@@ -277,7 +316,9 @@ pub(crate) async fn publish(config: &Config, args: PubArgs) -> anyhow::Result<()
     let finished = publisher.finish().await;
     sent?;
     finished?;
-    client.close().await;
+    if let Sender::Plain(client) = client {
+        client.close().await;
+    }
     Ok(())
 }
 

@@ -496,6 +496,26 @@ fn replicated_shards_elect_their_placed_leaders_and_fail_over() {
         |statuses| placed_and_in_sync(statuses, 6),
     );
 
+    // `felix pub --cluster` through member 1: each record straight to its shard's leader.
+    let bundle = tempfile::tempdir().expect("temp dir");
+    let keys: Vec<String> = (0..12).map(|i| format!("--key=c{i}")).collect();
+    for key in &keys {
+        let published = felix()
+            .args(["pub", "orders", "--cluster", key, "--addr"])
+            .arg(cluster.brokers[&1].quic_addr.to_string())
+            .arg("--ca")
+            .arg(write_bundle(&cluster, bundle.path()))
+            .arg("straight")
+            .output()
+            .expect("felix pub runs");
+        let said = String::from_utf8_lossy(&published.stdout);
+        assert!(
+            published.status.success() && said.starts_with("acked 1 record: shard "),
+            "{said}{}",
+            String::from_utf8_lossy(&published.stderr)
+        );
+    }
+
     // Deleting the stream (`felix cluster delete-stream`, through member 3) ends its
     // subscribers, refuses its publishes and removes every member's shard logs.
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -553,10 +573,16 @@ fn replicated_shards_elect_their_placed_leaders_and_fail_over() {
     }
     runtime.block_on(async {
         use futures::StreamExt as _;
-        // The record published before, then the end.
-        let first = support::within(subscription.next()).await;
-        assert!(matches!(first, Some(Ok(_))), "{first:?}");
-        let end = support::within(subscription.next()).await;
+        // The records published before (twelve through `felix pub --cluster`, one more), then
+        // the end.
+        let mut received = 0;
+        let end = loop {
+            match support::within(subscription.next()).await {
+                Some(Ok(_)) => received += 1,
+                end => break end,
+            }
+        };
+        assert_eq!(received, 13, "every record published before the deletion");
         assert!(
             matches!(
                 &end,
@@ -1321,6 +1347,14 @@ fn acked_publishes_are_on_every_replica_once_after_a_leaders_kill() {
 /// A cluster client configuration through member `via` that trusts every member's development
 /// certificate (a bundle written under `dir`), noticing a dead member within 3 s.
 fn cluster_client_config(cluster: &Cluster, via: u64, dir: &Path) -> felix_client::ClientConfig {
+    let mut config = cluster.brokers[&via].client_config();
+    config.ca = Some(write_bundle(cluster, dir));
+    config.idle_timeout = Duration::from_secs(3);
+    config
+}
+
+/// Every member's development certificate in one PEM file under `dir`.
+fn write_bundle(cluster: &Cluster, dir: &Path) -> std::path::PathBuf {
     let bundle: String = cluster
         .brokers
         .values()
@@ -1328,10 +1362,7 @@ fn cluster_client_config(cluster: &Cluster, via: u64, dir: &Path) -> felix_clien
         .collect();
     let path = dir.join("members.pem");
     std::fs::write(&path, bundle).expect("write the bundle");
-    let mut config = cluster.brokers[&via].client_config();
-    config.ca = Some(path);
-    config.idle_timeout = Duration::from_secs(3);
-    config
+    path
 }
 
 /// Publishes PUBLISH_BATCHES batches of 1-4 keyed records through a cluster client, across
