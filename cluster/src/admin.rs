@@ -355,6 +355,12 @@ pub fn render_metrics(status: &ClusterStatus) -> String {
     let _ = writeln!(out, "felix_cluster_applied_index {}", node.applied);
     gauge(
         &mut out,
+        "felix_cluster_subscriptions",
+        "Subscriptions to replicated shards this member serves.",
+    );
+    let _ = writeln!(out, "felix_cluster_subscriptions {}", status.subscriptions);
+    gauge(
+        &mut out,
         "felix_cluster_peer_connected",
         "1 when this member's connection to the peer is up.",
     );
@@ -505,6 +511,7 @@ mod tests {
             state: crate::control::ControlState::default(),
             connected: vec![2],
             shards: vec![shard("a", 0), shard("a", 1), shard("b", 0)],
+            subscriptions: 2,
         };
         let text = render_metrics(&status);
         let mut finished: Vec<String> = Vec::new();

@@ -84,6 +84,9 @@ pub struct ClusterStatus {
     pub connected: Vec<u64>,
     /// The replicated shards this member holds (`groups.rs`).
     pub shards: Vec<crate::groups::ShardStatus>,
+    /// Subscriptions to replicated shards this member serves (`subscribe.rs`).
+    #[serde(default)]
+    pub subscriptions: usize,
 }
 
 /// Ticks a proposal may take before it is proposed again.
@@ -529,6 +532,7 @@ async fn serve(
         state: node.state().clone(),
         connected: Vec::new(),
         shards: Vec::new(),
+        subscriptions: 0,
     }));
     let boot = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -652,6 +656,7 @@ async fn serve(
             }
             shown.connected = transport.connected_peers();
             shown.shards = groups.status();
+            shown.subscriptions = subscriptions.len();
             let now = ClusterView::new(id, node.state(), &shown.shards);
             view.send_if_modified(|known| {
                 let changed = **known != now;

@@ -382,6 +382,9 @@ fn a_subscriber_holds_at_most_its_credits_and_refusals_name_the_mistake() {
     ));
     let in_use = refused(subscribe(follower, 7, vec![(0, Start::Latest)], 2));
     assert_eq!(in_use, SubscribeError::IdInUse(7));
+    wait_until("the status counts the subscription", || {
+        follower.status().subscriptions == 1
+    });
     let published = 20u64;
     for n in 0..published {
         let record = ShardRecord {
