@@ -14,12 +14,15 @@
 //!   by the seeded simulation alike.
 //! - `groups`, `shard`, `publish`, `subscribe`: the replicated shards a member holds, what
 //!   their Raft groups apply, publishing into them and subscribing to them.
+//! - `memory`: in-memory cluster streams (one copy per shard, on its owner), their forwards
+//!   and fetches between members.
 //!
 //! The design and its trade-offs are in `docs/cluster.md`.
 
 pub mod admin;
 pub mod control;
 pub mod groups;
+pub mod memory;
 pub mod node;
 pub mod pki;
 pub mod placement;

@@ -61,6 +61,10 @@ pub enum PublishError {
     Timeout(Duration),
     #[error("the cluster service stopped")]
     Stopped,
+    #[error("member {member}, the shard's owner, cannot be reached")]
+    OwnerUnreachable { member: u64 },
+    #[error("member {member} does not own the shard (its placement changed?)")]
+    NotOwner { member: u64 },
 }
 
 /// Called exactly once with a publish's outcome, on the cluster thread (it must not block).

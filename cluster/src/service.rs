@@ -22,12 +22,13 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::control::{Command, ControlState, Member, Outcome, StreamKind};
 use crate::groups::{CONTROL_GROUP, Groups, group_id};
+use crate::memory::{DATA_GROUP, DataFrame, Forwards, MemoryShards};
 use crate::node::{Node, NodeConfig, NodeError, NodeStatus, ProposeError};
 use crate::pki::NodeIdentity;
 use crate::publish::{PublishAnswer, PublishError};
 use crate::raft_log::RaftLog;
 use crate::shard::ShardRecord;
-use crate::subscribe::{SubscribeRequest, SubscriptionSink, Subscriptions};
+use crate::subscribe::{SubscribeRequest, SubscriptionSink, Subscriptions, View};
 use crate::transport::{PeerTransport, TransportConfig};
 
 /// The logical clock's period: elections after 1-2 s without a leader, heartbeats every
@@ -148,15 +149,22 @@ pub struct ClusterView {
     pub member: u64,
     /// Client address of each registered member, by id.
     pub members: BTreeMap<u64, String>,
-    /// Each durable stream's shards, shard 0 first.
-    pub streams: BTreeMap<String, Vec<ShardView>>,
+    /// Each cluster stream: its kind and its shards, shard 0 first.
+    pub streams: BTreeMap<String, StreamView>,
 }
 
-/// One replicated shard in a [`ClusterView`].
+/// One stream in a [`ClusterView`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamView {
+    pub kind: StreamKind,
+    pub shards: Vec<ShardView>,
+}
+
+/// One shard in a [`ClusterView`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ShardView {
-    /// Its group's leader as this member knows it; for a shard this member holds no copy of,
-    /// the placed leader.
+    /// A replicated shard: its group's leader as this member knows it; for a shard this member
+    /// holds no copy of, the placed leader. An in-memory shard: its owner.
     pub leader: Option<u64>,
     /// This member's copy: the oldest offset held and the next one (0 and 0 without a copy).
     pub oldest_offset: u64,
@@ -164,9 +172,15 @@ pub struct ShardView {
 }
 
 impl ClusterView {
-    /// The view of `state` with the shard groups' `shards` (their status on this member).
+    /// The view of `state` with the shard groups' `shards` (their status on this member) and
+    /// the in-memory shards this member owns.
     #[must_use]
-    pub fn new(member: u64, state: &ControlState, shards: &[crate::groups::ShardStatus]) -> Self {
+    pub fn new(
+        member: u64,
+        state: &ControlState,
+        shards: &[crate::groups::ShardStatus],
+        memory: &MemoryShards,
+    ) -> Self {
         let members = state
             .members
             .iter()
@@ -175,15 +189,24 @@ impl ClusterView {
         let streams = state
             .streams
             .values()
-            .filter(|stream| stream.kind == StreamKind::Durable)
             .map(|stream| {
                 let views = stream
                     .shards
                     .iter()
                     .enumerate()
                     .map(|(shard, placement)| {
-                        let group =
-                            group_id(stream.incarnation, u32::try_from(shard).unwrap_or(u32::MAX));
+                        let shard = u32::try_from(shard).unwrap_or(u32::MAX);
+                        if stream.kind == StreamKind::InMemory {
+                            let (oldest_offset, next_offset) = memory
+                                .get((stream.incarnation, shard))
+                                .map_or((0, 0), crate::memory::MemoryShard::range);
+                            return ShardView {
+                                leader: Some(placement.leader),
+                                oldest_offset,
+                                next_offset,
+                            };
+                        }
+                        let group = group_id(stream.incarnation, shard);
                         match shards.iter().find(|status| status.group == group) {
                             Some(status) => ShardView {
                                 leader: status.leader,
@@ -197,7 +220,13 @@ impl ClusterView {
                         }
                     })
                     .collect();
-                (stream.name.clone(), views)
+                (
+                    stream.name.clone(),
+                    StreamView {
+                        kind: stream.kind,
+                        shards: views,
+                    },
+                )
             })
             .collect();
         ClusterView {
@@ -541,8 +570,12 @@ async fn serve(
         });
     let mut groups = Groups::new(id, boot, config.dir.with_file_name("shards"));
     let mut reconciled_at = 0u64;
-    let (view, view_watched) =
-        tokio::sync::watch::channel(Arc::new(ClusterView::new(id, node.state(), &[])));
+    let (view, view_watched) = tokio::sync::watch::channel(Arc::new(ClusterView::new(
+        id,
+        node.state(),
+        &[],
+        &MemoryShards::new(id),
+    )));
     let _ = ready.send(Ok((
         transport.local_addr(),
         Arc::clone(&status),
@@ -550,6 +583,11 @@ async fn serve(
     )));
     let mut waiting: HashMap<u64, Waiting> = HashMap::new();
     let mut subscriptions = Subscriptions::default();
+    let mut data = Data {
+        memory: MemoryShards::new(id),
+        forwards: Forwards::default(),
+        out: Vec::new(),
+    };
     let mut ticks = tokio::time::interval(TICK);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut tick_count = 0u64;
@@ -565,6 +603,8 @@ async fn serve(
                 groups.tick(&transport.connected_peers(), std::time::Instant::now());
                 tick_count += 1;
                 refresh_status = true;
+                data.forwards.expire(std::time::Instant::now());
+                data.memory.tick(tick_count, &mut data.out);
                 // Callers that gave up (their deadline passed) are forgotten; proposals that did
                 // not come back within a second are proposed again (a forward lost on the way
                 // to the leader, or dropped by a leader change: raft-rs never retries them).
@@ -586,20 +626,30 @@ async fn serve(
                 }
             }
             Some(inbound) = frames.recv() => {
-                step_frame(id, &inbound, &mut node, &mut groups);
+                let mut peers = Peers {
+                    id,
+                    node: &mut node,
+                    groups: &mut groups,
+                    data: &mut data,
+                    subscriptions: &mut subscriptions,
+                    tick_count,
+                };
+                peers.frame(&inbound);
                 // Everything else already queued goes in before the nodes advance, so one
                 // Ready (one append and one fdatasync per group) covers it all: group commit
                 // under load.
                 for _ in 0..BATCH_MAX {
                     let Ok(inbound) = frames.try_recv() else { break };
-                    step_frame(id, &inbound, &mut node, &mut groups);
+                    peers.frame(&inbound);
                 }
             }
             Some(request) = inbox.recv() => {
                 let mut serving = Serving {
+                    id,
                     node: &mut node,
                     groups: &mut groups,
                     waiting: &mut waiting,
+                    data: &mut data,
                     tick_count,
                 };
                 serving.request(request);
@@ -613,7 +663,12 @@ async fn serve(
                 while let Some(next) = control.take().or_else(|| control_inbox.try_recv().ok()) {
                     match next {
                         SubscriptionControl::Subscribe { request, sink } => {
-                            subscriptions.add(request, sink, node.state(), &groups);
+                            let view = View {
+                                state: node.state(),
+                                groups: &groups,
+                                memory: &data.memory,
+                            };
+                            subscriptions.add(request, sink, &view, tick_count);
                         }
                         SubscriptionControl::Credit(id) => subscriptions.credit(id),
                         SubscriptionControl::Unsubscribe(id) => subscriptions.remove(id),
@@ -629,6 +684,7 @@ async fn serve(
             if let Err(error) = groups.reconcile(node.state()) {
                 tracing::error!(%error, "cannot start a replicated shard on this member");
             }
+            data.memory.reconcile(node.state());
             reconciled_at = node.state().applied;
             refresh_status = true;
         }
@@ -644,7 +700,21 @@ async fn serve(
             }
         }
         // Subscribers read what this round applied (and what they have credit for).
-        subscriptions.pump(&groups);
+        let reading = View {
+            state: node.state(),
+            groups: &groups,
+            memory: &data.memory,
+        };
+        subscriptions.pump(&reading, tick_count, &mut data.out);
+        for (to, frame) in data.out.drain(..) {
+            let mut bytes = DATA_GROUP.to_be_bytes().to_vec();
+            bytes.extend_from_slice(&frame.encode());
+            if !transport.send(to, Bytes::from(bytes))
+                && let DataFrame::Publish { request, .. } = frame
+            {
+                data.forwards.unsent(request, to);
+            }
+        }
         if refresh_status {
             refresh_status = false;
             let mut shown = status
@@ -657,7 +727,7 @@ async fn serve(
             shown.connected = transport.connected_peers();
             shown.shards = groups.status();
             shown.subscriptions = subscriptions.len();
-            let now = ClusterView::new(id, node.state(), &shown.shards);
+            let now = ClusterView::new(id, node.state(), &shown.shards, &data.memory);
             view.send_if_modified(|known| {
                 let changed = **known != now;
                 if changed {
@@ -755,11 +825,72 @@ fn step_frame(
     }
 }
 
+/// The in-memory streams' state on the cluster thread (`memory.rs`).
+struct Data {
+    memory: MemoryShards,
+    forwards: Forwards,
+    /// Data frames to send at the end of the round, by member.
+    out: Vec<(u64, DataFrame)>,
+}
+
+/// What a peer's frame works on.
+struct Peers<'a> {
+    id: u64,
+    node: &'a mut Node<RaftLog>,
+    groups: &'a mut Groups,
+    data: &'a mut Data,
+    subscriptions: &'a mut Subscriptions,
+    tick_count: u64,
+}
+
+impl Peers<'_> {
+    /// A peer's frame: a data frame (in-memory shards), else a Raft message.
+    fn frame(&mut self, inbound: &crate::transport::Inbound) {
+        if inbound.frame.get(..8) != Some(&DATA_GROUP.to_be_bytes()[..]) {
+            step_frame(self.id, inbound, self.node, self.groups);
+            return;
+        }
+        let data = &mut *self.data;
+        match DataFrame::decode(&inbound.frame.slice(8..)) {
+            Ok(DataFrame::Publish {
+                request,
+                key,
+                records,
+            }) => {
+                let first_offset = data.memory.append(key, records, &mut data.out);
+                data.out.push((
+                    inbound.from,
+                    DataFrame::Published {
+                        request,
+                        first_offset,
+                    },
+                ));
+            }
+            Ok(DataFrame::Published {
+                request,
+                first_offset,
+            }) => data.forwards.answered(request, first_offset, inbound.from),
+            Ok(DataFrame::Fetch(fetch)) => {
+                data.memory
+                    .fetch(inbound.from, &fetch, self.tick_count, &mut data.out);
+            }
+            Ok(DataFrame::Fetched { request, result }) => {
+                self.subscriptions.fetched(request, result);
+            }
+            Err(error) => {
+                tracing::warn!(from = inbound.from, %error, "an undecodable data frame; dropped");
+            }
+        }
+    }
+}
+
 /// What a request from another thread of the broker works on.
 struct Serving<'a> {
+    id: u64,
     node: &'a mut Node<RaftLog>,
     groups: &'a mut Groups,
     waiting: &'a mut HashMap<u64, Waiting>,
+    data: &'a mut Data,
     tick_count: u64,
 }
 
@@ -767,9 +898,11 @@ impl Serving<'_> {
     /// A request from another thread of the broker.
     fn request(&mut self, request: Request) {
         let Serving {
+            id,
             node,
             groups,
             waiting,
+            data,
             tick_count,
         } = self;
         match request {
@@ -793,6 +926,37 @@ impl Serving<'_> {
                     let _ = answer.send(Err(error.into()));
                 }
             },
+            Request::Publish {
+                stream,
+                shard,
+                records,
+                deadline,
+                timeout,
+                answer,
+            } if crate::memory::shard_key(node.state(), &stream, shard).is_some() => {
+                let (key, owner) =
+                    crate::memory::shard_key(node.state(), &stream, shard).expect("checked");
+                if owner == *id {
+                    let count = u32::try_from(records.len()).unwrap_or(u32::MAX);
+                    let appended = data.memory.append(key, records, &mut data.out);
+                    answer.answer(match appended {
+                        Some(first_offset) => Ok(crate::publish::PublishAck {
+                            first_offset,
+                            count,
+                        }),
+                        None => Err(PublishError::NotOwner { member: *id }),
+                    });
+                } else {
+                    data.forwards.forward(
+                        owner,
+                        key,
+                        records,
+                        (deadline, timeout),
+                        answer,
+                        &mut data.out,
+                    );
+                }
+            }
             Request::Publish {
                 stream,
                 shard,

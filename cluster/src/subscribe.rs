@@ -13,11 +13,14 @@
 //! per subscriber, so a slow subscriber never lags out: it reads behind, from the log, until
 //! the records it wants are compacted away ([`SubscribeError::TooOld`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use crate::control::ControlState;
 use crate::groups::Groups;
-use crate::shard::ShardRecord;
+use crate::memory::{
+    DataFrame, FETCH_RETRY_TICKS, Fetch, FetchRefusal, Fetched, MemoryShards, ShardKey,
+};
+use crate::shard::{ReadError, ShardRecord};
 
 /// Batches a subscription may have in flight (written by the caller and not yet credited).
 pub const CREDITS: u32 = 4;
@@ -76,6 +79,18 @@ pub enum SubscribeError {
 
     #[error("reading shard {shard}: {reason}")]
     Read { shard: u32, reason: String },
+    #[error(
+        "shard {shard}: the subscriber fell behind the in-memory ring (next offset {next}, the \
+         oldest held {oldest})"
+    )]
+    Lagged { shard: u32, next: u64, oldest: u64 },
+    #[error("shard {shard}: its owner, member {owner}, did not answer")]
+    OwnerUnreachable { shard: u32, owner: u64 },
+    #[error(
+        "shard {shard}: its owner, member {owner}, restarted and holds nothing up to offset \
+         {next} any more (an in-memory shard starts empty after a restart)"
+    )]
+    OwnerRestarted { shard: u32, owner: u64, next: u64 },
     #[error("the cluster service stopped")]
     Stopped,
 }
@@ -153,17 +168,45 @@ pub struct SubscribeRequest {
     pub max_bytes: usize,
 }
 
+/// Where a cursor's records come from.
+#[derive(Debug)]
+enum Source {
+    /// A replicated shard's group on this member.
+    Group(u64),
+    /// An in-memory shard this member owns.
+    Local(ShardKey),
+    /// An in-memory shard another member owns: fetched from it (`memory.rs`).
+    Remote(Remote),
+}
+
+#[derive(Debug)]
+struct Remote {
+    owner: u64,
+    key: ShardKey,
+    /// The fetch in flight: its request and the tick it was sent at.
+    fetch: Option<(u64, u64)>,
+    /// Records fetched, from the cursor on.
+    ready: VecDeque<(u64, ShardRecord)>,
+}
+
 #[derive(Debug)]
 struct Cursor {
     shard: u32,
-    group: u64,
+    source: Source,
     next: u64,
+    /// Where it starts, until the start is resolved (a remote shard's owner tells its range).
+    unresolved: Option<Start>,
 }
 
 #[derive(Debug)]
 struct Subscription {
     stream: String,
     cursors: Vec<Cursor>,
+    /// `Started` was sent: every cursor's start is resolved.
+    started: bool,
+    /// The tick it was registered at (a remote owner must answer within
+    /// [`RESOLVE_TICKS_MAX`]).
+    registered_at: u64,
     /// The cursor to look at first in the next round (shards take turns).
     turn: usize,
     credits: u32,
@@ -172,10 +215,16 @@ struct Subscription {
     sink: SubscriptionSink,
 }
 
+/// Ticks a subscription waits for remote owners to tell where it starts.
+pub const RESOLVE_TICKS_MAX: u64 = 50;
+
 /// The subscriptions served by this member's cluster thread.
 #[derive(Debug, Default)]
 pub struct Subscriptions {
     open: HashMap<u64, Subscription>,
+    /// Fetches in flight: request to (subscription, cursor).
+    fetches: HashMap<u64, (u64, usize)>,
+    next_request: u64,
 }
 
 impl Subscriptions {
@@ -190,33 +239,31 @@ impl Subscriptions {
         self.open.is_empty()
     }
 
-    /// Registers a subscription: its sink hears `Started` with the start offsets, or
-    /// `Refused`. Its records follow from [`Subscriptions::pump`].
+    /// Registers a subscription: its sink hears `Started` with the start offsets (once every
+    /// remote owner told its range), or `Refused`. Its records follow from
+    /// [`Subscriptions::pump`].
     pub fn add(
         &mut self,
         request: SubscribeRequest,
         mut sink: SubscriptionSink,
-        state: &ControlState,
-        groups: &Groups,
+        view: &View<'_>,
+        tick: u64,
     ) {
-        match self.register(&request, state, groups) {
+        match self.register(&request, view) {
             Ok(cursors) => {
-                let mut started: Vec<(u32, u64)> =
-                    cursors.iter().map(|c| (c.shard, c.next)).collect();
-                started.sort_unstable();
-                sink.event(SubscriptionEvent::Started(started));
-                self.open.insert(
-                    request.id,
-                    Subscription {
-                        stream: request.stream,
-                        cursors,
-                        turn: 0,
-                        credits: CREDITS,
-                        max_records: request.max_records.max(1),
-                        max_bytes: request.max_bytes.max(1),
-                        sink,
-                    },
-                );
+                let mut subscription = Subscription {
+                    stream: request.stream,
+                    cursors,
+                    started: false,
+                    registered_at: tick,
+                    turn: 0,
+                    credits: CREDITS,
+                    max_records: request.max_records.max(1),
+                    max_bytes: request.max_bytes.max(1),
+                    sink,
+                };
+                subscription.start_if_resolved();
+                self.open.insert(request.id, subscription);
             }
             Err(error) => sink.event(SubscriptionEvent::Refused(error)),
         }
@@ -225,18 +272,13 @@ impl Subscriptions {
     fn register(
         &self,
         request: &SubscribeRequest,
-        state: &ControlState,
-        groups: &Groups,
+        view: &View<'_>,
     ) -> Result<Vec<Cursor>, SubscribeError> {
         if self.open.contains_key(&request.id) {
             return Err(SubscribeError::IdInUse(request.id));
         }
         let stream = &request.stream;
-        let Some(placement) = state
-            .streams
-            .get(stream)
-            .filter(|p| p.kind == crate::control::StreamKind::Durable)
-        else {
+        let Some(placement) = view.state.streams.get(stream) else {
             return Err(SubscribeError::NoSuchStream {
                 stream: stream.clone(),
             });
@@ -250,38 +292,44 @@ impl Subscriptions {
                     shards: placement.shards.len(),
                 });
             };
-            let group = crate::groups::group_id(placement.incarnation, shard);
-            let Some((oldest, next)) = groups.range(group) else {
-                return Err(SubscribeError::NotReplicatedHere {
-                    stream: stream.clone(),
-                    shard,
-                    replicas: shard_placement.replicas.clone(),
-                });
-            };
-            let from = match start {
-                Start::Earliest => oldest,
-                Start::Latest => next,
-                Start::Offset(offset) if offset > next => {
-                    return Err(SubscribeError::BeyondEnd {
-                        shard,
-                        offset,
-                        next,
-                    });
+            let (source, range) = match placement.kind {
+                crate::control::StreamKind::Durable => {
+                    let group = crate::groups::group_id(placement.incarnation, shard);
+                    let Some(range) = view.groups.range(group) else {
+                        return Err(SubscribeError::NotReplicatedHere {
+                            stream: stream.clone(),
+                            shard,
+                            replicas: shard_placement.replicas.clone(),
+                        });
+                    };
+                    (Source::Group(group), Some(range))
                 }
-                Start::Offset(offset) if offset < oldest => {
-                    return Err(SubscribeError::TooOld {
-                        shard,
-                        offset,
-                        oldest,
-                    });
+                crate::control::StreamKind::InMemory => {
+                    let key = (placement.incarnation, shard);
+                    match view.memory.get(key) {
+                        Some(ring) => (Source::Local(key), Some(ring.range())),
+                        None => (
+                            Source::Remote(Remote {
+                                owner: shard_placement.leader,
+                                key,
+                                fetch: None,
+                                ready: VecDeque::new(),
+                            }),
+                            None,
+                        ),
+                    }
                 }
-                Start::Offset(offset) => offset,
             };
-            cursors.push(Cursor {
+            let mut cursor = Cursor {
                 shard,
-                group,
-                next: from,
-            });
+                source,
+                next: 0,
+                unresolved: Some(start),
+            };
+            if let Some(range) = range {
+                cursor.resolve(range)?;
+            }
+            cursors.push(cursor);
         }
         Ok(cursors)
     }
@@ -300,19 +348,154 @@ impl Subscriptions {
         }
     }
 
-    /// Sends every subscription with credits its next batches, read from the shards' logs;
-    /// ends those whose shard is gone (stream deleted) or whose next records were compacted.
-    pub fn pump(&mut self, groups: &Groups) {
+    /// Sends every subscription with credits its next batches, read from the shards (and
+    /// asks remote owners for more: `out`, frames to send by member); ends those whose shard
+    /// is gone (stream deleted) or whose next records were dropped.
+    pub fn pump(&mut self, view: &View<'_>, tick: u64, out: &mut Vec<(u64, DataFrame)>) {
         let mut ended = Vec::new();
+        let mut fetching = Vec::new();
         for (id, subscription) in &mut self.open {
-            if let Err(error) = subscription.pump(groups) {
-                ended.push((*id, error));
+            if !subscription.started && tick - subscription.registered_at > RESOLVE_TICKS_MAX {
+                let owner = subscription
+                    .cursors
+                    .iter()
+                    .find_map(|cursor| match (&cursor.source, cursor.unresolved) {
+                        (Source::Remote(remote), Some(_)) => Some((cursor.shard, remote.owner)),
+                        _ => None,
+                    })
+                    .unwrap_or_default();
+                ended.push((
+                    *id,
+                    SubscribeError::OwnerUnreachable {
+                        shard: owner.0,
+                        owner: owner.1,
+                    },
+                ));
+                continue;
+            }
+            match subscription.pump(view) {
+                Ok(()) => {}
+                Err(error) => {
+                    ended.push((*id, error));
+                    continue;
+                }
+            }
+            for (position, cursor) in subscription.cursors.iter().enumerate() {
+                if let Source::Remote(remote) = &cursor.source {
+                    let due = remote
+                        .fetch
+                        .is_none_or(|(_, sent)| tick - sent >= FETCH_RETRY_TICKS);
+                    let wanted = cursor.unresolved.is_some()
+                        || (subscription.started && remote.ready.is_empty());
+                    if due && wanted {
+                        fetching.push((*id, position));
+                    }
+                }
             }
         }
+        for (id, position) in fetching {
+            let request = self.next_request;
+            self.next_request += 1;
+            let Some(subscription) = self.open.get_mut(&id) else {
+                continue;
+            };
+            let (max_records, max_bytes) = (subscription.max_records, subscription.max_bytes);
+            let cursor = &mut subscription.cursors[position];
+            let Source::Remote(remote) = &mut cursor.source else {
+                continue;
+            };
+            if let Some((old, _)) = remote.fetch.replace((request, tick)) {
+                self.fetches.remove(&old);
+            }
+            self.fetches.insert(request, (id, position));
+            // A probe (the start not resolved yet) asks for the range only.
+            let (from, max_records) = if cursor.unresolved.is_some() {
+                (u64::MAX, 0)
+            } else {
+                (cursor.next, max_records)
+            };
+            out.push((
+                remote.owner,
+                DataFrame::Fetch(Fetch {
+                    request,
+                    key: remote.key,
+                    from,
+                    max_records: u32::try_from(max_records).unwrap_or(u32::MAX),
+                    max_bytes: u32::try_from(max_bytes).unwrap_or(u32::MAX),
+                }),
+            ));
+        }
+        self.end(ended);
+    }
+
+    /// An owner answered fetch `request`.
+    pub fn fetched(&mut self, request: u64, result: Result<Fetched, FetchRefusal>) {
+        let Some((id, position)) = self.fetches.remove(&request) else {
+            return;
+        };
+        let Some(subscription) = self.open.get_mut(&id) else {
+            return;
+        };
+        let stream = subscription.stream.clone();
+        let cursor = &mut subscription.cursors[position];
+        let shard = cursor.shard;
+        let Source::Remote(remote) = &mut cursor.source else {
+            return;
+        };
+        if remote.fetch.is_some_and(|(current, _)| current == request) {
+            remote.fetch = None;
+        }
+        let outcome = match result {
+            Err(FetchRefusal::NotHere) => Err(SubscribeError::Deleted { stream }),
+            Err(FetchRefusal::TooOld { oldest }) => Err(SubscribeError::Lagged {
+                shard,
+                next: cursor.next,
+                oldest,
+            }),
+            Ok(fetched) if cursor.unresolved.is_some() => {
+                cursor.resolve((fetched.oldest, fetched.next)).map(|()| {
+                    subscription.start_if_resolved();
+                })
+            }
+            Ok(fetched) if fetched.next < cursor.next => Err(SubscribeError::OwnerRestarted {
+                shard,
+                owner: remote.owner,
+                next: cursor.next,
+            }),
+            Ok(fetched) => {
+                let mut expected = remote
+                    .ready
+                    .back()
+                    .map_or(cursor.next, |(offset, _)| offset + 1);
+                for (offset, record) in fetched.records {
+                    // A late answer to an earlier fetch repeats records: only the next ones.
+                    if offset == expected {
+                        remote.ready.push_back((offset, record));
+                        expected += 1;
+                    }
+                }
+                Ok(())
+            }
+        };
+        if let Err(error) = outcome {
+            if subscription.started {
+                self.end(vec![(id, error)]);
+            } else if let Some(mut refused) = self.open.remove(&id) {
+                refused.sink.event(SubscriptionEvent::Refused(error));
+            }
+        }
+    }
+
+    fn end(&mut self, ended: Vec<(u64, SubscribeError)>) {
         for (id, error) in ended {
             if let Some(mut subscription) = self.open.remove(&id) {
                 tracing::debug!(id, %error, "cluster subscription ended");
-                subscription.sink.event(SubscriptionEvent::Ended(error));
+                let event = if subscription.started {
+                    SubscriptionEvent::Ended(error)
+                } else {
+                    SubscriptionEvent::Refused(error)
+                };
+                subscription.sink.event(event);
             }
         }
     }
@@ -327,37 +510,132 @@ impl Subscriptions {
     }
 }
 
+/// What subscriptions read: the control plane's state, the shard groups and the in-memory
+/// shards this member owns.
+#[derive(Debug, Clone, Copy)]
+pub struct View<'a> {
+    pub state: &'a ControlState,
+    pub groups: &'a Groups,
+    pub memory: &'a MemoryShards,
+}
+
+impl Cursor {
+    /// Resolves the start against the shard's `(oldest, next)`.
+    fn resolve(&mut self, (oldest, next): (u64, u64)) -> Result<(), SubscribeError> {
+        let shard = self.shard;
+        let Some(start) = self.unresolved.take() else {
+            return Ok(());
+        };
+        self.next = match start {
+            Start::Earliest => oldest,
+            Start::Latest => next,
+            Start::Offset(offset) if offset > next => {
+                return Err(SubscribeError::BeyondEnd {
+                    shard,
+                    offset,
+                    next,
+                });
+            }
+            Start::Offset(offset) if offset < oldest => {
+                return Err(SubscribeError::TooOld {
+                    shard,
+                    offset,
+                    oldest,
+                });
+            }
+            Start::Offset(offset) => offset,
+        };
+        Ok(())
+    }
+
+    /// Up to `max_records` records from the cursor on (at most `max_bytes`, at least one).
+    fn read(
+        &mut self,
+        view: &View<'_>,
+        stream: &str,
+        max_records: usize,
+        max_bytes: usize,
+    ) -> Result<Vec<(u64, ShardRecord)>, SubscribeError> {
+        let shard = self.shard;
+        let from = self.next;
+        match &mut self.source {
+            Source::Group(group) => {
+                let Some((_, next)) = view.groups.range(*group) else {
+                    return Err(SubscribeError::Deleted {
+                        stream: stream.to_owned(),
+                    });
+                };
+                if from >= next {
+                    return Ok(Vec::new());
+                }
+                view.groups
+                    .read_bytes(*group, from, max_records, max_bytes)
+                    .map_err(|error| match error {
+                        ReadError::Compacted { oldest } => SubscribeError::TooOld {
+                            shard,
+                            offset: from,
+                            oldest,
+                        },
+                        ReadError::Failed(reason) => SubscribeError::Read { shard, reason },
+                    })
+            }
+            Source::Local(key) => {
+                let Some(ring) = view.memory.get(*key) else {
+                    return Err(SubscribeError::Deleted {
+                        stream: stream.to_owned(),
+                    });
+                };
+                ring.read(from, max_records, max_bytes)
+                    .map_err(|error| match error {
+                        ReadError::Compacted { oldest } => SubscribeError::Lagged {
+                            shard,
+                            next: from,
+                            oldest,
+                        },
+                        ReadError::Failed(reason) => SubscribeError::Read { shard, reason },
+                    })
+            }
+            Source::Remote(remote) => {
+                let mut out = Vec::new();
+                let mut bytes = 0;
+                while out.len() < max_records && (bytes < max_bytes || out.is_empty()) {
+                    let Some((offset, record)) = remote.ready.pop_front() else {
+                        break;
+                    };
+                    bytes += record.key.len() + record.payload.len();
+                    out.push((offset, record));
+                }
+                Ok(out)
+            }
+        }
+    }
+}
+
 impl Subscription {
-    fn pump(&mut self, groups: &Groups) -> Result<(), SubscribeError> {
+    /// Sends `Started` once every cursor's start is resolved.
+    fn start_if_resolved(&mut self) {
+        if self.started || self.cursors.iter().any(|c| c.unresolved.is_some()) {
+            return;
+        }
+        self.started = true;
+        let mut started: Vec<(u32, u64)> = self.cursors.iter().map(|c| (c.shard, c.next)).collect();
+        started.sort_unstable();
+        self.sink.event(SubscriptionEvent::Started(started));
+    }
+
+    fn pump(&mut self, view: &View<'_>) -> Result<(), SubscribeError> {
+        if !self.started {
+            return Ok(());
+        }
         while self.credits > 0 {
             let mut records: Vec<Delivered> = Vec::new();
             let mut bytes = 0;
             let count = self.cursors.len();
             for step in 0..count {
                 let position = (self.turn + step) % count;
-                let cursor = &mut self.cursors[position];
-                let Some((_, next)) = groups.range(cursor.group) else {
-                    return Err(SubscribeError::Deleted {
-                        stream: self.stream.clone(),
-                    });
-                };
-                if cursor.next >= next {
-                    continue;
-                }
                 let room = self.max_records - records.len();
-                let read = groups
-                    .read_bytes(cursor.group, cursor.next, room, self.max_bytes - bytes)
-                    .map_err(|error| match error {
-                        crate::shard::ReadError::Compacted { oldest } => SubscribeError::TooOld {
-                            shard: cursor.shard,
-                            offset: cursor.next,
-                            oldest,
-                        },
-                        crate::shard::ReadError::Failed(reason) => SubscribeError::Read {
-                            shard: cursor.shard,
-                            reason,
-                        },
-                    })?;
+                let cursor = &mut self.cursors[position];
+                let read = cursor.read(view, &self.stream, room, self.max_bytes - bytes)?;
                 for (offset, record) in read {
                     cursor.next = offset + 1;
                     bytes += record.key.len() + record.payload.len();

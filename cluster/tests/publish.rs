@@ -119,6 +119,8 @@ fn acked_batches_are_on_every_member_once_through_a_leader_restart() {
                                 PublishError::Busy { .. } => "busy",
                                 PublishError::NotReplicatedHere { .. } => "not_here",
                                 PublishError::NoSuchStream { .. } => "no_stream",
+                                PublishError::OwnerUnreachable { .. }
+                                | PublishError::NotOwner { .. } => "in_memory",
                             };
                             *refused.entry(kind.to_owned()).or_default() += 1;
                         }

@@ -214,6 +214,7 @@ fn subscribers_on_every_member_read_committed_records_once_in_order_through_a_le
     let (answer, answered) = channel::<Result<PublishAck, PublishError>>();
     let mut victim = None;
     let mut sent = 0;
+    let mut answers = 0;
     for batch in 0..batches {
         if batch == batches / 3 {
             let leader = status(1).shards[0].leader.expect("a leader");
@@ -254,12 +255,24 @@ fn subscribers_on_every_member_read_committed_records_once_in_order_through_a_le
         drop(guard);
         // Keep a few in flight: wait for one answer every fourth publish.
         if sent % 4 == 0 {
-            let _ = answered.recv_timeout(TIMEOUT + DEADLINE);
+            // Answered (acked, or refused: a timed-out batch may still commit).
+            let _outcome = answered
+                .recv_timeout(TIMEOUT + DEADLINE)
+                .expect("every publish is answered");
+            answers += 1;
         }
     }
     let victim = victim.expect("stopped");
+    // Every publish is answered (a timed-out one may still commit: see below).
+    while answers < sent {
+        let _outcome = answered
+            .recv_timeout(TIMEOUT + DEADLINE)
+            .expect("every publish is answered");
+        answers += 1;
+    }
 
-    // Every member catches up to the same ends; the subscribers then stop there.
+    // Every member catches up to the same ends with nothing pending anywhere (a batch still
+    // pending would commit after the ends are taken); the subscribers then stop there.
     let ends_of = |id: u64| -> Vec<u64> {
         let mut shards: Vec<(u32, u64)> = status(id)
             .shards
@@ -269,11 +282,14 @@ fn subscribers_on_every_member_read_committed_records_once_in_order_through_a_le
         shards.sort_unstable();
         shards.into_iter().map(|(_, end)| end).collect()
     };
-    wait_until("every member holds the same records", || {
+    wait_until("every member holds the same records, none pending", || {
         let first = ends_of(1);
         first.len() == SHARDS as usize
             && first.iter().sum::<u64>() > 0
             && ids.iter().all(|id| ends_of(*id) == first)
+            && ids
+                .iter()
+                .all(|id| status(*id).shards.iter().all(|shard| shard.pending == 0))
     });
     // A subscriber on the restarted member, from the start: it reads its own copy's log.
     let late = subscribe(

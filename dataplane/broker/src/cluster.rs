@@ -279,9 +279,11 @@ pub(crate) fn subscribe_refusal(error: &SubscribeError) -> ClusterRefusal {
             (ErrorCode::InvalidArgument, 0)
         }
         SubscribeError::TooOld { oldest, .. } => (ErrorCode::TooOld, *oldest),
-        SubscribeError::NotReplicatedHere { .. } | SubscribeError::Stopped => {
-            (ErrorCode::Unavailable, 0)
-        }
+        SubscribeError::NotReplicatedHere { .. }
+        | SubscribeError::Stopped
+        | SubscribeError::OwnerUnreachable { .. }
+        | SubscribeError::OwnerRestarted { .. } => (ErrorCode::Unavailable, 0),
+        SubscribeError::Lagged { .. } => (ErrorCode::SubscriberLagged, 0),
         SubscribeError::Read { .. } => (ErrorCode::StorageFailed, 0),
         SubscribeError::IdInUse(_) => (ErrorCode::Internal, 0),
     };
@@ -299,7 +301,9 @@ pub(crate) fn refusal(error: &PublishError) -> ClusterRefusal {
         PublishError::Busy { .. } => ErrorCode::IngressBudgetExhausted,
         PublishError::NotReplicatedHere { .. }
         | PublishError::Timeout(_)
-        | PublishError::Stopped => ErrorCode::Unavailable,
+        | PublishError::Stopped
+        | PublishError::OwnerUnreachable { .. }
+        | PublishError::NotOwner { .. } => ErrorCode::Unavailable,
     };
     ClusterRefusal {
         code,
@@ -325,8 +329,9 @@ fn core_view(view: &ClusterView) -> Arc<felix_core::ClusterView> {
         streams: view
             .streams
             .iter()
-            .map(|(name, shards)| {
-                let shards = shards
+            .map(|(name, stream)| {
+                let shards = stream
+                    .shards
                     .iter()
                     .map(|shard| felix_core::ClusterShard {
                         leader: shard.leader.map_or(0, id),
@@ -334,7 +339,13 @@ fn core_view(view: &ClusterView) -> Arc<felix_core::ClusterView> {
                         next_offset: shard.next_offset,
                     })
                     .collect();
-                (name.clone(), shards)
+                let kind = match stream.kind {
+                    felix_cluster::control::StreamKind::Durable => felix_wire::StreamKind::Durable,
+                    felix_cluster::control::StreamKind::InMemory => {
+                        felix_wire::StreamKind::InMemory
+                    }
+                };
+                (name.clone(), felix_core::ClusterStream { kind, shards })
             })
             .collect(),
     })

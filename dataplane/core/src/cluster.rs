@@ -52,14 +52,23 @@ pub struct ClusterView {
     pub member: u16,
     /// Every registered member's client address.
     pub members: Vec<ClusterMember>,
-    /// Each replicated (durable) stream's shards, shard 0 first.
-    pub streams: HashMap<String, Vec<ClusterShard>>,
+    /// Each cluster stream: replicated (durable) or in memory (one copy per shard).
+    pub streams: HashMap<String, ClusterStream>,
 }
 
-/// One replicated shard in a [`ClusterView`].
+/// One stream in a [`ClusterView`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterStream {
+    pub kind: StreamKind,
+    /// Its shards, shard 0 first.
+    pub shards: Vec<ClusterShard>,
+}
+
+/// One shard in a [`ClusterView`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ClusterShard {
-    /// The member leading it, as this member knows it (0: none known).
+    /// The member leading it (an in-memory shard: its owner), as this member knows it (0:
+    /// none known).
     pub leader: u16,
     /// This member's copy: the oldest offset held and the next one.
     pub oldest_offset: u64,
@@ -136,7 +145,7 @@ impl Core {
         self.cluster
             .streams
             .get(name)
-            .map(|shards| u32::try_from(shards.len()).unwrap_or(u32::MAX))
+            .map(|known| u32::try_from(known.shards.len()).unwrap_or(u32::MAX))
     }
 
     /// `DescribeStream` of a cluster stream: its shards with this member's offsets (as of the
@@ -148,7 +157,10 @@ impl Core {
         request_id: u64,
         name: &str,
     ) {
-        let shards = self.cluster.streams[name]
+        let known = &self.cluster.streams[name];
+        let kind = known.kind;
+        let shards = known
+            .shards
             .iter()
             .enumerate()
             .map(|(shard, view)| {
@@ -164,7 +176,7 @@ impl Core {
         let info = StreamInfo {
             request_id,
             name: name.to_owned(),
-            kind: StreamKind::Durable,
+            kind,
             hash: HashKind::Fnv1a64Mod,
             shards,
         };
@@ -179,26 +191,26 @@ impl Core {
             .streams
             .iter()
             .filter(|(name, _)| self.engine.lookup(name).is_none() && self.may_see(stream, name))
-            .map(|(name, shards)| StreamSummary {
+            .map(|(name, known)| StreamSummary {
                 name: name.clone(),
-                kind: StreamKind::Durable,
-                shard_count: u32::try_from(shards.len()).unwrap_or(u32::MAX),
+                kind: known.kind,
+                shard_count: u32::try_from(known.shards.len()).unwrap_or(u32::MAX),
             })
             .collect();
         summaries.sort_unstable_by(|a, b| a.name.cmp(&b.name));
         summaries
     }
 
-    /// `DescribeCluster`: the members and each visible replicated stream's leaders.
+    /// `DescribeCluster`: the members and each visible cluster stream's leaders (owners).
     pub(crate) fn describe_cluster(&mut self, stream: StreamId, request_id: u64) {
         let mut streams: Vec<ClusterRoute> = self
             .cluster
             .streams
             .iter()
             .filter(|(name, _)| self.engine.lookup(name).is_none() && self.may_see(stream, name))
-            .map(|(name, shards)| ClusterRoute {
+            .map(|(name, known)| ClusterRoute {
                 name: name.clone(),
-                leaders: shards.iter().map(|shard| shard.leader).collect(),
+                leaders: known.shards.iter().map(|shard| shard.leader).collect(),
             })
             .collect();
         streams.sort_unstable_by(|a, b| a.name.cmp(&b.name));

@@ -40,7 +40,11 @@ fn set_view(broker: &mut Broker, core: usize, streams: &[(&str, usize)]) {
                         next_offset: 10 * shard as u64,
                     })
                     .collect();
-                ((*name).to_owned(), shards)
+                let stream = felix_core::ClusterStream {
+                    kind: StreamKind::Durable,
+                    shards,
+                };
+                ((*name).to_owned(), stream)
             })
             .collect::<HashMap<_, _>>(),
     };

@@ -45,7 +45,7 @@ pub enum ClusterCommand {
         /// Number of shards.
         #[arg(long, default_value_t = 1)]
         shards: u32,
-        /// Copies of each shard (durable streams; in-memory streams keep one).
+        /// Copies of each shard (durable streams; in-memory streams keep one: pass 1).
         #[arg(long, default_value_t = 3)]
         replicas: u8,
         /// Durable (the log, replicated) or in memory (one copy).
@@ -126,12 +126,6 @@ pub fn run(config: &Config, command: ClusterCommand) -> anyhow::Result<()> {
             felix_cluster::admin::create_stream(addr, &name, kind, shards, replicas, ADMIN_TIMEOUT)
                 .with_context(|| format!("cannot create stream {name:?}"))?;
             println!("created stream {name} ({shards} shards, {replicas} replicas)");
-            if kind == StreamKind::InMemory {
-                eprintln!(
-                    "felix: note: in-memory cluster streams are placed but not served yet \
-                     (docs/cluster.md); publishes to {name:?} answer stream_not_found"
-                );
-            }
             Ok(())
         }
         ClusterCommand::DeleteStream { admin, name } => {
