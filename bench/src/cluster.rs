@@ -83,10 +83,15 @@ pub fn run(bench: &ClusterBench) -> Result<Vec<ArmResult>, BenchError> {
         .map_err(|e| BenchError::io(&bench.work, e))?;
     let mut results = Vec::new();
 
-    // Single broker, a durable stream of its own.
+    // Single broker, a durable stream of its own, acked after its fdatasync as the replicated
+    // shards are (the broker's default is periodic: acked after the write).
+    let on_commit = BTreeMap::from([(
+        "FELIX_DURABLE_FSYNC_MODE".to_owned(),
+        "on_commit".to_owned(),
+    )]);
     let single = SpawnedBroker::start(
         &bench.felix,
-        &BTreeMap::new(),
+        &on_commit,
         &bench.work.join("single"),
         &bench.work.join("single.log"),
         bench.server_cpus.as_deref(),
@@ -125,6 +130,12 @@ pub fn run(bench: &ClusterBench) -> Result<Vec<ArmResult>, BenchError> {
     for id in 1..=3u64 {
         let path = |name: String| certs.join(name).display().to_string();
         let env = BTreeMap::from([
+            // The replicated shards always fdatasync before they commit; the same for the
+            // members' own logs.
+            (
+                "FELIX_DURABLE_FSYNC_MODE".to_owned(),
+                "on_commit".to_owned(),
+            ),
             ("FELIX_CLUSTER_NODE_ID".to_owned(), id.to_string()),
             ("FELIX_CLUSTER_PEERS".to_owned(), peers.clone()),
             ("FELIX_CLUSTER_CA".to_owned(), path("ca.pem".to_owned())),
