@@ -933,44 +933,39 @@ impl Serving<'_> {
                 deadline,
                 timeout,
                 answer,
-            } if crate::memory::shard_key(node.state(), &stream, shard).is_some() => {
-                let (key, owner) =
-                    crate::memory::shard_key(node.state(), &stream, shard).expect("checked");
-                if owner == *id {
-                    let count = u32::try_from(records.len()).unwrap_or(u32::MAX);
-                    let appended = data.memory.append(key, records, &mut data.out);
-                    answer.answer(match appended {
-                        Some(first_offset) => Ok(crate::publish::PublishAck {
-                            first_offset,
-                            count,
-                        }),
-                        None => Err(PublishError::NotOwner { member: *id }),
-                    });
-                } else {
-                    data.forwards.forward(
-                        owner,
-                        key,
-                        records,
-                        (deadline, timeout),
-                        answer,
-                        &mut data.out,
-                    );
+            } => {
+                let placed = crate::memory::shard_key(node.state(), &stream, shard);
+                if let Some((key, owner)) = placed {
+                    // An in-memory shard: appended here by its owner, else forwarded to it.
+                    if owner == *id {
+                        let count = u32::try_from(records.len()).unwrap_or(u32::MAX);
+                        let appended = data.memory.append(key, records, &mut data.out);
+                        answer.answer(appended.map_or(
+                            Err(PublishError::NotOwner { member: *id }),
+                            |first_offset| {
+                                Ok(crate::publish::PublishAck {
+                                    first_offset,
+                                    count,
+                                })
+                            },
+                        ));
+                    } else {
+                        let by = (deadline, timeout);
+                        data.forwards
+                            .forward(owner, key, records, by, answer, &mut data.out);
+                    }
+                    return;
+                }
+                match shard_group(node.state(), &stream, shard) {
+                    Ok(group) if groups.holds(group) => {
+                        groups.publish(group, records, deadline, timeout, answer);
+                    }
+                    Ok(_) => {
+                        answer.answer(Err(PublishError::NotReplicatedHere { stream, shard }));
+                    }
+                    Err(error) => answer.answer(Err(error)),
                 }
             }
-            Request::Publish {
-                stream,
-                shard,
-                records,
-                deadline,
-                timeout,
-                answer,
-            } => match shard_group(node.state(), &stream, shard) {
-                Ok(group) if groups.holds(group) => {
-                    groups.publish(group, records, deadline, timeout, answer);
-                }
-                Ok(_) => answer.answer(Err(PublishError::NotReplicatedHere { stream, shard })),
-                Err(error) => answer.answer(Err(error)),
-            },
             Request::Read {
                 stream,
                 shard,

@@ -19,7 +19,7 @@ use felix_cluster::shard::ShardRecord;
 
 mod common;
 
-use common::{Cluster, DEADLINE, Slot, wait_until};
+use common::{Cluster, DEADLINE, Slot, settled_ends, wait_until};
 
 const STREAM: &str = "orders";
 const SHARDS: u32 = 3;
@@ -205,21 +205,15 @@ fn acked_batches_are_on_every_member_once_through_a_leader_restart() {
         3 * BATCHES
     );
 
-    // Every member catches up to the same end of every shard.
-    let ends = |id: u64| -> Vec<u64> {
-        let status = status(id);
-        let mut ends: Vec<(u32, u64)> = status
-            .shards
-            .iter()
-            .map(|shard| (shard.shard, shard.next_offset))
-            .collect();
-        ends.sort_unstable();
-        ends.into_iter().map(|(_, end)| end).collect()
-    };
-    // Pending retries settle within a few seconds; then the ends stop moving and agree.
+    // Every member catches up to the same end of every shard, nothing pending anywhere (a
+    // batch refused `timeout` may still commit; the copies are read after).
+    let ends = |id: u64| settled_ends(slots[&id].lock().unwrap().as_ref().expect("running"));
     wait_until("every member holds the same records", || {
         let first = ends(1);
-        first.len() == SHARDS as usize && ids.iter().all(|id| ends(*id) == first)
+        first
+            .as_ref()
+            .is_some_and(|first| first.len() == SHARDS as usize)
+            && ids.iter().all(|id| ends(*id) == first)
     });
 
     // Read every member's copy.

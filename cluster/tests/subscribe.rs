@@ -25,7 +25,7 @@ use felix_cluster::subscribe::{
 
 mod common;
 
-use common::{Cluster, DEADLINE, Slot, create_stream, wait_until};
+use common::{Cluster, DEADLINE, Slot, create_stream, settled_ends, wait_until};
 
 const STREAM: &str = "orders";
 const SHARDS: u32 = 2;
@@ -273,23 +273,13 @@ fn subscribers_on_every_member_read_committed_records_once_in_order_through_a_le
 
     // Every member catches up to the same ends with nothing pending anywhere (a batch still
     // pending would commit after the ends are taken); the subscribers then stop there.
-    let ends_of = |id: u64| -> Vec<u64> {
-        let mut shards: Vec<(u32, u64)> = status(id)
-            .shards
-            .iter()
-            .map(|shard| (shard.shard, shard.next_offset))
-            .collect();
-        shards.sort_unstable();
-        shards.into_iter().map(|(_, end)| end).collect()
-    };
+    let ends_of = |id: u64| settled_ends(slots[&id].lock().unwrap().as_ref().expect("running"));
     wait_until("every member holds the same records, none pending", || {
         let first = ends_of(1);
-        first.len() == SHARDS as usize
-            && first.iter().sum::<u64>() > 0
+        first
+            .as_ref()
+            .is_some_and(|first| first.len() == SHARDS as usize && first.iter().sum::<u64>() > 0)
             && ids.iter().all(|id| ends_of(*id) == first)
-            && ids
-                .iter()
-                .all(|id| status(*id).shards.iter().all(|shard| shard.pending == 0))
     });
     // A subscriber on the restarted member, from the start: it reads its own copy's log.
     let late = subscribe(
@@ -302,7 +292,7 @@ fn subscribers_on_every_member_read_committed_records_once_in_order_through_a_le
         victim,
         consume(Arc::clone(&slots[&victim]), 99, late, Arc::clone(&ends)),
     ));
-    *ends.lock().unwrap() = Some(ends_of(1));
+    *ends.lock().unwrap() = ends_of(1);
 
     let copy = copy_of(slots[&1].lock().unwrap().as_ref().unwrap());
     for (index, (id, subscriber)) in subscribers.into_iter().enumerate() {

@@ -116,3 +116,19 @@ pub fn create_stream(services: &[&Service], name: &str, shards: u32) {
         })
     });
 }
+
+/// Each shard's next offset on `service`, in shard order, when nothing is pending there (a
+/// batch still pending may commit later and move the end); `None` while something is.
+pub fn settled_ends(service: &Service) -> Option<Vec<u64>> {
+    let status = service.status();
+    if status.shards.iter().any(|shard| shard.pending > 0) {
+        return None;
+    }
+    let mut ends: Vec<(u32, u64)> = status
+        .shards
+        .iter()
+        .map(|shard| (shard.shard, shard.next_offset))
+        .collect();
+    ends.sort_unstable();
+    Some(ends.into_iter().map(|(_, end)| end).collect())
+}

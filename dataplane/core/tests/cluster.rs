@@ -264,6 +264,15 @@ fn cluster_subscribe(
     (stream, subscribe.clone())
 }
 
+/// The service's answer once it stopped.
+fn stopped() -> ClusterRefusal {
+    ClusterRefusal {
+        code: ErrorCode::Unavailable,
+        detail: 0,
+        message: "the cluster service stopped".to_owned(),
+    }
+}
+
 fn delivered(shard: u32, offset: u64) -> DeliveredRecord {
     DeliveredRecord {
         shard,
@@ -407,14 +416,7 @@ fn a_replicated_subscription_refused_or_ended_says_why() {
     );
     broker.cores[0].handle_cluster_subscribed(subscribe.token, Ok(vec![(0, 0), (1, 0)]));
     broker.cores[0].handle_cluster_delivery(subscribe.token, vec![delivered(1, 0)]);
-    broker.cores[0].handle_cluster_ended(
-        subscribe.token,
-        ClusterRefusal {
-            code: ErrorCode::Unavailable,
-            detail: 0,
-            message: "the cluster service stopped".to_owned(),
-        },
-    );
+    broker.cores[0].handle_cluster_ended(subscribe.token, stopped());
     broker.collect();
     let (frames, finished) = broker.read_all(0, ended);
     assert!(
@@ -441,14 +443,7 @@ fn a_replicated_subscription_refused_or_ended_says_why() {
         ShardSelection::All,
         StartPosition::Latest,
     );
-    broker.cores[0].handle_cluster_ended(
-        subscribe.token,
-        ClusterRefusal {
-            code: ErrorCode::Unavailable,
-            detail: 0,
-            message: "the cluster service stopped".to_owned(),
-        },
-    );
+    broker.cores[0].handle_cluster_ended(subscribe.token, stopped());
     broker.collect();
     let (frames, finished) = broker.read_all(0, stream);
     assert!(

@@ -1425,6 +1425,23 @@ fn cluster_client_config(cluster: &Cluster, via: u64, dir: &Path) -> felix_clien
     config
 }
 
+/// Batch `batch` of publisher `publisher`: 1-4 records with unique keys and payloads.
+fn batch_of(publisher: &str, batch: u64) -> (Vec<String>, Vec<Vec<u8>>, Vec<felix_wire::Record>) {
+    let count = 1 + batch % 4;
+    let keys: Vec<String> = (0..count)
+        .map(|r| format!("k{publisher}-{batch}-{r}"))
+        .collect();
+    let payloads: Vec<Vec<u8>> = (0..count)
+        .map(|r| format!("{publisher}-b{batch}-r{r}").into_bytes())
+        .collect();
+    let records = keys
+        .iter()
+        .zip(&payloads)
+        .map(|(key, payload)| felix_client::record(key.clone(), payload.clone()))
+        .collect();
+    (keys, payloads, records)
+}
+
 /// Every member's development certificate in one PEM file under `dir`.
 fn write_bundle(cluster: &Cluster, dir: &Path) -> std::path::PathBuf {
     let bundle: String = cluster
@@ -1453,16 +1470,7 @@ async fn cluster_publish_batches(
     let deadline = Instant::now() + DEADLINE * 4;
     for batch in 0..PUBLISH_BATCHES {
         assert!(Instant::now() < deadline, "the cluster publisher stalled");
-        let count = 1 + batch % 4;
-        let keys: Vec<String> = (0..count).map(|r| format!("kc-{batch}-{r}")).collect();
-        let payloads: Vec<Vec<u8>> = (0..count)
-            .map(|r| format!("c-b{batch}-r{r}").into_bytes())
-            .collect();
-        let records: Vec<felix_wire::Record> = keys
-            .iter()
-            .zip(&payloads)
-            .map(|(key, payload)| felix_client::record(key.clone(), payload.clone()))
-            .collect();
+        let (keys, payloads, records) = batch_of("c", batch);
         let leaders: std::collections::BTreeSet<u16> = keys
             .iter()
             .filter_map(|key| {
@@ -1580,18 +1588,7 @@ async fn publish_batches(
             }
             continue;
         };
-        let count = 1 + batch % 4;
-        let keys: Vec<String> = (0..count)
-            .map(|r| format!("k{member}-{batch}-{r}"))
-            .collect();
-        let payloads: Vec<Vec<u8>> = (0..count)
-            .map(|r| format!("m{member}-b{batch}-r{r}").into_bytes())
-            .collect();
-        let records: Vec<felix_wire::Record> = keys
-            .iter()
-            .zip(&payloads)
-            .map(|(key, payload)| felix_client::record(key.clone(), payload.clone()))
-            .collect();
+        let (keys, payloads, records) = batch_of(&format!("m{member}"), batch);
         batch += 1;
         // The member is about to be killed when its slot empties: a publish in flight then
         // ends here (no answer comes from a SIGKILLed broker; QUIC's idle timeout would
