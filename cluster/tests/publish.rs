@@ -8,7 +8,7 @@
 //! - no record is there twice (retried proposals are applied once), none from nowhere.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -19,7 +19,7 @@ use felix_cluster::shard::ShardRecord;
 
 mod common;
 
-use common::{Cluster, DEADLINE, Slot, settled_ends, wait_until};
+use common::{Cluster, DEADLINE, settled_ends, wait_until};
 
 const STREAM: &str = "orders";
 const SHARDS: u32 = 3;
@@ -46,10 +46,7 @@ struct Acked {
 fn acked_batches_are_on_every_member_once_through_a_leader_restart() {
     let ids = [1u64, 2, 3];
     let cluster = Cluster::new(&ids);
-    let slots: BTreeMap<u64, Slot> = ids
-        .iter()
-        .map(|id| (*id, Arc::new(Mutex::new(Some(cluster.start(*id))))))
-        .collect();
+    let slots = cluster.start_slots(&ids);
     // Runs `f` on member `id`'s service (which must be running).
     let on = |id: u64, f: &mut dyn FnMut(&Service)| {
         f(slots[&id].lock().unwrap().as_ref().expect("running"));

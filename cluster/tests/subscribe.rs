@@ -175,10 +175,7 @@ fn assert_matches_copy(who: &str, received: &Received, copy: &[Vec<Bytes>], comp
 fn subscribers_on_every_member_read_committed_records_once_in_order_through_a_leader_stop() {
     let ids = [1u64, 2, 3];
     let cluster = Cluster::new(&ids);
-    let slots: BTreeMap<u64, Slot> = ids
-        .iter()
-        .map(|id| (*id, Arc::new(Mutex::new(Some(cluster.start(*id))))))
-        .collect();
+    let slots = cluster.start_slots(&ids);
     let status = |id: u64| {
         slots[&id]
             .lock()

@@ -76,6 +76,15 @@ impl Cluster {
     }
 }
 
+impl Cluster {
+    /// Starts members `ids`, each in a slot a test can empty (stop it) and fill again.
+    pub fn start_slots(&self, ids: &[u64]) -> BTreeMap<u64, Slot> {
+        ids.iter()
+            .map(|id| (*id, Arc::new(Mutex::new(Some(self.start(*id))))))
+            .collect()
+    }
+}
+
 pub fn member_dir(root: &Path, id: u64) -> std::path::PathBuf {
     root.join(format!("member-{id}"))
         .join("cluster")

@@ -1046,6 +1046,20 @@ fn error_json(status: u16, message: &str) -> tiny_http::Response<std::io::Cursor
     json_response(status, serde_json::json!({ "error": message }).to_string())
 }
 
+/// An admin request's JSON body (at most [`ADMIN_BODY_MAX`] bytes), or the 400 answer.
+fn json_body<T: serde::de::DeserializeOwned>(
+    request: &mut tiny_http::Request,
+) -> Result<T, tiny_http::Response<std::io::Cursor<Vec<u8>>>> {
+    let mut body = Vec::new();
+    std::io::Read::read_to_end(
+        &mut std::io::Read::take(request.as_reader(), ADMIN_BODY_MAX),
+        &mut body,
+    )
+    .map_err(|error| error_json(400, &format!("cannot read the body: {error}")))?;
+    serde_json::from_slice(&body)
+        .map_err(|error| error_json(400, &format!("bad request body: {error}")))
+}
+
 /// `POST /v1/cluster/streams`: `{"name", "kind": "durable"|"in_memory", "shards",
 /// "replicas"}`; 200 once applied, 409 when the control plane rejected it, 503 without a
 /// leader or an answer in time.
@@ -1060,16 +1074,9 @@ fn create_stream(
         shards: u32,
         replicas: u8,
     }
-    let mut body = Vec::new();
-    if let Err(error) = std::io::Read::read_to_end(
-        &mut std::io::Read::take(request.as_reader(), ADMIN_BODY_MAX),
-        &mut body,
-    ) {
-        return error_json(400, &format!("cannot read the body: {error}"));
-    }
-    let create: Create = match serde_json::from_slice(&body) {
+    let create: Create = match json_body(request) {
         Ok(create) => create,
-        Err(error) => return error_json(400, &format!("bad request body: {error}")),
+        Err(refused) => return refused,
     };
     let command = felix_cluster::control::Command::CreateStream {
         name: create.name,
@@ -1090,16 +1097,9 @@ fn delete_stream(
     struct Delete {
         name: String,
     }
-    let mut body = Vec::new();
-    if let Err(error) = std::io::Read::read_to_end(
-        &mut std::io::Read::take(request.as_reader(), ADMIN_BODY_MAX),
-        &mut body,
-    ) {
-        return error_json(400, &format!("cannot read the body: {error}"));
-    }
-    let delete: Delete = match serde_json::from_slice(&body) {
+    let delete: Delete = match json_body(request) {
         Ok(delete) => delete,
-        Err(error) => return error_json(400, &format!("bad request body: {error}")),
+        Err(refused) => return refused,
     };
     propose(
         service,
@@ -1129,16 +1129,9 @@ fn read_records(
     service: &felix_cluster::service::Service,
     request: &mut tiny_http::Request,
 ) -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
-    let mut body = Vec::new();
-    if let Err(error) = std::io::Read::read_to_end(
-        &mut std::io::Read::take(request.as_reader(), ADMIN_BODY_MAX),
-        &mut body,
-    ) {
-        return error_json(400, &format!("cannot read the body: {error}"));
-    }
-    let read: felix_cluster::admin::ReadRequest = match serde_json::from_slice(&body) {
+    let read: felix_cluster::admin::ReadRequest = match json_body(request) {
         Ok(read) => read,
-        Err(error) => return error_json(400, &format!("bad request body: {error}")),
+        Err(refused) => return refused,
     };
     let max = read.max.min(felix_cluster::admin::READ_RECORDS_MAX);
     match service.read(

@@ -38,16 +38,11 @@ struct Cluster {
 impl Cluster {
     fn start(size: u64) -> Cluster {
         let certs = tempfile::tempdir().expect("temp dir");
-        let written = felix()
-            .args(["cluster", "dev-certs", "--out"])
-            .arg(certs.path())
-            .args((1..=size).flat_map(|id| ["--node".to_owned(), id.to_string()]))
-            .output()
-            .expect("felix cluster dev-certs runs");
-        assert!(
-            written.status.success(),
-            "dev-certs: {}",
-            String::from_utf8_lossy(&written.stderr)
+        felix_ok(
+            felix()
+                .args(["cluster", "dev-certs", "--out"])
+                .arg(certs.path())
+                .args((1..=size).flat_map(|id| ["--node".to_owned(), id.to_string()])),
         );
         let peers: Vec<String> = (1..=size)
             .map(|id| format!("{id}=127.0.0.1:{}", free_udp_port()))
@@ -116,6 +111,17 @@ impl Cluster {
         )
         .map_err(|error| error.to_string())
     }
+}
+
+/// Runs a `felix` command that must succeed; returns its standard output.
+fn felix_ok(command: &mut std::process::Command) -> String {
+    let output = command.output().expect("felix runs");
+    assert!(
+        output.status.success(),
+        "{command:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
 fn member_env(certs: &Path, id: u64, peers: &str) -> Vec<(String, String)> {
@@ -189,16 +195,10 @@ fn three_brokers_elect_register_and_spread_each_streams_leaders() {
         }
     }
     // `felix cluster status` shows the members and the stream's leaders.
-    let shown = felix()
-        .args(["cluster", "status", "--admin"])
-        .arg(cluster.brokers[&follower].metrics_addr.to_string())
-        .output()
-        .expect("felix cluster status runs");
-    let text = String::from_utf8_lossy(&shown.stdout);
-    assert!(
-        shown.status.success(),
-        "{}",
-        String::from_utf8_lossy(&shown.stderr)
+    let text = felix_ok(
+        felix()
+            .args(["cluster", "status", "--admin"])
+            .arg(cluster.brokers[&follower].metrics_addr.to_string()),
     );
     assert!(
         text.contains(&format!("control-plane leader {leader}")),
@@ -235,16 +235,11 @@ fn three_brokers_elect_register_and_spread_each_streams_leaders() {
 
     // An in-memory cluster stream: one copy of each shard on its owner; published through
     // member 2 (forwarded to the owners), read by a subscriber on member 3 (fetched from them).
-    let created = felix()
-        .args(["cluster", "create-stream", "ticks", "--kind", "in-memory"])
-        .args(["--shards", "3", "--replicas", "1", "--admin"])
-        .arg(cluster.brokers[&1].metrics_addr.to_string())
-        .output()
-        .expect("felix cluster create-stream runs");
-    assert!(
-        created.status.success(),
-        "{}",
-        String::from_utf8_lossy(&created.stderr)
+    felix_ok(
+        felix()
+            .args(["cluster", "create-stream", "ticks", "--kind", "in-memory"])
+            .args(["--shards", "3", "--replicas", "1", "--admin"])
+            .arg(cluster.brokers[&1].metrics_addr.to_string()),
     );
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -613,15 +608,10 @@ fn replicated_shards_elect_their_placed_leaders_and_fail_over() {
         .expect("subscribed");
         (client, subscription)
     });
-    let deleted = felix()
-        .args(["cluster", "delete-stream", "orders", "--admin"])
-        .arg(cluster.brokers[&3].metrics_addr.to_string())
-        .output()
-        .expect("felix cluster delete-stream runs");
-    assert!(
-        deleted.status.success(),
-        "{}",
-        String::from_utf8_lossy(&deleted.stderr)
+    felix_ok(
+        felix()
+            .args(["cluster", "delete-stream", "orders", "--admin"])
+            .arg(cluster.brokers[&3].metrics_addr.to_string()),
     );
     wait_for(
         &cluster,
