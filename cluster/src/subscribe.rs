@@ -345,6 +345,21 @@ impl Subscriptions {
     pub fn remove(&mut self, id: u64) {
         if let Some(mut subscription) = self.open.remove(&id) {
             subscription.sink.send = None;
+            self.forget_fetches(&subscription);
+        }
+    }
+
+    /// Forgets the fetches in flight of a subscription that is gone (an owner that never
+    /// answers would otherwise leave them behind).
+    fn forget_fetches(&mut self, subscription: &Subscription) {
+        for cursor in &subscription.cursors {
+            if let Source::Remote(Remote {
+                fetch: Some((request, _)),
+                ..
+            }) = &cursor.source
+            {
+                self.fetches.remove(request);
+            }
         }
     }
 
@@ -478,17 +493,15 @@ impl Subscriptions {
             }
         };
         if let Err(error) = outcome {
-            if subscription.started {
-                self.end(vec![(id, error)]);
-            } else if let Some(mut refused) = self.open.remove(&id) {
-                refused.sink.event(SubscriptionEvent::Refused(error));
-            }
+            // `end` refuses a subscription that had not started.
+            self.end(vec![(id, error)]);
         }
     }
 
     fn end(&mut self, ended: Vec<(u64, SubscribeError)>) {
         for (id, error) in ended {
             if let Some(mut subscription) = self.open.remove(&id) {
+                self.forget_fetches(&subscription);
                 tracing::debug!(id, %error, "cluster subscription ended");
                 let event = if subscription.started {
                     SubscriptionEvent::Ended(error)
@@ -502,6 +515,7 @@ impl Subscriptions {
 
     /// Ends every subscription: the service stops.
     pub fn stop_all(&mut self) {
+        self.fetches.clear();
         for (_, mut subscription) in self.open.drain() {
             subscription
                 .sink

@@ -82,6 +82,12 @@ fn in_memory_shards_live_on_their_owner_and_any_member_publishes_and_subscribes(
     let cluster = Cluster::new(&ids);
     let mut services: BTreeMap<u64, Service> =
         ids.iter().map(|id| (*id, cluster.start(*id))).collect();
+    // Every member registered first: placement spreads the owners over those registered.
+    wait_until("every member is registered", || {
+        services
+            .values()
+            .all(|service| service.status().state.members.len() == ids.len())
+    });
     wait_until("the stream is created", || {
         matches!(
             services[&1].propose(
