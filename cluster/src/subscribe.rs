@@ -84,7 +84,9 @@ pub enum SubscribeError {
          oldest held {oldest})"
     )]
     Lagged { shard: u32, next: u64, oldest: u64 },
-    #[error("shard {shard}: its owner, member {owner}, did not answer")]
+    #[error(
+        "shard {shard}: its owner, member {owner}, did not answer (or does not know the stream)"
+    )]
     OwnerUnreachable { shard: u32, owner: u64 },
     #[error(
         "shard {shard}: its owner, member {owner}, restarted and holds nothing up to offset \
@@ -457,10 +459,18 @@ impl Subscriptions {
         let Source::Remote(remote) = &mut cursor.source else {
             return;
         };
-        if remote.fetch.is_some_and(|(current, _)| current == request) {
-            remote.fetch = None;
-        }
+        let answered = remote.fetch.take_if(|(current, _)| *current == request);
         let outcome = match result {
+            // An owner that has not applied the stream's creation yet: asked again when the
+            // fetch is due for a retry (FETCH_RETRY_TICKS after it was sent; not at once, which
+            // would ping-pong), until RESOLVE_TICKS_MAX.
+            Err(FetchRefusal::NotHere) if cursor.unresolved.is_some() => {
+                remote.fetch = answered;
+                if let Some((request, _)) = answered {
+                    self.fetches.insert(request, (id, position));
+                }
+                Ok(())
+            }
             Err(FetchRefusal::NotHere) => Err(SubscribeError::Deleted { stream }),
             Err(FetchRefusal::TooOld { oldest }) => Err(SubscribeError::Lagged {
                 shard,
