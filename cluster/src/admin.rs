@@ -356,7 +356,7 @@ pub fn render_metrics(status: &ClusterStatus) -> String {
     gauge(
         &mut out,
         "felix_cluster_subscriptions",
-        "Subscriptions to replicated shards this member serves.",
+        "Subscriptions to cluster streams this member serves.",
     );
     let _ = writeln!(out, "felix_cluster_subscriptions {}", status.subscriptions);
     gauge(

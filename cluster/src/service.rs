@@ -85,7 +85,7 @@ pub struct ClusterStatus {
     pub connected: Vec<u64>,
     /// The replicated shards this member holds (`groups.rs`).
     pub shards: Vec<crate::groups::ShardStatus>,
-    /// Subscriptions to replicated shards this member serves (`subscribe.rs`).
+    /// Subscriptions to cluster streams this member serves (`subscribe.rs`).
     #[serde(default)]
     pub subscriptions: usize,
 }
