@@ -106,8 +106,10 @@ impl MemoryShard {
         }
         let mut out = Vec::new();
         let mut bytes = 0;
-        let skip = usize::try_from(from - oldest).unwrap_or(usize::MAX);
-        for (offset, record) in self.records.iter().skip(skip) {
+        let skip = usize::try_from(from - oldest)
+            .unwrap_or(usize::MAX)
+            .min(self.records.len());
+        for (offset, record) in self.records.range(skip..) {
             if *offset >= next
                 || out.len() >= max_records
                 || (bytes >= max_bytes && !out.is_empty())

@@ -186,6 +186,8 @@ impl ClusterView {
             .iter()
             .map(|(id, m)| (*id, m.client_addr.clone()))
             .collect();
+        let by_group: HashMap<u64, &crate::groups::ShardStatus> =
+            shards.iter().map(|status| (status.group, status)).collect();
         let streams = state
             .streams
             .values()
@@ -207,7 +209,7 @@ impl ClusterView {
                             };
                         }
                         let group = group_id(stream.incarnation, shard);
-                        match shards.iter().find(|status| status.group == group) {
+                        match by_group.get(&group) {
                             Some(status) => ShardView {
                                 leader: status.leader,
                                 oldest_offset: status.oldest_offset,

@@ -19,7 +19,7 @@ use felix_cluster::shard::ShardRecord;
 
 mod common;
 
-use common::{Cluster, DEADLINE, settled_ends, wait_until};
+use common::{Cluster, DEADLINE, read_shard, settled_ends, wait_until};
 
 const STREAM: &str = "orders";
 const SHARDS: u32 = 3;
@@ -221,17 +221,9 @@ fn acked_batches_are_on_every_member_once_through_a_leader_restart() {
         let mut shards = Vec::new();
         for shard in 0..SHARDS {
             let mut records = Vec::new();
-            loop {
-                let read = service
-                    .read(STREAM, shard, records.len() as u64, 1_000, DEADLINE)
-                    .expect("read");
-                if read.is_empty() {
-                    break;
-                }
-                for (offset, record) in read {
-                    assert_eq!(offset, records.len() as u64, "offsets are dense");
-                    records.push(record.payload);
-                }
+            for (offset, record) in read_shard(service, STREAM, shard) {
+                assert_eq!(offset, records.len() as u64, "offsets are dense");
+                records.push(record.payload);
             }
             shards.push(records);
         }

@@ -25,7 +25,7 @@ use felix_cluster::subscribe::{
 
 mod common;
 
-use common::{Cluster, DEADLINE, Slot, create_stream, settled_ends, wait_until};
+use common::{Cluster, DEADLINE, Slot, create_stream, read_shard, settled_ends, wait_until};
 
 const STREAM: &str = "orders";
 const SHARDS: u32 = 2;
@@ -131,16 +131,10 @@ fn consume(
 fn copy_of(service: &Service) -> Vec<Vec<Bytes>> {
     (0..SHARDS)
         .map(|shard| {
-            let mut records = Vec::new();
-            loop {
-                let read = service
-                    .read(STREAM, shard, records.len() as u64, 1_000, DEADLINE)
-                    .expect("read");
-                if read.is_empty() {
-                    return records;
-                }
-                records.extend(read.into_iter().map(|(_, record)| record.payload));
-            }
+            read_shard(service, STREAM, shard)
+                .into_iter()
+                .map(|(_, record)| record.payload)
+                .collect()
         })
         .collect()
 }

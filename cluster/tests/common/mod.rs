@@ -141,3 +141,22 @@ pub fn settled_ends(service: &Service) -> Option<Vec<u64>> {
     ends.sort_unstable();
     Some(ends.into_iter().map(|(_, end)| end).collect())
 }
+
+/// Every committed record of shard `shard` of `stream` in `service`'s copy: `(offset,
+/// record)`, read 1,000 at a time.
+pub fn read_shard(
+    service: &Service,
+    stream: &str,
+    shard: u32,
+) -> Vec<(u64, felix_cluster::shard::ShardRecord)> {
+    let mut records = Vec::new();
+    loop {
+        let read = service
+            .read(stream, shard, records.len() as u64, 1_000, DEADLINE)
+            .expect("read");
+        if read.is_empty() {
+            return records;
+        }
+        records.extend(read);
+    }
+}

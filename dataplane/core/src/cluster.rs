@@ -183,14 +183,22 @@ impl Core {
         self.write(stream, &Frame::StreamInfo(info));
     }
 
+    /// The cluster streams the connection of `stream` may see, without those an own stream of
+    /// the same name shadows.
+    fn visible_cluster_streams(
+        &self,
+        stream: StreamId,
+    ) -> impl Iterator<Item = (&String, &ClusterStream)> {
+        self.cluster.streams.iter().filter(move |(name, _)| {
+            self.engine.lookup(name).is_none() && self.may_see(stream, name)
+        })
+    }
+
     /// The cluster streams `ListStreams` adds to this broker's own (those not shadowed by an
     /// own stream of the same name).
     pub(crate) fn cluster_summaries(&self, stream: StreamId) -> Vec<StreamSummary> {
         let mut summaries: Vec<StreamSummary> = self
-            .cluster
-            .streams
-            .iter()
-            .filter(|(name, _)| self.engine.lookup(name).is_none() && self.may_see(stream, name))
+            .visible_cluster_streams(stream)
             .map(|(name, known)| StreamSummary {
                 name: name.clone(),
                 kind: known.kind,
@@ -204,10 +212,7 @@ impl Core {
     /// `DescribeCluster`: the members and each visible cluster stream's leaders (owners).
     pub(crate) fn describe_cluster(&mut self, stream: StreamId, request_id: u64) {
         let mut streams: Vec<ClusterRoute> = self
-            .cluster
-            .streams
-            .iter()
-            .filter(|(name, _)| self.engine.lookup(name).is_none() && self.may_see(stream, name))
+            .visible_cluster_streams(stream)
             .map(|(name, known)| ClusterRoute {
                 name: name.clone(),
                 leaders: known.shards.iter().map(|shard| shard.leader).collect(),
