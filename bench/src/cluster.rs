@@ -1,9 +1,13 @@
 //! `felix-bench cluster`: replicated publishing measured side by side in one run
-//! (docs/performance.md, "Cluster"). Five arms, each the same acked load for the same time:
+//! (docs/performance.md, "Cluster"). Seven arms, each the same acked load for the same time:
 //!
 //! - `single`: one broker, a durable stream of its own (on_commit: acked after its fdatasync);
+//! - `single-periodic`: the same with FELIX_DURABLE_FSYNC_MODE=periodic (acked after the
+//!   write);
 //! - `cluster-leader`: three brokers on this machine, a durable cluster stream (3 replicas,
-//!   Quorum), the publisher connected to the shard's leader;
+//!   Quorum, `--fsync on_commit`), the publisher connected to the shard's leader;
+//! - `cluster-leader-periodic`: the same through a stream created `--fsync periodic` (a
+//!   majority including the leader has it written);
 //! - `cluster-follower`: the same cluster, the publisher connected to a follower, whose
 //!   publishes reach the leader as Raft proposal forwards (the forwarding path);
 //! - `spread-forwarding`: a stream of three shards whose leaders are spread over the three
@@ -12,8 +16,8 @@
 //! - `spread-cluster-client`: the same stream through the cluster client
 //!   (`felix_client::ClusterClient`), each shard's records straight to its leader.
 //!
-//! In the first three arms one shard, so the leader is one member and the arms differ only in
-//! the path. Each arm reports
+//! In the single and cluster-leader/follower arms one shard, so the leader is one member and
+//! the arms differ only in the path. Each arm reports
 //! acked records per second, MB/s, the ack latency (p50, p99), and the servers' CPU time (all
 //! three brokers of a cluster arm: replication costs CPU on every member) per GB and per
 //! million records. With `--server-cpus` / `--generator-cpus` the brokers and this process are
@@ -27,7 +31,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use felix_client::{Client, ClientConfig, ClusterClient};
-use felix_cluster::control::StreamKind as ClusterKind;
+use felix_cluster::admin::NewStream;
+use felix_cluster::control::Fsync;
 use felix_wire::{Record, StreamKind};
 
 use crate::BenchError;
@@ -69,11 +74,13 @@ pub struct ArmResult {
 }
 
 const STREAM: &str = "bench";
+/// The periodic cluster arm's stream (one shard, `--fsync periodic`).
+const PERIODIC: &str = "bench-periodic";
 /// The spread arms' stream: one shard led by each member.
 const SPREAD: &str = "spread";
 const DEADLINE: Duration = Duration::from_secs(60);
 
-/// Runs the five arms and returns their figures, in order.
+/// Runs the seven arms and returns their figures, in order.
 pub fn run(bench: &ClusterBench) -> Result<Vec<ArmResult>, BenchError> {
     std::fs::create_dir_all(&bench.work).map_err(|e| BenchError::io(&bench.work, e))?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -84,31 +91,30 @@ pub fn run(bench: &ClusterBench) -> Result<Vec<ArmResult>, BenchError> {
     let mut results = Vec::new();
 
     // Single broker, a durable stream of its own, acked after its fdatasync as the replicated
-    // shards are (the broker's default is periodic: acked after the write).
-    let on_commit = BTreeMap::from([(
-        "FELIX_DURABLE_FSYNC_MODE".to_owned(),
-        "on_commit".to_owned(),
-    )]);
-    let single = SpawnedBroker::start(
-        &bench.felix,
-        &on_commit,
-        &bench.work.join("single"),
-        &bench.work.join("single.log"),
-        bench.server_cpus.as_deref(),
-    )?;
-    let config = client_config(single.endpoint().quic_addr, &single.endpoint().ca);
-    let pid = single.endpoint().pid;
-    results.push(runtime.block_on(async {
-        let client = connect(config.clone()).await?;
-        client
-            .create_stream(STREAM, 1, StreamKind::Durable)
-            .await
-            .map_err(|e| BenchError::Broker(format!("create the stream: {e}")))?;
-        client.close().await;
-        let client = Publisher::Plain(Box::new(connect(config).await?));
-        measure(bench, "single", STREAM, client, &[pid]).await
-    })?);
-    let _ = single.stop();
+    // shards of an on_commit stream are; then acked after the write, as a periodic one's.
+    for (arm, mode) in [("single", "on_commit"), ("single-periodic", "periodic")] {
+        let env = BTreeMap::from([("FELIX_DURABLE_FSYNC_MODE".to_owned(), mode.to_owned())]);
+        let single = SpawnedBroker::start(
+            &bench.felix,
+            &env,
+            &bench.work.join(arm),
+            &bench.work.join(format!("{arm}.log")),
+            bench.server_cpus.as_deref(),
+        )?;
+        let config = client_config(single.endpoint().quic_addr, &single.endpoint().ca);
+        let pid = single.endpoint().pid;
+        results.push(runtime.block_on(async {
+            let client = connect(config.clone()).await?;
+            client
+                .create_stream(STREAM, 1, StreamKind::Durable)
+                .await
+                .map_err(|e| BenchError::Broker(format!("create the stream: {e}")))?;
+            client.close().await;
+            let client = Publisher::Plain(Box::new(connect(config).await?));
+            measure(bench, arm, STREAM, client, &[pid]).await
+        })?);
+        let _ = single.stop();
+    }
 
     // Three brokers, a replicated stream.
     let certs = bench.work.join("certs");
@@ -159,15 +165,16 @@ pub fn run(bench: &ClusterBench) -> Result<Vec<ArmResult>, BenchError> {
     }
     let admin = members[&1].endpoint().metrics_addr;
     let deadline = Instant::now() + DEADLINE;
-    for (name, shards) in [(STREAM, 1), (SPREAD, 3)] {
-        while let Err(error) = felix_cluster::admin::create_stream(
-            admin,
-            name,
-            ClusterKind::Durable,
-            shards,
-            3,
-            DEADLINE,
-        ) {
+    for (name, shards, fsync) in [
+        (STREAM, 1, Fsync::OnCommit),
+        (PERIODIC, 1, Fsync::Periodic),
+        (SPREAD, 3, Fsync::OnCommit),
+    ] {
+        let spec = NewStream {
+            fsync,
+            ..NewStream::durable(name, shards, 3)
+        };
+        while let Err(error) = felix_cluster::admin::create_stream(admin, &spec, DEADLINE) {
             if Instant::now() > deadline {
                 return Err(BenchError::Broker(format!(
                     "create the cluster stream {name}: {error}"
@@ -176,49 +183,60 @@ pub fn run(bench: &ClusterBench) -> Result<Vec<ArmResult>, BenchError> {
             std::thread::sleep(Duration::from_millis(200));
         }
     }
-    // Every member holds the shard and agrees on its placed leader.
-    let leader = loop {
-        let statuses: Vec<_> = members
-            .values()
-            .filter_map(|m| felix_cluster::admin::status(m.endpoint().metrics_addr, DEADLINE).ok())
-            .collect();
+    // Every member holds the shards and agrees on their placed leaders.
+    let leader_of = |statuses: &[felix_cluster::service::ClusterStatus], stream: &str| {
         let leaders: Vec<Option<u64>> = statuses
             .iter()
             .map(|s| {
                 s.shards
                     .iter()
-                    .find(|shard| shard.stream == STREAM)
+                    .find(|shard| shard.stream == stream)
                     .and_then(|shard| shard.leader)
             })
             .collect();
-        // Every shard of both streams led by its placed leader, as every member sees it.
+        match leaders.first() {
+            Some(Some(leader)) if leaders.iter().all(|l| *l == Some(*leader)) => Some(*leader),
+            _ => None,
+        }
+    };
+    let (leader, periodic_leader) = loop {
+        let statuses: Vec<_> = members
+            .values()
+            .filter_map(|m| felix_cluster::admin::status(m.endpoint().metrics_addr, DEADLINE).ok())
+            .collect();
+        // Every shard of the three streams led by its placed leader, as every member sees it.
         let placed = statuses.iter().all(|s| {
-            s.shards.len() == 4
+            s.shards.len() == 5
                 && s.shards
                     .iter()
                     .all(|shard| shard.leader == Some(shard.placed_leader))
         });
         if statuses.len() == 3
             && placed
-            && let Some(Some(leader)) = leaders.first().copied()
+            && let (Some(leader), Some(periodic)) =
+                (leader_of(&statuses, STREAM), leader_of(&statuses, PERIODIC))
         {
-            break leader;
+            break (leader, periodic);
         }
         if Instant::now() > deadline {
-            return Err(BenchError::Broker(format!(
-                "the cluster stream's shard has no agreed leader: {leaders:?}"
-            )));
+            return Err(BenchError::Broker(
+                "the cluster streams' shards have no agreed placed leaders".to_owned(),
+            ));
         }
         std::thread::sleep(Duration::from_millis(100));
     };
     let follower = (1..=3).find(|id| *id != leader).expect("three members");
     let pids: Vec<Option<u32>> = members.values().map(|m| m.endpoint().pid).collect();
-    for (arm, id) in [("cluster-leader", leader), ("cluster-follower", follower)] {
+    for (arm, id, stream) in [
+        ("cluster-leader", leader, STREAM),
+        ("cluster-leader-periodic", periodic_leader, PERIODIC),
+        ("cluster-follower", follower, STREAM),
+    ] {
         let endpoint = members[&id].endpoint();
         let config = client_config(endpoint.quic_addr, &endpoint.ca);
         results.push(runtime.block_on(async {
             let client = Publisher::Plain(Box::new(connect(config).await?));
-            measure(bench, arm, STREAM, client, &pids).await
+            measure(bench, arm, stream, client, &pids).await
         })?);
     }
     // The spread stream: through member 1 (forwarding), then through the cluster client.

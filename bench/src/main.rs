@@ -87,9 +87,9 @@ enum Command {
         #[command(flatten)]
         broker: BrokerArgs,
     },
-    /// Replicated publishing side by side: a single broker's durable stream, then three
-    /// brokers' replicated stream through the shard's leader and through a follower (the
-    /// forwarding path), then a stream of three shards led by the three members through one
+    /// Replicated publishing side by side: a single broker's durable stream (on_commit, then
+    /// periodic), then three brokers' replicated stream through the shard's leader (an
+    /// on_commit stream, then a periodic one) and through a follower (the forwarding path), then a stream of three shards led by the three members through one
     /// member (forwarding) and through the cluster client (straight to each leader); prints a
     /// table and writes cluster.json and cluster.md into --out.
     Cluster {

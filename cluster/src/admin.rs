@@ -9,7 +9,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
-use crate::control::StreamKind;
+use crate::control::{Fsync, StreamKind};
 use crate::service::ClusterStatus;
 
 /// Largest answer read (a status lists every stream's shards).
@@ -98,20 +98,56 @@ pub fn status(addr: SocketAddr, timeout: Duration) -> Result<ClusterStatus, Admi
     })
 }
 
+/// A stream to create ([`create_stream`]).
+#[derive(Debug, Clone, Copy)]
+pub struct NewStream<'a> {
+    pub name: &'a str,
+    pub kind: StreamKind,
+    pub shards: u32,
+    /// Copies of each shard (in-memory streams keep one).
+    pub replicas: u8,
+    /// When a durable stream's publishes are acknowledged.
+    pub fsync: Fsync,
+}
+
+impl<'a> NewStream<'a> {
+    /// A durable stream acknowledged on_commit.
+    #[must_use]
+    pub fn durable(name: &'a str, shards: u32, replicas: u8) -> NewStream<'a> {
+        NewStream {
+            name,
+            kind: StreamKind::Durable,
+            shards,
+            replicas,
+            fsync: Fsync::OnCommit,
+        }
+    }
+
+    /// An in-memory stream (one copy per shard).
+    #[must_use]
+    pub fn in_memory(name: &'a str, shards: u32) -> NewStream<'a> {
+        NewStream {
+            name,
+            kind: StreamKind::InMemory,
+            shards,
+            replicas: 1,
+            fsync: Fsync::OnCommit,
+        }
+    }
+}
+
 /// Creates a stream through the control plane (any member; it waits until applied).
 pub fn create_stream(
     addr: SocketAddr,
-    name: &str,
-    kind: StreamKind,
-    shards: u32,
-    replicas: u8,
+    stream: &NewStream<'_>,
     timeout: Duration,
 ) -> Result<(), AdminError> {
     let body = serde_json::json!({
-        "name": name,
-        "kind": kind,
-        "shards": shards,
-        "replicas": replicas,
+        "name": stream.name,
+        "kind": stream.kind,
+        "shards": stream.shards,
+        "replicas": stream.replicas,
+        "fsync": stream.fsync,
     })
     .to_string();
     let (status, answer) = request(addr, "POST", "/v1/cluster/streams", Some(&body), timeout)?;
@@ -252,9 +288,10 @@ pub fn render(status: &ClusterStatus) -> String {
             out,
             "\nstream {} ({}, {} shards, {} replicas)",
             stream.name,
-            match stream.kind {
-                StreamKind::Durable => "durable",
-                StreamKind::InMemory => "in memory",
+            match (stream.kind, stream.fsync) {
+                (StreamKind::Durable, Fsync::OnCommit) => "durable, fsync on_commit",
+                (StreamKind::Durable, Fsync::Periodic) => "durable, fsync periodic",
+                (StreamKind::InMemory, _) => "in memory",
             },
             stream.shards.len(),
             stream.replicas
@@ -496,6 +533,7 @@ mod tests {
             }],
             under_replicated: shard == 1,
             pending: 0,
+            fsync: Fsync::OnCommit,
         };
         let status = ClusterStatus {
             node: NodeStatus {

@@ -27,6 +27,31 @@ pub enum StreamKind {
     Durable,
 }
 
+/// When a replicated stream's members count an entry as theirs, and so when a publish is
+/// acknowledged (docs/cluster.md, "Acknowledgement modes"; `raft_log.rs`, "Durability").
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Fsync {
+    /// Once fdatasynced: an acknowledged record is on a majority's disks.
+    #[default]
+    OnCommit,
+    /// Once written (page cache), fdatasynced every FELIX_DURABLE_FSYNC_INTERVAL_MS of each
+    /// member: an acknowledged record survives killed processes, not a majority's power loss
+    /// within that interval.
+    Periodic,
+}
+
+impl Fsync {
+    /// The name the settings and the CLI use: `on_commit` or `periodic`.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Fsync::OnCommit => "on_commit",
+            Fsync::Periodic => "periodic",
+        }
+    }
+}
+
 /// A broker of the cluster, as it registered itself.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Member {
@@ -49,6 +74,9 @@ pub struct StreamPlacement {
     /// the old one.
     pub incarnation: u64,
     pub shards: Vec<ShardPlacement>,
+    /// When its shard groups acknowledge (durable streams; in-memory ones are on_commit).
+    #[serde(default)]
+    pub fsync: Fsync,
 }
 
 /// A control-plane command, proposed by any broker and applied by all once committed.
@@ -63,6 +91,9 @@ pub enum Command {
         kind: StreamKind,
         shards: u32,
         replicas: u8,
+        /// Absent in commands of brokers before acknowledgement modes: on_commit.
+        #[serde(default)]
+        fsync: Fsync,
     },
     /// Deletes a stream.
     DeleteStream { name: String },
@@ -156,7 +187,8 @@ impl ControlState {
                 kind,
                 shards,
                 replicas,
-            } => self.create_stream(index, name, *kind, *shards, *replicas),
+                fsync,
+            } => self.create_stream(index, name, *kind, *shards, *replicas, *fsync),
             Command::DeleteStream { name } => {
                 if self.streams.remove(name).is_some() {
                     Outcome::Done
@@ -174,6 +206,7 @@ impl ControlState {
         kind: StreamKind,
         shards: u32,
         replicas: u8,
+        fsync: Fsync,
     ) -> Outcome {
         if self.streams.contains_key(name) {
             return rejected(format!("stream {name:?} exists"));
@@ -191,6 +224,9 @@ impl ControlState {
         }
         if kind == StreamKind::InMemory && replicas != 1 {
             return rejected("an in-memory stream keeps one copy: use --replicas 1".to_owned());
+        }
+        if kind == StreamKind::InMemory && fsync != Fsync::OnCommit {
+            return rejected("an in-memory stream is never written to disk: no --fsync".to_owned());
         }
         if usize::from(replicas) > self.members.len() {
             return rejected(format!(
@@ -216,6 +252,7 @@ impl ControlState {
                 replicas,
                 incarnation: index,
                 shards: placed,
+                fsync,
             },
         );
         Outcome::Done
@@ -259,6 +296,7 @@ mod tests {
             kind: StreamKind::Durable,
             shards: 6,
             replicas,
+            fsync: Fsync::OnCommit,
         }
     }
 
@@ -299,7 +337,8 @@ mod tests {
                     name: "cache".to_owned(),
                     kind: StreamKind::InMemory,
                     shards: 3,
-                    replicas: 3
+                    replicas: 3,
+                    fsync: Fsync::OnCommit,
                 }
             ),
             Outcome::Rejected { .. }

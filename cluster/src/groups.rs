@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use raft::prelude::Message;
 use serde::{Deserialize, Serialize};
 
-use crate::control::{ControlState, StreamKind};
+use crate::control::{ControlState, Fsync, StreamKind};
 use crate::node::{Node, NodeConfig, NodeError, PeerProgress, Role};
 use crate::publish::{Producer, PublishAnswer, PublishError};
 use crate::raft_log::{RaftLog, raft_log_config};
@@ -73,6 +73,9 @@ pub struct ShardStatus {
     /// This member's publishes into the shard not applied yet (`publish.rs`).
     #[serde(default)]
     pub pending: usize,
+    /// When this member's copy counts an entry as stored (its log's mode).
+    #[serde(default)]
+    pub fsync: Fsync,
 }
 
 struct Group {
@@ -94,6 +97,9 @@ pub struct Groups {
     /// This run of the member (start time in nanoseconds): its producers' ids.
     boot: u64,
     dir: PathBuf,
+    /// The periodic fdatasync interval of groups of `--fsync periodic` streams
+    /// (FELIX_DURABLE_FSYNC_INTERVAL_MS).
+    fsync_interval: std::time::Duration,
     groups: BTreeMap<u64, Group>,
     ticks: u64,
 }
@@ -109,13 +115,15 @@ impl std::fmt::Debug for Groups {
 
 impl Groups {
     /// No groups yet; their logs go under `dir`. `boot` tells this run of the member from
-    /// its earlier ones (its publishes' producer ids differ per run).
+    /// its earlier ones (its publishes' producer ids differ per run). Groups of periodic
+    /// streams fdatasync every `fsync_interval`.
     #[must_use]
-    pub fn new(id: u64, boot: u64, dir: PathBuf) -> Groups {
+    pub fn new(id: u64, boot: u64, dir: PathBuf, fsync_interval: std::time::Duration) -> Groups {
         Groups {
             id,
             boot,
             dir,
+            fsync_interval,
             groups: BTreeMap::new(),
             ticks: 0,
         }
@@ -134,7 +142,7 @@ impl Groups {
                     let shard = u32::try_from(shard).expect("shards below 2^32");
                     wanted.insert(
                         group_id(stream.incarnation, shard),
-                        (stream.name.clone(), shard, placement),
+                        (stream.name.clone(), shard, placement, stream.fsync),
                     );
                 }
             }
@@ -156,7 +164,7 @@ impl Groups {
                 }
             }
         }
-        for (group, (stream, shard, placement)) in wanted {
+        for (group, (stream, shard, placement, fsync)) in wanted {
             if self.groups.contains_key(&group) {
                 continue;
             }
@@ -164,6 +172,11 @@ impl Groups {
             let mut log_config = raft_log_config(&dir);
             log_config.segment_bytes = SHARD_LOG_SEGMENT_BYTES;
             log_config.max_round_bytes = SHARD_LOG_ROUND_BYTES;
+            if fsync == Fsync::Periodic {
+                log_config.fsync = felix_storage::FsyncMode::Periodic {
+                    interval: self.fsync_interval,
+                };
+            }
             let backend = felix_storage::SystemBackend::open(
                 felix_storage::BackendChoice::from_env()
                     .map_err(|error| NodeError::Store(error.to_string()))?,
@@ -173,7 +186,13 @@ impl Groups {
                 .map_err(|error| NodeError::Store(error.to_string()))?;
             let config = NodeConfig::new(self.id, placement.replicas.clone());
             let node = Node::with_machine(&config, store, ShardState::default())?;
-            tracing::info!(stream, shard, group, "replicated shard started");
+            tracing::info!(
+                stream,
+                shard,
+                group,
+                fsync = fsync.name(),
+                "replicated shard started"
+            );
             self.groups.insert(
                 group,
                 Group {
@@ -191,14 +210,17 @@ impl Groups {
         Ok(())
     }
 
-    /// One tick of every group at time `now`: callers of publishes past their deadline are
-    /// answered and pending batches due are proposed again (`publish.rs`); every
+    /// One tick of every group at time `now`: its log's background work (queued writes, a
+    /// periodic fdatasync due; an error there is the log's failure, as in
+    /// [`Groups::advance`]); callers of publishes past their deadline are answered and
+    /// pending batches due are proposed again (`publish.rs`); every
     /// [`TRANSFER_CHECK_TICKS`], a leader that is not the placed one hands leadership to it
     /// when it is connected and caught up.
-    pub fn tick(&mut self, connected: &[u64], now: std::time::Instant) {
+    pub fn tick(&mut self, connected: &[u64], now: std::time::Instant) -> Result<(), NodeError> {
         self.ticks += 1;
         let check = self.ticks.is_multiple_of(TRANSFER_CHECK_TICKS);
         for group in self.groups.values_mut() {
+            group.node.drive_store(now)?;
             group.node.tick();
             for (sequence, data) in group.producer.due(self.ticks, now) {
                 if group.node.propose_data(data).is_err() {
@@ -222,6 +244,7 @@ impl Groups {
                 }
             }
         }
+        Ok(())
     }
 
     /// A peer's message for `group`; dropped when the group is not running here (yet: Raft
@@ -381,6 +404,11 @@ impl Groups {
                     replicas: group.replicas.clone(),
                     under_replicated: status.role == Role::Leader && in_sync < group.replicas.len(),
                     pending: group.producer.pending(),
+                    fsync: if group.node.store().is_periodic() {
+                        Fsync::Periodic
+                    } else {
+                        Fsync::OnCommit
+                    },
                     progress: status.peers,
                 }
             })

@@ -684,6 +684,7 @@ mod tests {
                     leader: 1,
                     core: 0,
                 }],
+                fsync: Default::default(),
             },
         );
         let mut shards = MemoryShards::new(1);

@@ -68,8 +68,9 @@ impl Machine for ControlState {
 }
 
 /// Where a node keeps its Raft log durably. `persist` returns once the entries and hard state
-/// are on stable storage (fsynced): a vote or an append acknowledged before that could be
-/// lost by a crash, which breaks Raft's safety.
+/// are stored: fdatasynced, or for a periodic shard group's entries written
+/// (`raft_log.rs`, "Durability"); a vote acknowledged before its fdatasync could be lost by
+/// a power cut, which breaks Raft's safety.
 pub trait LogStore: Storage {
     /// Stores the group's voters when the log is new (a static peer list bootstraps every
     /// member with the same configuration).
@@ -87,6 +88,11 @@ pub trait LogStore: Storage {
     fn apply_snapshot(&mut self, snapshot: Snapshot) -> Result<(), NodeError>;
     /// Drops entries up to `upto` (applied), keeping `data` as the snapshot at `upto`.
     fn compact(&mut self, upto: u64, data: Vec<u8>) -> Result<(), NodeError>;
+    /// Background work at time `now`, without blocking: writes left queued, a periodic
+    /// fdatasync that is due (`raft_log.rs`). Called every service tick.
+    fn drive(&mut self, _now: std::time::Instant) -> Result<(), NodeError> {
+        Ok(())
+    }
 }
 
 /// Why the node cannot go on.
@@ -341,6 +347,11 @@ impl<S: LogStore, M: Machine> Node<S, M> {
     /// One tick of the logical clock (the service ticks every 100 ms).
     pub fn tick(&mut self) {
         self.raw.tick();
+    }
+
+    /// The log store's background work at `now` ([`LogStore::drive`]).
+    pub fn drive_store(&mut self, now: std::time::Instant) -> Result<(), NodeError> {
+        self.raw.mut_store().drive(now)
     }
 
     /// A message from a peer. Messages from a stale term or for another node are ignored by

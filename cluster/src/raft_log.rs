@@ -50,18 +50,40 @@
 //! - Each generation switch rewrites the live entries (those past the snapshot) and adds three
 //!   shard ids (12 bytes) to the log's `released` file.
 //!
+//! # Durability
+//!
+//! The Felix log's fsync mode decides when a write returns (`storage/src/config.rs`):
+//!
+//! - **on_commit** (the control plane, and replicated streams created `--fsync on_commit`):
+//!   every write returns once its records are fdatasynced, so a member acknowledges an entry
+//!   (an append response, the leader's own count) only once a power loss cannot take it.
+//! - **periodic** (replicated streams created `--fsync periodic`): entries and commit-only
+//!   hard states return once *written* (in the page cache: a killed process loses nothing,
+//!   a power loss can lose the last interval); the log fdatasyncs them every interval
+//!   ([`RaftLog::tick`] drives it). A hard state that changes the term or the vote, a conf
+//!   state and a generation switch are fdatasynced before they return in both modes: Raft's
+//!   election safety rests on a member never voting twice in a term, and that must survive
+//!   a power loss. What a power loss can still cost in this mode is acknowledged entries that
+//!   no member had fdatasynced yet (docs/cluster.md, "Acknowledgement modes").
+//!
+//! A newer commit index alone (a hard state that changes nothing else, with no entries:
+//! [`RaftLog::note_commit`]) is appended and written in the background in both modes,
+//! without waiting: its loss is harmless (Raft learns the commit again from the leader, and
+//! a restarted member re-applies its committed entries from the stored commit on), and
+//! waiting for it cost every acknowledged batch a second round before it was applied.
+//!
 //! # Failure
 //!
-//! A write returns only once its records are fdatasynced. Any failure while writing (failed
-//! write or fdatasync, disk full, a timeout) leaves the in-memory view as it was, returns
-//! the error, and makes every later write return [`RaftLogError::Failed`]: what reached the
-//! disk is unknown until the directory is reopened (recovery then tells).
+//! Any failure while writing (failed write or fdatasync, disk full, a timeout) leaves the
+//! in-memory view as it was, returns the error, and makes every later write return
+//! [`RaftLogError::Failed`]: what reached the disk is unknown until the directory is reopened
+//! (recovery then tells).
 //!
 //! Threads: blocking, used from one thread (the broker's cluster thread); no threads of its
 //! own beyond those the Felix log's backend spawns.
 
 use std::path::Path;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::node::NodeError;
 use felix_storage::{
@@ -104,9 +126,10 @@ pub enum RaftLogError {
     /// The Felix log rejected a round (disk full): the write is not durable.
     #[error("the storage log rejected the write: {0}")]
     Rejected(StorageError),
-    /// After the flush a shard was not synced up to what was appended (never expected).
-    #[error("shard {shard} is synced up to offset {synced}, below the appended {next}")]
-    NotSynced { shard: u32, synced: u64, next: u64 },
+    /// After the flush a shard was not synced (or, for a write that needs no fdatasync,
+    /// written) up to what was appended (never expected).
+    #[error("shard {shard} is stored up to offset {stored}, below the appended {next}")]
+    NotStored { shard: u32, stored: u64, next: u64 },
     /// A record could not be encoded or decoded as protobuf.
     #[error("protobuf: {0}")]
     Protobuf(#[from] protobuf::ProtobufError),
@@ -154,6 +177,8 @@ pub struct RaftLog<B: Backend = SystemBackend> {
     is_new: bool,
     /// Set by a failed write: later writes are refused.
     failed: Option<String>,
+    /// The log's fsync mode is periodic: entries are counted once written (module docs).
+    periodic: bool,
     /// What the Felix log's recovery found at open.
     recovery: RecoveryReport,
 }
@@ -195,7 +220,8 @@ fn now_unix_us() -> u64 {
 }
 
 /// The configuration [`RaftLog::open`] uses for `dir`: on_commit fsync (every write is
-/// fdatasynced before it returns) and [`RAFT_LOG_SEGMENT_BYTES`] segments.
+/// fdatasynced before it returns) and [`RAFT_LOG_SEGMENT_BYTES`] segments. A replicated
+/// stream created with periodic acknowledgements sets `fsync` to periodic (module docs).
 pub fn raft_log_config(dir: &Path) -> LogConfig {
     let mut config = LogConfig::new(dir);
     config.fsync = FsyncMode::OnCommit;
@@ -216,11 +242,10 @@ impl RaftLog<SystemBackend> {
 
 impl<B: Backend> RaftLog<B> {
     /// Opens the Raft log with an explicit Felix log configuration and backend (tests use
-    /// small segments and the fault-injecting backend). `config.fsync` must be on_commit.
+    /// small segments and the fault-injecting backend). `config.fsync` decides when writes
+    /// return (module documentation, "Durability").
     pub fn open_with(config: LogConfig, backend: B) -> Result<Self> {
-        if config.fsync != FsyncMode::OnCommit {
-            return Err(StorageError::Config("a raft log needs on_commit fsync".into()).into());
-        }
+        let periodic = matches!(config.fsync, FsyncMode::Periodic { .. });
         let (log, report) = Log::open(config, backend)?;
         if !report.truncations.is_empty() {
             tracing::warn!(
@@ -274,6 +299,7 @@ impl<B: Backend> RaftLog<B> {
             entries,
             is_new,
             failed: None,
+            periodic,
             recovery: report,
         };
         if generations.iter().any(|g| *g != generation) {
@@ -319,6 +345,21 @@ impl<B: Backend> RaftLog<B> {
         self.log.total_bytes()
     }
 
+    /// Whether entries are stored once written rather than once fdatasynced (module
+    /// documentation, "Durability").
+    pub fn is_periodic(&self) -> bool {
+        self.periodic
+    }
+
+    /// Whether records of the current generation are written but not fdatasynced yet
+    /// (periodic mode, or a commit index on its way).
+    pub fn has_unsynced(&self) -> bool {
+        [entries_shard(self.generation), state_shard(self.generation)]
+            .into_iter()
+            .filter_map(|shard| self.log.shard_offsets(shard))
+            .any(|o| o.synced != o.next)
+    }
+
     /// The error that made the log refuse writes, if one did.
     pub fn failure(&self) -> Option<&str> {
         self.failed.as_deref()
@@ -353,11 +394,21 @@ impl<B: Backend> RaftLog<B> {
 
     /// Appends `entries` (which replace the entries held at and after their first index, as
     /// raft-rs `MemStorage::append` does) and `hard_state` if given, and returns once both
-    /// are fdatasynced; then updates the view served through [`raft::Storage`]. Entries must
-    /// be consecutive, start no lower than the first index and leave no gap after the last
-    /// index (errors, not writes, where `MemStorage` panics).
+    /// are stored (fdatasynced; in periodic mode written, unless the term or the vote
+    /// changes: module documentation, "Durability"; a hard state alone that only moves the
+    /// commit index is [`RaftLog::note_commit`]'s, not waited for); then updates the view served through
+    /// [`raft::Storage`]. Entries must be consecutive, start no lower than the first index
+    /// and leave no gap after the last index (errors, not writes, where `MemStorage` panics).
     pub fn persist(&mut self, entries: &[Entry], hard_state: Option<&HardState>) -> Result<()> {
         self.check_failed()?;
+        if entries.is_empty()
+            && let Some(hs) = hard_state
+            && hs.term == self.hard_state.term
+            && hs.vote == self.hard_state.vote
+        {
+            // Only the commit index moved: written in the background (`note_commit`).
+            return self.note_commit(hs.commit);
+        }
         if let Some(first) = entries.first() {
             let first_index = self.first();
             let last_index = self.last();
@@ -396,7 +447,11 @@ impl<B: Backend> RaftLog<B> {
         if records.is_empty() {
             return Ok(());
         }
-        self.write_durably(&records)?;
+        let sync = !self.periodic
+            || hard_state.is_some_and(|hs| {
+                hs.term != self.hard_state.term || hs.vote != self.hard_state.vote
+            });
+        self.write(&records, sync)?;
         if let Some(first) = entries.first() {
             let keep = usize::try_from(first.index - self.first()).unwrap_or(usize::MAX);
             self.entries.truncate(keep);
@@ -409,6 +464,46 @@ impl<B: Backend> RaftLog<B> {
         Ok(())
     }
 
+    /// Records a newer commit index without waiting for it: the hard state record is
+    /// appended and its write started (it goes with the next round; any later write that
+    /// waits covers it). The view's commit moves at once. Its loss to a crash is harmless:
+    /// Raft learns the commit index again, and compaction stores its own. An index at or
+    /// below the stored one does nothing.
+    pub fn note_commit(&mut self, commit: u64) -> Result<()> {
+        self.check_failed()?;
+        if commit <= self.hard_state.commit {
+            return Ok(());
+        }
+        let mut hard_state = self.hard_state.clone();
+        hard_state.commit = commit;
+        let record = (
+            state_shard(self.generation),
+            KEY_HARD_STATE,
+            hard_state.write_to_bytes()?,
+        );
+        let result = self.append_records(std::slice::from_ref(&record));
+        result.map_err(|e| self.fail(e))?;
+        self.hard_state = hard_state;
+        self.is_new = false;
+        self.tick(Instant::now())
+    }
+
+    /// Reaps finished rounds and starts the next ones without blocking: writes what
+    /// [`RaftLog::note_commit`] left queued, and in periodic mode runs the fdatasync once
+    /// written data is an interval old. The owner calls it regularly (every cluster tick).
+    pub fn tick(&mut self, now: Instant) -> Result<()> {
+        self.check_failed()?;
+        if let Err(e) = self.log.drive(now) {
+            return Err(self.fail(e.into()));
+        }
+        while let Some(event) = self.log.poll_event() {
+            if let LogEvent::Rejected { error, .. } = event {
+                return Err(self.fail(RaftLogError::Rejected(error)));
+            }
+        }
+        Ok(())
+    }
+
     /// Stores the conf state durably (returns once fdatasynced).
     pub fn set_conf_state(&mut self, cs: ConfState) -> Result<()> {
         self.check_failed()?;
@@ -417,7 +512,7 @@ impl<B: Backend> RaftLog<B> {
             KEY_CONF_STATE,
             cs.write_to_bytes()?,
         );
-        self.write_durably(&[record])?;
+        self.write(&[record], true)?;
         self.conf_state = cs;
         self.is_new = false;
         Ok(())
@@ -539,7 +634,7 @@ impl<B: Backend> RaftLog<B> {
             generation.to_le_bytes().to_vec(),
         ));
         self.next_generation = generation + 1;
-        self.write_durably(&records)?;
+        self.write(&records, true)?;
         let old = self.generation;
         self.generation = generation;
         self.snapshot = snapshot;
@@ -573,23 +668,29 @@ impl<B: Backend> RaftLog<B> {
         }
     }
 
-    /// Appends `records` (shard, key, payload) in order and waits until all are fdatasynced.
-    /// Sizes are checked before anything is appended; any later failure fails the log.
-    fn write_durably(&mut self, records: &[(u32, &[u8], Vec<u8>)]) -> Result<()> {
-        for (_, key, payload) in records {
-            felix_storage::frame::check_sizes(key.len(), payload.len())?;
-        }
-        let result = self.append_and_sync(records);
+    /// Appends `records` (shard, key, payload) in order and waits until all are stored:
+    /// fdatasynced when `sync` or the mode is on_commit, written otherwise. Sizes are checked
+    /// before anything is appended; any later failure fails the log.
+    fn write(&mut self, records: &[(u32, &[u8], Vec<u8>)], sync: bool) -> Result<()> {
+        let result = self.append_records(records).and_then(|shards| {
+            self.wait(sync)?;
+            self.check_stored(&shards, sync)
+        });
         result.map_err(|e| self.fail(e))
     }
 
-    fn append_and_sync(&mut self, records: &[(u32, &[u8], Vec<u8>)]) -> Result<()> {
+    /// Appends `records` in order (waiting for queued writes first where the pending bound is
+    /// reached) and returns the shards they went to.
+    fn append_records(&mut self, records: &[(u32, &[u8], Vec<u8>)]) -> Result<Vec<u32>> {
+        for (_, key, payload) in records {
+            felix_storage::frame::check_sizes(key.len(), payload.len())?;
+        }
         let timestamp_us = now_unix_us();
         let mut shards: Vec<u32> = Vec::new();
         for (shard, key, payload) in records {
             if !self.log.can_append(key.len(), payload.len()) {
                 // The pending bound is reached: write what is queued first.
-                self.sync()?;
+                self.wait(false)?;
             }
             let offset = self.log.shard_offsets(*shard).map_or(0, |o| o.next);
             self.log
@@ -598,24 +699,39 @@ impl<B: Backend> RaftLog<B> {
                 shards.push(*shard);
             }
         }
-        self.sync()?;
-        for shard in shards {
-            if let Some(o) = self.log.shard_offsets(shard)
-                && o.synced != o.next
-            {
-                return Err(RaftLogError::NotSynced {
-                    shard,
-                    synced: o.synced,
-                    next: o.next,
-                });
+        Ok(shards)
+    }
+
+    /// Checks that every record appended to `shards` is stored as [`RaftLog::write`] asked.
+    fn check_stored(&self, shards: &[u32], sync: bool) -> Result<()> {
+        for &shard in shards {
+            if let Some(o) = self.log.shard_offsets(shard) {
+                let stored = if sync || !self.periodic {
+                    o.synced
+                } else {
+                    o.written
+                };
+                if stored != o.next {
+                    return Err(RaftLogError::NotStored {
+                        shard,
+                        stored,
+                        next: o.next,
+                    });
+                }
             }
         }
         Ok(())
     }
 
-    /// Waits until everything appended is written and fdatasynced; a rejected round is an
-    /// error.
-    fn sync(&mut self) -> Result<()> {
+    /// Waits until everything appended is written, and fdatasynced when `sync` or the mode
+    /// is on_commit; a rejected round is an error.
+    fn wait(&mut self, sync: bool) -> Result<()> {
+        if sync && self.periodic {
+            // Asks for the fdatasync now (and a commit mark after it: one more small round,
+            // paid only for term, vote and conf changes and generation switches). On_commit
+            // logs sync every round anyway.
+            self.log.sync_now();
+        }
         self.log.flush(FLUSH_TIMEOUT)?;
         let mut rejected = None;
         while let Some(event) = self.log.poll_event() {
@@ -845,7 +961,8 @@ impl<B: Backend> raft::Storage for RaftLog<B> {
     }
 }
 
-/// The node's view of the store: every write is durable when it returns (`persist` fsyncs).
+/// The node's view of the store: a write is stored when it returns (module documentation,
+/// "Durability"), except the commit index, written in the background.
 impl<B: Backend> crate::node::LogStore for RaftLog<B> {
     fn bootstrap(&mut self, conf_state: ConfState) -> std::result::Result<(), NodeError> {
         self.set_conf_state(conf_state).map_err(node_error)
@@ -860,14 +977,9 @@ impl<B: Backend> crate::node::LogStore for RaftLog<B> {
     }
 
     fn persist_commit(&mut self, commit: u64) -> std::result::Result<(), NodeError> {
-        // The commit index is written with the hard state: compaction never goes past the
-        // stored commit, and a restart re-applies up to it at once.
-        if commit <= self.hard_state().commit {
-            return Ok(());
-        }
-        let mut hard_state = self.hard_state().clone();
-        hard_state.commit = commit;
-        RaftLog::persist(self, &[], Some(&hard_state)).map_err(node_error)
+        // Written in the background (`note_commit`): a restart re-applies up to the stored
+        // commit at once, and learns the rest from the leader.
+        self.note_commit(commit).map_err(node_error)
     }
 
     fn apply_snapshot(&mut self, snapshot: Snapshot) -> std::result::Result<(), NodeError> {
@@ -876,6 +988,10 @@ impl<B: Backend> crate::node::LogStore for RaftLog<B> {
 
     fn compact(&mut self, upto: u64, data: Vec<u8>) -> std::result::Result<(), NodeError> {
         RaftLog::compact(self, upto, data).map_err(node_error)
+    }
+
+    fn drive(&mut self, now: Instant) -> std::result::Result<(), NodeError> {
+        self.tick(now).map_err(node_error)
     }
 }
 

@@ -57,6 +57,9 @@ pub struct ServiceConfig {
     pub ca_pem: String,
     /// The control plane's Raft log directory.
     pub dir: PathBuf,
+    /// How often the shard groups of `--fsync periodic` streams fdatasync
+    /// (FELIX_DURABLE_FSYNC_INTERVAL_MS).
+    pub fsync_interval: Duration,
 }
 
 /// Why the service failed or a request did not complete.
@@ -570,7 +573,12 @@ async fn serve(
         .map_or(0, |since| {
             u64::try_from(since.as_nanos()).unwrap_or(u64::MAX)
         });
-    let mut groups = Groups::new(id, boot, config.dir.with_file_name("shards"));
+    let mut groups = Groups::new(
+        id,
+        boot,
+        config.dir.with_file_name("shards"),
+        config.fsync_interval,
+    );
     let mut reconciled_at = 0u64;
     let (view, view_watched) = tokio::sync::watch::channel(Arc::new(ClusterView::new(
         id,
@@ -601,17 +609,18 @@ async fn serve(
         tokio::select! {
             _ = &mut stopped => break,
             _ = ticks.tick() => {
+                let now = std::time::Instant::now();
+                node.drive_store(now)?;
                 node.tick();
-                groups.tick(&transport.connected_peers(), std::time::Instant::now());
+                groups.tick(&transport.connected_peers(), now)?;
                 tick_count += 1;
                 refresh_status = true;
-                data.forwards.expire(std::time::Instant::now());
+                data.forwards.expire(now);
                 data.memory.tick(tick_count, &mut data.out);
                 // Callers that gave up (their deadline passed) are forgotten; proposals that did
                 // not come back within a second are proposed again (a forward lost on the way
                 // to the leader, or dropped by a leader change: raft-rs never retries them).
                 // The control plane applies each once (`ControlState::apply_proposal`).
-                let now = std::time::Instant::now();
                 waiting.retain(|_, waiting| waiting.deadline > now);
                 for (sequence, waiting) in &mut waiting {
                     if tick_count - waiting.proposed_at >= PROPOSE_AGAIN_TICKS

@@ -171,6 +171,7 @@ fn creation(name: &str) -> Command {
         kind: StreamKind::InMemory,
         shards: 3,
         replicas: 1,
+        fsync: Default::default(),
     }
 }
 

@@ -96,6 +96,7 @@ fn in_memory_shards_live_on_their_owner_and_any_member_publishes_and_subscribes(
                     kind: StreamKind::InMemory,
                     shards: SHARDS,
                     replicas: 1,
+                    fsync: Default::default(),
                 },
                 Duration::from_secs(5),
             ),

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use felix_cluster::control::{Command, Outcome, StreamKind};
+use felix_cluster::control::{Command, Fsync, Outcome, StreamKind};
 use felix_cluster::publish::{PublishAck, PublishAnswer, PublishError};
 use felix_cluster::service::Service;
 use felix_cluster::shard::ShardRecord;
@@ -44,6 +44,17 @@ struct Acked {
 
 #[test]
 fn acked_batches_are_on_every_member_once_through_a_leader_restart() {
+    acked_batches_survive_a_leader_restart(Fsync::OnCommit);
+}
+
+/// The same with periodic acknowledgements: a member counts an entry once written; a stopped
+/// service (no power cut) must lose none of them.
+#[test]
+fn periodic_acked_batches_are_on_every_member_once_through_a_leader_restart() {
+    acked_batches_survive_a_leader_restart(Fsync::Periodic);
+}
+
+fn acked_batches_survive_a_leader_restart(fsync: Fsync) {
     let ids = [1u64, 2, 3];
     let cluster = Cluster::new(&ids);
     let slots = cluster.start_slots(&ids);
@@ -68,6 +79,7 @@ fn acked_batches_are_on_every_member_once_through_a_leader_restart() {
                         kind: StreamKind::Durable,
                         shards: SHARDS,
                         replicas: 3,
+                        fsync,
                     },
                     Duration::from_secs(5),
                 ),
@@ -83,6 +95,14 @@ fn acked_batches_are_on_every_member_once_through_a_leader_restart() {
                 && status.shards.iter().all(|shard| shard.leader.is_some())
         })
     });
+    for id in ids {
+        for shard in status(id).shards {
+            assert_eq!(
+                shard.fsync, fsync,
+                "member {id}'s copy runs its log in the asked mode"
+            );
+        }
+    }
 
     // Three publishers, one through each member, one batch in flight each.
     let publishers: Vec<_> = ids

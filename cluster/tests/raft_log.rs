@@ -1,13 +1,16 @@
 //! `RaftLog` (cluster/src/raft_log.rs): durability across reopen, the Raft overwrite rule,
 //! compaction and snapshots with their generation switch, torn tails and failed fsyncs, and
-//! a seeded comparison against raft-rs's `MemStorage`. Each test works in its own temporary
-//! directory; nothing sleeps or depends on timing.
+//! a seeded comparison against raft-rs's `MemStorage`, periodic acknowledgements and the
+//! commit index written in the background. Each test works in its own temporary directory;
+//! nothing sleeps or depends on timing (the periodic fdatasync is driven with a clock value).
 
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 use felix_cluster::raft_log::{RaftLog, RaftLogError, raft_log_config};
 use felix_storage::{
-    BackendChoice, FaultBackend, FaultHandle, LogConfig, PowerCut, SystemBackend, frame, segment,
+    BackendChoice, FaultBackend, FaultHandle, FsyncMode, LogConfig, PowerCut, SystemBackend, frame,
+    segment,
 };
 use raft::prelude::{ConfState, Entry, HardState, Snapshot};
 use raft::storage::MemStorage;
@@ -83,6 +86,126 @@ fn open_fault(dir: &Path) -> (RaftLog<FaultBackend>, FaultHandle) {
     let (backend, handle) = FaultBackend::new(true).expect("fault backend");
     let log = RaftLog::open_with(small_config(dir), backend).expect("open");
     (log, handle)
+}
+
+/// A periodic log whose interval never passes by itself within a test (an hour): only
+/// [`RaftLog::tick`] with a later clock value, or a write that must sync, fdatasyncs.
+fn open_fault_periodic(dir: &Path) -> (RaftLog<FaultBackend>, FaultHandle) {
+    let (backend, handle) = FaultBackend::new(true).expect("fault backend");
+    let mut config = small_config(dir);
+    config.fsync = FsyncMode::Periodic {
+        interval: Duration::from_secs(3600),
+    };
+    let log = RaftLog::open_with(config, backend).expect("open");
+    (log, handle)
+}
+
+#[test]
+fn periodic_entries_are_stored_once_written_and_a_vote_once_synced() {
+    for power_cut in [false, true] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut log, handle) = open_fault_periodic(dir.path());
+        assert!(log.is_periodic());
+        log.set_conf_state(conf_state(&[1, 2, 3]))
+            .expect("conf state");
+        // A new term and vote: fdatasynced before it returns, with the entries written with
+        // it.
+        log.persist(&entries(1..=5, 1), Some(&hard_state(1, 2, 0)))
+            .expect("persist");
+        assert!(!log.has_unsynced());
+        // Entries and a newer commit only: written, not synced.
+        log.persist(&entries(6..=8, 1), Some(&hard_state(1, 2, 5)))
+            .expect("persist");
+        assert!(log.has_unsynced());
+        assert_eq!(log.last_index().expect("last"), 8);
+        if power_cut {
+            handle.power_cut(PowerCut::DropUnsynced).expect("power cut");
+        }
+        drop(log);
+        let (log, _) = open_fault_periodic(dir.path());
+        let state = log.initial_state().expect("state");
+        assert_eq!(state.conf_state, conf_state(&[1, 2, 3]));
+        if power_cut {
+            // A power cut loses what no fdatasync covered, never the vote.
+            assert_eq!(state.hard_state, hard_state(1, 2, 0));
+            assert_eq!(all_entries(&log), entries(1..=5, 1));
+        } else {
+            // A process crash keeps everything written.
+            assert_eq!(state.hard_state, hard_state(1, 2, 5));
+            assert_eq!(all_entries(&log), entries(1..=8, 1));
+        }
+    }
+}
+
+#[test]
+fn a_periodic_log_fdatasyncs_once_its_interval_passed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut log, handle) = open_fault_periodic(dir.path());
+    log.persist(&entries(1..=5, 1), Some(&hard_state(1, 2, 0)))
+        .expect("persist");
+    log.persist(&entries(6..=8, 1), Some(&hard_state(1, 2, 5)))
+        .expect("persist");
+    log.tick(Instant::now()).expect("tick");
+    assert!(log.has_unsynced(), "the interval has not passed");
+    let later = Instant::now() + Duration::from_secs(2 * 3600);
+    // Bounded: a tick starts the fdatasync, the next reaps it.
+    for _ in 0..4 {
+        log.tick(later).expect("tick");
+    }
+    assert!(!log.has_unsynced(), "a tick past the interval fdatasyncs");
+    handle.power_cut(PowerCut::DropUnsynced).expect("power cut");
+    drop(log);
+    let (log, _) = open_fault_periodic(dir.path());
+    assert_eq!(all_entries(&log), entries(1..=8, 1));
+    assert_eq!(
+        log.initial_state().expect("state").hard_state,
+        hard_state(1, 2, 5)
+    );
+}
+
+#[test]
+fn a_new_term_in_periodic_mode_fdatasyncs_everything_before_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut log, handle) = open_fault_periodic(dir.path());
+    log.persist(&entries(1..=5, 1), Some(&hard_state(1, 2, 0)))
+        .expect("persist");
+    log.persist(&entries(6..=8, 1), Some(&hard_state(1, 2, 5)))
+        .expect("persist");
+    assert!(log.has_unsynced());
+    log.persist(&[], Some(&hard_state(2, 3, 5)))
+        .expect("a vote in a new term");
+    assert!(!log.has_unsynced());
+    handle.power_cut(PowerCut::DropUnsynced).expect("power cut");
+    drop(log);
+    let (log, _) = open_fault_periodic(dir.path());
+    assert_eq!(all_entries(&log), entries(1..=8, 1));
+    assert_eq!(
+        log.initial_state().expect("state").hard_state,
+        hard_state(2, 3, 5)
+    );
+}
+
+#[test]
+fn the_commit_index_is_written_in_the_background() {
+    use felix_cluster::node::LogStore as _;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut log, _handle) = open_fault(dir.path());
+    log.persist(&entries(1..=5, 1), Some(&hard_state(1, 2, 0)))
+        .expect("persist");
+    log.persist_commit(4).expect("commit");
+    // The view moves at once; an older index changes nothing.
+    assert_eq!(log.hard_state().commit, 4);
+    log.persist_commit(2).expect("an older commit");
+    assert_eq!(log.hard_state().commit, 4);
+    // Its write started without waiting; a crash after it finished keeps it.
+    log.drive(Instant::now()).expect("drive");
+    drop(log);
+    let (log, _) = open_fault(dir.path());
+    assert_eq!(
+        log.initial_state().expect("state").hard_state,
+        hard_state(1, 2, 4)
+    );
+    assert_eq!(all_entries(&log), entries(1..=5, 1));
 }
 
 #[test]

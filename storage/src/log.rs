@@ -1614,7 +1614,11 @@ impl<B: Backend> Log<B> {
         self.unsynced.records = 0;
         self.unsynced.bytes = 0;
         self.sync_due_at = None;
-        self.sync_requested = false;
+        // A `sync_now` made while this round was in flight may cover records appended after
+        // it was submitted (still pending, or in a round in flight without an fdatasync):
+        // the request stands until a later fdatasync covers those too.
+        let uncovered = !self.pending.is_empty() || self.in_flight.iter().any(|round| !round.sync);
+        self.sync_requested &= uncovered;
         if !ranges.is_empty() {
             self.events.push_back(LogEvent::Synced(ranges));
         }

@@ -292,3 +292,36 @@ fn rounds_in_flight_is_one_or_two() {
         }
     }
 }
+
+/// `sync_now` while a synced round is in flight: the records appended after that round was
+/// submitted get an fdatasync of their own (the request used to be cleared by the earlier
+/// round's fdatasync, leaving them written but unsynced for a whole interval).
+#[test]
+fn a_sync_asked_during_a_synced_round_covers_the_records_appended_after_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut config = small_config(
+        dir.path(),
+        FsyncMode::Periodic {
+            interval: std::time::Duration::from_secs(3600),
+        },
+    );
+    config.rounds_in_flight = 2;
+    let (backend, fault) = FaultBackend::new(false).expect("backend");
+    let (mut log, _) = Log::open(config, backend).expect("open");
+    append(&mut log, 0, 0, b"zero");
+    log.sync_now();
+    log.drive(Instant::now()).expect("drive");
+    assert_eq!(
+        fault.held_rounds(),
+        1,
+        "round 0, with its fdatasync, is in flight"
+    );
+    append(&mut log, 0, 1, b"one");
+    log.sync_now();
+    log.drive(Instant::now()).expect("drive");
+    assert!(fault.complete_next(), "round 0 completes");
+    settle(&mut log, &fault);
+    let offsets = log.shard_offsets(0).expect("shard 0");
+    assert_eq!(offsets.written, 2);
+    assert_eq!(offsets.synced, 2, "the second sync_now is not lost");
+}

@@ -486,7 +486,9 @@ settings! {
         kind: Kind::Count { min: 1, max: DURABLE_FSYNC_INTERVAL_MS_MAX },
         default: Fixed("250"),
         restart: Restart::Broker,
-        doc: "Milliseconds between fdatasyncs of written durable records in `periodic` mode.",
+        doc: "Milliseconds between fdatasyncs of written durable records in `periodic` mode; \
+              on a cluster member also of its copies of replicated streams created `--fsync \
+              periodic` (docs/cluster.md).",
     }
     storage_io_uring {
         env: "FELIX_STORAGE_IO_URING",

@@ -64,6 +64,7 @@ impl Cluster {
                 identity: self.ca.issue_node(id, &[]).expect("cert"),
                 ca_pem: self.ca.cert_pem.clone(),
                 dir: dir.clone(),
+                fsync_interval: Duration::from_millis(250),
             }) {
                 Ok(service) => return service,
                 Err(error) if Instant::now() < deadline => {
@@ -111,6 +112,7 @@ pub fn create_stream(services: &[&Service], name: &str, shards: u32) {
                     kind: StreamKind::Durable,
                     shards,
                     replicas: 3,
+                    fsync: Default::default(),
                 },
                 Duration::from_secs(5),
             ),

@@ -103,6 +103,7 @@ pub(crate) fn start(
         identity,
         ca_pem,
         dir: config.data_dir.join("cluster").join("raft"),
+        fsync_interval: std::time::Duration::from_millis(config.durable_fsync_interval_ms),
     })
     .map_err(|error| BrokerError::Cluster(error.to_string()))?;
     tracing::info!(

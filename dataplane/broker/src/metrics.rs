@@ -1061,8 +1061,8 @@ fn json_body<T: serde::de::DeserializeOwned>(
 }
 
 /// `POST /v1/cluster/streams`: `{"name", "kind": "durable"|"in_memory", "shards",
-/// "replicas"}`; 200 once applied, 409 when the control plane rejected it, 503 without a
-/// leader or an answer in time.
+/// "replicas", "fsync": "on_commit"|"periodic" (optional, on_commit)}`; 200 once applied,
+/// 409 when the control plane rejected it, 503 without a leader or an answer in time.
 fn create_stream(
     service: &felix_cluster::service::Service,
     request: &mut tiny_http::Request,
@@ -1073,6 +1073,8 @@ fn create_stream(
         kind: felix_cluster::control::StreamKind,
         shards: u32,
         replicas: u8,
+        #[serde(default)]
+        fsync: felix_cluster::control::Fsync,
     }
     let create: Create = match json_body(request) {
         Ok(create) => create,
@@ -1083,6 +1085,7 @@ fn create_stream(
         kind: create.kind,
         shards: create.shards,
         replicas: create.replicas,
+        fsync: create.fsync,
     };
     propose(service, command)
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Args, Subcommand, ValueEnum};
-use felix_cluster::control::StreamKind;
+use felix_cluster::control::{Fsync, StreamKind};
 use felix_tuning::Config;
 
 /// How long an admin request may take (a stream creation waits for the control plane).
@@ -25,6 +25,17 @@ pub struct AdminArgs {
 pub enum KindArg {
     Durable,
     InMemory,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum FsyncArg {
+    /// Acknowledged once a majority including the leader fdatasynced it.
+    #[value(name = "on_commit")]
+    OnCommit,
+    /// Acknowledged once a majority including the leader wrote it; each member fdatasyncs
+    /// every FELIX_DURABLE_FSYNC_INTERVAL_MS.
+    #[value(name = "periodic")]
+    Periodic,
 }
 
 #[derive(Debug, Subcommand)]
@@ -51,6 +62,10 @@ pub enum ClusterCommand {
         /// Durable (the log, replicated) or in memory (one copy).
         #[arg(long, value_enum, default_value = "durable")]
         kind: KindArg,
+        /// When a durable stream's publishes are acknowledged (docs/cluster.md,
+        /// "Acknowledgement modes").
+        #[arg(long, value_enum, default_value = "on_commit")]
+        fsync: FsyncArg,
     },
     /// Delete a stream through the control plane: every member stops serving it and removes
     /// its replicated shards' logs; its subscribers are ended (`stream_not_found`).
@@ -117,15 +132,30 @@ pub fn run(config: &Config, command: ClusterCommand) -> anyhow::Result<()> {
             shards,
             replicas,
             kind,
+            fsync,
         } => {
             let addr = admin_addr(config, &admin)?;
             let kind = match kind {
                 KindArg::Durable => StreamKind::Durable,
                 KindArg::InMemory => StreamKind::InMemory,
             };
-            felix_cluster::admin::create_stream(addr, &name, kind, shards, replicas, ADMIN_TIMEOUT)
+            let fsync = match fsync {
+                FsyncArg::OnCommit => Fsync::OnCommit,
+                FsyncArg::Periodic => Fsync::Periodic,
+            };
+            let spec = felix_cluster::admin::NewStream {
+                name: &name,
+                kind,
+                shards,
+                replicas,
+                fsync,
+            };
+            felix_cluster::admin::create_stream(addr, &spec, ADMIN_TIMEOUT)
                 .with_context(|| format!("cannot create stream {name:?}"))?;
-            println!("created stream {name} ({shards} shards, {replicas} replicas)");
+            println!(
+                "created stream {name} ({shards} shards, {replicas} replicas, fsync {})",
+                fsync.name()
+            );
             Ok(())
         }
         ClusterCommand::DeleteStream { admin, name } => {
