@@ -16,10 +16,10 @@ use raft::prelude::Message;
 use serde::{Deserialize, Serialize};
 
 use crate::control::{ControlState, Fsync, StreamKind};
-use crate::node::{Node, NodeConfig, NodeError, PeerProgress, Role};
+use crate::node::{Node, NodeConfig, NodeError, Output, PeerProgress, Role};
 use crate::publish::{Producer, PublishAnswer, PublishError};
 use crate::raft_log::{RaftLog, raft_log_config};
-use crate::shard::{ReadError, ShardRecord, ShardState};
+use crate::shard::{ReadError, ShardApplied, ShardRecord, ShardState};
 
 /// Group id 0 is the control plane's; a shard's group id is its stream's incarnation (the
 /// control-plane index that created it) shifted over the shard number (shards < 2^16).
@@ -91,6 +91,27 @@ struct Group {
     producer: Producer,
 }
 
+/// Answers this member's publishes that `output` applied and sends its messages; notes
+/// `(group, to, snapshot, sent)` where the group must hear how a send went.
+fn deliver(
+    id: u64,
+    group: &mut Group,
+    output: Output<ShardApplied>,
+    send: &mut dyn FnMut(u64, &Message) -> bool,
+    reports: &mut Vec<(u64, u64, bool, bool)>,
+) {
+    for applied in &output.applied {
+        group.producer.applied(applied);
+    }
+    for message in output.messages {
+        let sent = send(id, &message);
+        let snapshot = message.get_msg_type() == raft::prelude::MessageType::MsgSnapshot;
+        if snapshot || !sent {
+            reports.push((id, message.to, snapshot, sent));
+        }
+    }
+}
+
 /// The shard groups of this member.
 pub struct Groups {
     id: u64,
@@ -102,6 +123,8 @@ pub struct Groups {
     fsync_interval: std::time::Duration,
     groups: BTreeMap<u64, Group>,
     ticks: u64,
+    /// `(group, to, snapshot, sent)` of the sends a group must hear about after a pass.
+    reports: Vec<(u64, u64, bool, bool)>,
 }
 
 impl std::fmt::Debug for Groups {
@@ -126,6 +149,7 @@ impl Groups {
             fsync_interval,
             groups: BTreeMap::new(),
             ticks: 0,
+            reports: Vec::new(),
         }
     }
 
@@ -259,18 +283,65 @@ impl Groups {
         }
     }
 
-    /// Drives every group (answering this member's publishes that were applied); returns the
-    /// messages to send with their group ids.
-    pub fn advance(&mut self) -> Result<Vec<(u64, Message)>, NodeError> {
-        let mut out = Vec::new();
+    /// Starts a pass of driving the groups (`service.rs` runs up to
+    /// [`crate::node::ADVANCE_PASSES`], then [`Groups::end_advance`]), answering this member's
+    /// publishes that were applied and handing each message to `send` with its group id as
+    /// soon as it may leave (`send` says whether it went: a snapshot's fate and an
+    /// unreachable peer are reported to the group at the end). Every group with something
+    /// ready sends what may leave now (a leader's
+    /// appends go out before its own write is done, as Raft allows), applies what is
+    /// committed and starts its write ([`Node::begin`]), all before any write is waited for,
+    /// so the groups' logs write and fdatasync at the same time. Returns the groups begun;
+    /// [`Groups::finish_pass`] with them must follow. A caller on an async runtime yields in
+    /// between, so the messages reach the network while the disks work.
+    pub fn begin_pass(
+        &mut self,
+        send: &mut dyn FnMut(u64, &Message) -> bool,
+    ) -> Result<Vec<u64>, NodeError> {
+        let mut begun = Vec::new();
         for (id, group) in &mut self.groups {
-            let output = group.node.advance()?;
-            for applied in &output.applied {
-                group.producer.applied(applied);
+            let mut output = Output::default();
+            if group.node.begin(&mut output)? {
+                begun.push(*id);
             }
-            out.extend(output.messages.into_iter().map(|message| (*id, message)));
+            deliver(*id, group, output, send, &mut self.reports);
         }
-        Ok(out)
+        Ok(begun)
+    }
+
+    /// Completes the pass [`Groups::begin_pass`] started for `begun` ([`Node::finish`]):
+    /// waits for each write, sends what needed it (votes, append responses), applies what
+    /// became committed.
+    pub fn finish_pass(
+        &mut self,
+        begun: &[u64],
+        send: &mut dyn FnMut(u64, &Message) -> bool,
+    ) -> Result<(), NodeError> {
+        for id in begun {
+            let Some(group) = self.groups.get_mut(id) else {
+                continue;
+            };
+            let mut output = Output::default();
+            group.node.finish(&mut output)?;
+            deliver(*id, group, output, send, &mut self.reports);
+        }
+        Ok(())
+    }
+
+    /// After the passes: compacts the groups due and tells them how their sends went.
+    pub fn end_advance(&mut self) -> Result<(), NodeError> {
+        for group in self.groups.values_mut() {
+            group.node.compact_if_due()?;
+        }
+        for (group, to, snapshot, sent) in std::mem::take(&mut self.reports) {
+            if snapshot {
+                self.report_snapshot(group, to, sent);
+            }
+            if !sent {
+                self.report_unreachable(group, to);
+            }
+        }
+        Ok(())
     }
 
     /// Publishes a batch of records into shard group `group` (`publish.rs`): `answer` is

@@ -82,6 +82,21 @@ pub trait LogStore: Storage {
         entries: &[Entry],
         hard_state: Option<&HardState>,
     ) -> Result<(), NodeError>;
+    /// Starts what [`LogStore::persist`] does without waiting for it: the write goes out (at
+    /// the same time as other groups' writes) and [`LogStore::persist_end`] waits for it. The
+    /// store is not used in between. By default it persists at once.
+    fn persist_begin(
+        &mut self,
+        entries: &[Entry],
+        hard_state: Option<&HardState>,
+    ) -> Result<(), NodeError> {
+        self.persist(entries, hard_state)
+    }
+    /// Waits for the write [`LogStore::persist_begin`] started; then it is stored as
+    /// `persist` stores it.
+    fn persist_end(&mut self) -> Result<(), NodeError> {
+        Ok(())
+    }
     /// Stores a newer commit index (its loss is harmless: Raft learns it again).
     fn persist_commit(&mut self, commit: u64) -> Result<(), NodeError>;
     /// Replaces the log up to the snapshot's index with the snapshot, durably.
@@ -112,6 +127,10 @@ pub enum ProposeError {
     #[error("no control-plane leader is known yet; retry")]
     NoLeader,
 }
+
+/// Most `Ready`s one [`Node::advance`] handles: raft-rs produces a new one only after more
+/// input or a persisted append, which a few passes exhaust.
+pub const ADVANCE_PASSES: usize = 8;
 
 /// Timing and identity of a node.
 #[derive(Debug, Clone)]
@@ -219,6 +238,8 @@ pub struct NodeStatus {
 /// A Raft group member: the control plane's (`Node<S>`), or a replicated shard's.
 pub struct Node<S: LogStore, M: Machine = ControlState> {
     raw: RawNode<S>,
+    /// The `Ready` whose write [`Node::begin`] started and [`Node::finish`] completes.
+    in_progress: Option<raft::Ready>,
     state: M,
     boot: u64,
     next_sequence: u64,
@@ -320,6 +341,7 @@ impl<S: LogStore, M: Machine> Node<S, M> {
         let raw = RawNode::new(&raft_config, store, &logger)?;
         Ok(Node {
             raw,
+            in_progress: None,
             state,
             boot: config.boot,
             next_sequence: 1,
@@ -411,19 +433,25 @@ impl<S: LogStore, M: Machine> Node<S, M> {
     /// and the commands applied. Call after every tick, step and propose.
     pub fn advance(&mut self) -> Result<Output<M::Applied>, NodeError> {
         let mut output = Output::default();
-        // Bounded: each pass consumes one `Ready`; raft-rs produces a new one only after
-        // more input or a persisted append, which a few passes exhaust.
-        for _ in 0..8 {
-            if !self.raw.has_ready() {
+        for _ in 0..ADVANCE_PASSES {
+            if !self.begin(&mut output)? {
                 break;
             }
-            self.advance_once(&mut output)?;
+            self.finish(&mut output)?;
         }
-        self.maybe_compact()?;
+        self.compact_if_due()?;
         Ok(output)
     }
 
-    fn advance_once(&mut self, output: &mut Output<M::Applied>) -> Result<(), NodeError> {
+    /// The first half of [`Node::advance`]'s pass, for a caller driving several groups at
+    /// once: takes what Raft has ready, puts the messages that may leave now in `output`
+    /// (a leader's appends go out before its own write is done, as Raft allows), applies the
+    /// committed entries and starts the write ([`LogStore::persist_begin`]). False when
+    /// nothing was ready. [`Node::finish`] must follow before any other call on this node.
+    pub fn begin(&mut self, output: &mut Output<M::Applied>) -> Result<bool, NodeError> {
+        if self.in_progress.is_some() || !self.raw.has_ready() {
+            return Ok(false);
+        }
         let mut ready = self.raw.ready();
         output.messages.extend(ready.take_messages());
         if !ready.snapshot().is_empty() {
@@ -438,7 +466,21 @@ impl<S: LogStore, M: Machine> Node<S, M> {
         }
         let committed = ready.take_committed_entries();
         self.apply(committed, output)?;
-        self.raw.mut_store().persist(ready.entries(), ready.hs())?;
+        self.raw
+            .mut_store()
+            .persist_begin(ready.entries(), ready.hs())?;
+        self.in_progress = Some(ready);
+        Ok(true)
+    }
+
+    /// The second half: waits for the write [`Node::begin`] started, then lets out the
+    /// messages that needed it (votes, append responses), advances Raft and applies what
+    /// became committed. Does nothing when no pass is in progress.
+    pub fn finish(&mut self, output: &mut Output<M::Applied>) -> Result<(), NodeError> {
+        let Some(mut ready) = self.in_progress.take() else {
+            return Ok(());
+        };
+        self.raw.mut_store().persist_end()?;
         output.messages.extend(ready.take_persisted_messages());
         let mut light = self.raw.advance(ready);
         if let Some(commit) = light.commit_index() {
@@ -477,7 +519,9 @@ impl<S: LogStore, M: Machine> Node<S, M> {
         Ok(())
     }
 
-    fn maybe_compact(&mut self) -> Result<(), NodeError> {
+    /// Compacts the log behind a snapshot once enough entries are applied (`advance` does it
+    /// after its passes; a caller of [`Node::begin`] and [`Node::finish`] after its own).
+    pub fn compact_if_due(&mut self) -> Result<(), NodeError> {
         let first = self.raw.store().first_index()?;
         let applied = self.state.applied_index();
         if applied >= first && applied - first + 1 > self.compact_after {

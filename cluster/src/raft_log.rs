@@ -179,6 +179,8 @@ pub struct RaftLog<B: Backend = SystemBackend> {
     failed: Option<String>,
     /// The log's fsync mode is periodic: entries are counted once written (module docs).
     periodic: bool,
+    /// What [`RaftLog::persist_begin`] appended and [`RaftLog::persist_end`] waits for.
+    begun: Option<Begun>,
     /// What the Felix log's recovery found at open.
     recovery: RecoveryReport,
 }
@@ -300,6 +302,7 @@ impl<B: Backend> RaftLog<B> {
             is_new,
             failed: None,
             periodic,
+            begun: None,
             recovery: report,
         };
         if generations.iter().any(|g| *g != generation) {
@@ -400,7 +403,24 @@ impl<B: Backend> RaftLog<B> {
     /// [`raft::Storage`]. Entries must be consecutive, start no lower than the first index
     /// and leave no gap after the last index (errors, not writes, where `MemStorage` panics).
     pub fn persist(&mut self, entries: &[Entry], hard_state: Option<&HardState>) -> Result<()> {
+        self.persist_begin(entries, hard_state)?;
+        self.persist_end()
+    }
+
+    /// The first half of [`RaftLog::persist`]: checks, appends the records and starts their
+    /// write without waiting ([`RaftLog::persist_end`] waits and updates the view). Several
+    /// groups' logs can so write at the same time. Only `persist_end` may follow.
+    pub fn persist_begin(
+        &mut self,
+        entries: &[Entry],
+        hard_state: Option<&HardState>,
+    ) -> Result<()> {
         self.check_failed()?;
+        if self.begun.is_some() {
+            return Err(RaftLogError::Failed(
+                "persist_begin twice without persist_end".into(),
+            ));
+        }
         if entries.is_empty()
             && let Some(hs) = hard_state
             && hs.term == self.hard_state.term
@@ -451,14 +471,43 @@ impl<B: Backend> RaftLog<B> {
             || hard_state.is_some_and(|hs| {
                 hs.term != self.hard_state.term || hs.vote != self.hard_state.vote
             });
-        self.write(&records, sync)?;
-        if let Some(first) = entries.first() {
+        let started = self.append_records(&records).and_then(|shards| {
+            if sync && self.periodic {
+                // The round that starts now carries the fdatasync (term and vote changes).
+                self.log.sync_now();
+            }
+            self.log.drive(Instant::now())?;
+            Ok(shards)
+        });
+        let shards = started.map_err(|e| self.fail(e))?;
+        self.begun = Some(Begun {
+            entries: entries.to_vec(),
+            hard_state: hard_state.cloned(),
+            shards,
+            sync,
+        });
+        Ok(())
+    }
+
+    /// The second half of [`RaftLog::persist`]: waits until what `persist_begin` appended is
+    /// stored, then updates the view served through [`raft::Storage`]. Nothing to wait for
+    /// (a commit-only hard state, or nothing begun) returns at once.
+    pub fn persist_end(&mut self) -> Result<()> {
+        let Some(begun) = self.begun.take() else {
+            return Ok(());
+        };
+        self.check_failed()?;
+        let stored = self
+            .wait(begun.sync)
+            .and_then(|()| self.check_stored(&begun.shards, begun.sync));
+        stored.map_err(|e| self.fail(e))?;
+        if let Some(first) = begun.entries.first() {
             let keep = usize::try_from(first.index - self.first()).unwrap_or(usize::MAX);
             self.entries.truncate(keep);
-            self.entries.extend_from_slice(entries);
+            self.entries.extend(begun.entries);
         }
-        if let Some(hs) = hard_state {
-            self.hard_state = hs.clone();
+        if let Some(hs) = begun.hard_state {
+            self.hard_state = hs;
         }
         self.is_new = false;
         Ok(())
@@ -754,6 +803,17 @@ impl<B: Backend> RaftLog<B> {
     }
 }
 
+/// A write [`RaftLog::persist_begin`] started: what the view takes once it is stored.
+#[derive(Debug)]
+struct Begun {
+    entries: Vec<Entry>,
+    hard_state: Option<HardState>,
+    /// The log shards written to.
+    shards: Vec<u32>,
+    /// Whether the write must be fdatasynced (rather than written).
+    sync: bool,
+}
+
 /// What a generation's state shard holds.
 #[derive(Debug, Default)]
 struct StateRecords {
@@ -974,6 +1034,18 @@ impl<B: Backend> crate::node::LogStore for RaftLog<B> {
         hard_state: Option<&HardState>,
     ) -> std::result::Result<(), NodeError> {
         RaftLog::persist(self, entries, hard_state).map_err(node_error)
+    }
+
+    fn persist_begin(
+        &mut self,
+        entries: &[Entry],
+        hard_state: Option<&HardState>,
+    ) -> std::result::Result<(), NodeError> {
+        RaftLog::persist_begin(self, entries, hard_state).map_err(node_error)
+    }
+
+    fn persist_end(&mut self) -> std::result::Result<(), NodeError> {
+        RaftLog::persist_end(self).map_err(node_error)
     }
 
     fn persist_commit(&mut self, commit: u64) -> std::result::Result<(), NodeError> {

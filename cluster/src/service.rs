@@ -699,17 +699,31 @@ async fn serve(
             reconciled_at = node.state().applied;
             refresh_status = true;
         }
-        for (group, message) in groups.advance()? {
-            let to = message.to;
-            let snapshot = message.get_msg_type() == MessageType::MsgSnapshot;
-            let sent = transport.send(to, encode_frame(group, &message));
-            if snapshot {
-                groups.report_snapshot(group, to, sent);
+        // Each pass starts every group's write before it waits for any (the groups' logs
+        // fdatasync at the same time). When one group wrote, the runtime first puts the
+        // messages that may leave now on the network (a leader's appends: its followers
+        // write while it does): a lone publish through the leader acks ~18 % sooner. When
+        // several groups wrote, the member is busy and they wait for the pass: sending early
+        // then split the work finer and cost ~20 % of a three-shard stream's rate on this
+        // CPU-bound machine (docs/performance.md, "Cluster: writes in parallel").
+        let sent_early = std::cell::Cell::new(false);
+        let mut send = |group: u64, message: &raft::prelude::Message| -> bool {
+            sent_early.set(true);
+            transport.send(message.to, encode_frame(group, message))
+        };
+        for _ in 0..crate::node::ADVANCE_PASSES {
+            sent_early.set(false);
+            let begun = groups.begin_pass(&mut send)?;
+            if begun.is_empty() {
+                break;
             }
-            if !sent {
-                groups.report_unreachable(group, to);
+            if sent_early.get() && begun.len() == 1 {
+                // The peer task takes the frames and its QUIC stream wakes the endpoint.
+                tokio::task::yield_now().await;
             }
+            groups.finish_pass(&begun, &mut send)?;
         }
+        groups.end_advance()?;
         // Subscribers read what this round applied (and what they have credit for).
         let reading = View {
             state: node.state(),

@@ -209,6 +209,40 @@ fn the_commit_index_is_written_in_the_background() {
 }
 
 #[test]
+fn a_begun_write_joins_the_view_once_it_is_stored() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut log, handle) = open_fault(dir.path());
+    log.persist(&entries(1..=5, 1), Some(&hard_state(1, 2, 5)))
+        .expect("persist");
+    let syncs = handle.syncs_completed();
+    log.persist_begin(&entries(6..=8, 1), Some(&hard_state(1, 2, 5)))
+        .expect("begin");
+    // Not in the view before `persist_end`; a second begin is refused.
+    assert_eq!(log.last_index().expect("last"), 5);
+    assert!(
+        log.persist_begin(&entries(9..=9, 1), None).is_err(),
+        "one write begun at a time"
+    );
+    // Another group's log writes at the same time.
+    let other_dir = tempfile::tempdir().expect("tempdir");
+    let (mut other, _) = open_fault(other_dir.path());
+    other
+        .persist_begin(&entries(1..=2, 1), None)
+        .expect("another log's begin");
+    log.persist_end().expect("end");
+    other.persist_end().expect("end");
+    assert_eq!(all_entries(&other), entries(1..=2, 1));
+    assert_eq!(all_entries(&log), entries(1..=8, 1));
+    assert!(
+        handle.syncs_completed() > syncs,
+        "on_commit: fdatasynced before it returned"
+    );
+    drop(log);
+    let (log, _) = open_fault(dir.path());
+    assert_eq!(all_entries(&log), entries(1..=8, 1));
+}
+
+#[test]
 fn round_trip_survives_reopen() {
     let dir = tempfile::tempdir().expect("tempdir");
     let mut log = RaftLog::open(dir.path()).expect("open");
