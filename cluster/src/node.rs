@@ -103,6 +103,11 @@ pub trait LogStore: Storage {
     fn apply_snapshot(&mut self, snapshot: Snapshot) -> Result<(), NodeError>;
     /// Drops entries up to `upto` (applied), keeping `data` as the snapshot at `upto`.
     fn compact(&mut self, upto: u64, data: Vec<u8>) -> Result<(), NodeError>;
+    /// Bytes of entry data held in memory (the live entries behind the snapshot); 0 for a
+    /// store that does not count them.
+    fn live_bytes(&self) -> u64 {
+        0
+    }
     /// Background work at time `now`, without blocking: writes left queued, a periodic
     /// fdatasync that is due (`raft_log.rs`). Called every service tick.
     fn drive(&mut self, _now: std::time::Instant) -> Result<(), NodeError> {
@@ -128,6 +133,9 @@ pub enum ProposeError {
     NoLeader,
 }
 
+/// The default [`NodeConfig::compact_after_bytes`]: 64 MiB of entries per group.
+pub const COMPACT_AFTER_BYTES: u64 = 64 << 20;
+
 /// Most `Ready`s one [`Node::advance`] handles: raft-rs produces a new one only after more
 /// input or a persisted append, which a few passes exhaust.
 pub const ADVANCE_PASSES: usize = 8;
@@ -148,6 +156,10 @@ pub struct NodeConfig {
     pub randomized_timeouts: bool,
     /// Applied entries kept in the log behind the snapshot before a compaction.
     pub compact_after: u64,
+    /// Bytes of entry data the log store may hold in memory ([`LogStore::live_bytes`]) before
+    /// a compaction, whatever the entry count: a shard group's entries are publish batches
+    /// of up to a frame each (FELIX_MAX_FRAME_BYTES), so the count alone would not bound it.
+    pub compact_after_bytes: u64,
     /// Tells this run of the member from its earlier ones in its proposals (`Proposal::boot`):
     /// the start time in nanoseconds by default; the simulation draws it from its seed.
     pub boot: u64,
@@ -165,6 +177,7 @@ impl NodeConfig {
             heartbeat_tick: 2,
             randomized_timeouts: true,
             compact_after: 10_000,
+            compact_after_bytes: COMPACT_AFTER_BYTES,
             boot: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |since| {
@@ -244,6 +257,7 @@ pub struct Node<S: LogStore, M: Machine = ControlState> {
     boot: u64,
     next_sequence: u64,
     compact_after: u64,
+    compact_after_bytes: u64,
 }
 
 impl<S: LogStore, M: Machine> std::fmt::Debug for Node<S, M> {
@@ -346,6 +360,7 @@ impl<S: LogStore, M: Machine> Node<S, M> {
             boot: config.boot,
             next_sequence: 1,
             compact_after: config.compact_after.max(1),
+            compact_after_bytes: config.compact_after_bytes.max(1),
         })
     }
 
@@ -524,7 +539,9 @@ impl<S: LogStore, M: Machine> Node<S, M> {
     pub fn compact_if_due(&mut self) -> Result<(), NodeError> {
         let first = self.raw.store().first_index()?;
         let applied = self.state.applied_index();
-        if applied >= first && applied - first + 1 > self.compact_after {
+        let due = (applied + 1).saturating_sub(first) > self.compact_after
+            || self.raw.store().live_bytes() > self.compact_after_bytes;
+        if applied >= first && due {
             let data = self.state.snapshot();
             self.raw.mut_store().compact(applied, data)?;
             self.state.compacted(applied);

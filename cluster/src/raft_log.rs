@@ -43,8 +43,9 @@
 //!
 //! # Limits
 //!
-//! - The live entries are held in memory (the control plane's log stays small: compaction
-//!   follows the applied index).
+//! - The live entries are held in memory; the node compacts behind the applied index after
+//!   10,000 entries or 64 MiB of entry data ([`RaftLog::live_bytes`],
+//!   `NodeConfig::compact_after_bytes`), whichever comes first.
 //! - A snapshot is one record: its encoding must fit the frame format's body limit
 //!   (`felix_storage::frame::BODY_BYTES_MAX`, 64 MiB).
 //! - Each generation switch rewrites the live entries (those past the snapshot) and adds three
@@ -173,6 +174,8 @@ pub struct RaftLog<B: Backend = SystemBackend> {
     conf_state: ConfState,
     /// Live entries, consecutive, the first at `snapshot.index + 1`.
     entries: Vec<Entry>,
+    /// Bytes of the live entries' data ([`RaftLog::live_bytes`]).
+    entries_bytes: u64,
     /// Nothing was ever stored.
     is_new: bool,
     /// Set by a failed write: later writes are refused.
@@ -298,6 +301,7 @@ impl<B: Backend> RaftLog<B> {
             snapshot,
             hard_state: state.hard_state.unwrap_or_default(),
             conf_state: state.conf_state.unwrap_or_default(),
+            entries_bytes: data_bytes(&entries),
             entries,
             is_new,
             failed: None,
@@ -361,6 +365,11 @@ impl<B: Backend> RaftLog<B> {
             .into_iter()
             .filter_map(|shard| self.log.shard_offsets(shard))
             .any(|o| o.synced != o.next)
+    }
+
+    /// Bytes of entry data held in memory: the live entries behind the snapshot.
+    pub fn live_bytes(&self) -> u64 {
+        self.entries_bytes
     }
 
     /// The error that made the log refuse writes, if one did.
@@ -503,7 +512,11 @@ impl<B: Backend> RaftLog<B> {
         stored.map_err(|e| self.fail(e))?;
         if let Some(first) = begun.entries.first() {
             let keep = usize::try_from(first.index - self.first()).unwrap_or(usize::MAX);
+            if let Some(replaced) = self.entries.get(keep..) {
+                self.entries_bytes -= data_bytes(replaced);
+            }
             self.entries.truncate(keep);
+            self.entries_bytes += data_bytes(&begun.entries);
             self.entries.extend(begun.entries);
         }
         if let Some(hs) = begun.hard_state {
@@ -689,6 +702,7 @@ impl<B: Backend> RaftLog<B> {
         self.snapshot = snapshot;
         self.hard_state = hard_state;
         self.conf_state = conf_state;
+        self.entries_bytes = data_bytes(&entries);
         self.entries = entries;
         self.is_new = false;
         tracing::debug!(
@@ -937,6 +951,10 @@ fn read_entries<B: Backend>(
     Ok(entries)
 }
 
+fn data_bytes(entries: &[Entry]) -> u64 {
+    entries.iter().map(|e| e.data.len() as u64).sum()
+}
+
 fn store_error(e: raft::StorageError) -> raft::Error {
     raft::Error::Store(e)
 }
@@ -1060,6 +1078,10 @@ impl<B: Backend> crate::node::LogStore for RaftLog<B> {
 
     fn compact(&mut self, upto: u64, data: Vec<u8>) -> std::result::Result<(), NodeError> {
         RaftLog::compact(self, upto, data).map_err(node_error)
+    }
+
+    fn live_bytes(&self) -> u64 {
+        RaftLog::live_bytes(self)
     }
 
     fn drive(&mut self, now: Instant) -> std::result::Result<(), NodeError> {

@@ -243,6 +243,66 @@ fn a_begun_write_joins_the_view_once_it_is_stored() {
 }
 
 #[test]
+fn live_bytes_count_the_entries_held_in_memory() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut log = open_small(dir.path());
+    // `entry(i, term, data)` holds `data`: the live bytes are the data lengths.
+    let a: Vec<Entry> = (1..=4).map(|i| entry(i, 1, &[7; 100])).collect();
+    log.persist(&a, Some(&hard_state(1, 1, 0)))
+        .expect("persist");
+    assert_eq!(log.live_bytes(), 400);
+    // A conflicting suffix replaces entries 3 and 4 with one of 10 bytes.
+    log.persist(&[entry(3, 2, &[1; 10])], Some(&hard_state(2, 1, 2)))
+        .expect("overwrite");
+    assert_eq!(log.live_bytes(), 210);
+    log.compact(2, b"snap".to_vec()).expect("compact");
+    assert_eq!(log.live_bytes(), 10);
+    drop(log);
+    assert_eq!(open_small(dir.path()).live_bytes(), 10);
+}
+
+#[test]
+fn a_group_compacts_once_its_entries_hold_too_many_bytes() {
+    use felix_cluster::node::{Node, NodeConfig};
+    use felix_cluster::shard::{Batch, ShardRecord, ShardState};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut config = NodeConfig::new(1, vec![1]);
+    config.compact_after_bytes = 64 << 10;
+    let mut node =
+        Node::with_machine(&config, open_small(dir.path()), ShardState::default()).expect("node");
+    // Bounded: a lone voter elects itself within two election timeouts.
+    for _ in 0..100 {
+        if node.is_leader() {
+            break;
+        }
+        node.tick();
+        node.advance().expect("advance");
+    }
+    assert!(node.is_leader());
+    // 100 batches of 4 KiB: far under the entry count bound, 6x the byte bound.
+    for sequence in 1..=100u64 {
+        let batch = Batch {
+            producer: 9,
+            sequence,
+            records: vec![ShardRecord {
+                timestamp_us: sequence,
+                key: bytes::Bytes::new(),
+                payload: bytes::Bytes::from(vec![sequence as u8; 4096]),
+            }],
+        };
+        node.propose_data(batch.encode()).expect("propose");
+        node.advance().expect("advance");
+        assert!(
+            node.store().live_bytes() <= (64 << 10) + 4200,
+            "live bytes {} past the bound",
+            node.store().live_bytes()
+        );
+    }
+    assert!(node.store().first_index().expect("first") > 1, "compacted");
+    assert_eq!(node.state().next_offset(), 100);
+}
+
+#[test]
 fn round_trip_survives_reopen() {
     let dir = tempfile::tempdir().expect("tempdir");
     let mut log = RaftLog::open(dir.path()).expect("open");
