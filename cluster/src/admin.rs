@@ -157,6 +157,34 @@ pub fn create_stream(
     Ok(())
 }
 
+/// Cuts member `addr`'s links to exactly `peers` (`[]` heals them): frames both ways are
+/// dropped, as in a network partition (`POST /v1/cluster/faults`; the member must run with
+/// FELIX_CLUSTER_FAULT_INJECTION=1). A partition needs the cut on both sides of each link.
+/// Returns the peers cut.
+pub fn cut_peers(
+    addr: SocketAddr,
+    peers: &[u64],
+    timeout: Duration,
+) -> Result<Vec<u64>, AdminError> {
+    let body = serde_json::json!({ "cut": peers }).to_string();
+    let (status, answer) = request(addr, "POST", "/v1/cluster/faults", Some(&body), timeout)?;
+    if status != 200 {
+        return Err(refused(status, &answer));
+    }
+    #[derive(serde::Deserialize)]
+    struct Cut {
+        cut: Vec<u64>,
+    }
+    serde_json::from_str::<Cut>(&answer)
+        .map(|cut| cut.cut)
+        .map_err(|error| AdminError::Http {
+            method: "POST",
+            addr,
+            path: "/v1/cluster/faults",
+            detail: format!("unreadable answer: {error}"),
+        })
+}
+
 /// Deletes a stream through the control plane (any member; it waits until applied): every
 /// member stops its shard groups and removes their logs; subscribers hear `stream_not_found`.
 pub fn delete_stream(addr: SocketAddr, name: &str, timeout: Duration) -> Result<(), AdminError> {

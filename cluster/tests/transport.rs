@@ -45,6 +45,7 @@ fn identity_config(
             .collect(),
         identity,
         ca_pem: ca.cert_pem.clone(),
+        cut: Default::default(),
     }
 }
 

@@ -222,6 +222,9 @@ pub struct Config {
     pub cluster_ca: Option<PathBuf>,
     pub cluster_cert: Option<PathBuf>,
     pub cluster_key: Option<PathBuf>,
+    /// FELIX_CLUSTER_FAULT_INJECTION: `1` enables `POST /v1/cluster/faults` (tests cut peer
+    /// links with it to make partitions). Default 0. Restart.
+    pub cluster_fault_injection: bool,
     // ---- client / CLI ----
     /// FELIX_ADDR: broker address the CLI connects to. Default 127.0.0.1:7400.
     pub addr: SocketAddr,

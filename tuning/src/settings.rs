@@ -749,6 +749,15 @@ settings! {
         restart: Restart::Broker,
         doc: "PEM private key of FELIX_CLUSTER_CERT.",
     }
+    cluster_fault_injection {
+        env: "FELIX_CLUSTER_FAULT_INJECTION",
+        kind: Kind::Bool,
+        default: Fixed("0"),
+        restart: Restart::Broker,
+        doc: "`1` lets `POST /v1/cluster/faults` on the metrics endpoint cut this member's \
+              links to chosen peers (frames both ways dropped, as in a network partition): \
+              for fault tests only, never in production.",
+    }
     // ---- client / CLI ----
     addr {
         env: "FELIX_ADDR",

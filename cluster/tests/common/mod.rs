@@ -65,6 +65,7 @@ impl Cluster {
                 ca_pem: self.ca.cert_pem.clone(),
                 dir: dir.clone(),
                 fsync_interval: Duration::from_millis(250),
+                fault_injection: false,
             }) {
                 Ok(service) => return service,
                 Err(error) if Instant::now() < deadline => {

@@ -104,6 +104,7 @@ pub(crate) fn start(
         ca_pem,
         dir: config.data_dir.join("cluster").join("raft"),
         fsync_interval: std::time::Duration::from_millis(config.durable_fsync_interval_ms),
+        fault_injection: config.cluster_fault_injection,
     })
     .map_err(|error| BrokerError::Cluster(error.to_string()))?;
     tracing::info!(

@@ -1161,6 +1161,27 @@ fn read_records(
     }
 }
 
+/// `POST /v1/cluster/faults`: `{"cut": [member ids]}` cuts this member's links to exactly
+/// those peers (`[]` heals them); 200 with the peers cut, 403 unless the broker runs with
+/// FELIX_CLUSTER_FAULT_INJECTION=1. For fault tests (docs/cluster.md, Tests).
+fn cut_peers(
+    service: &felix_cluster::service::Service,
+    request: &mut tiny_http::Request,
+) -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
+    #[derive(serde::Deserialize)]
+    struct Faults {
+        cut: std::collections::BTreeSet<u64>,
+    }
+    let faults: Faults = match json_body(request) {
+        Ok(faults) => faults,
+        Err(refused) => return refused,
+    };
+    match service.cut_peers(faults.cut) {
+        Ok(()) => json_response(200, serde_json::json!({ "cut": service.cut() }).to_string()),
+        Err(error) => error_json(403, &error.to_string()),
+    }
+}
+
 fn serve(server: &tiny_http::Server, metrics: &Metrics, cluster: &ClusterSlot) {
     // Ends when `unblock` is called (the iterator then yields None).
     for mut request in server.incoming_requests() {
@@ -1183,14 +1204,16 @@ fn serve(server: &tiny_http::Server, metrics: &Metrics, cluster: &ClusterSlot) {
                 }
                 response
             }
-            (_, "/v1/cluster/status" | "/v1/cluster/streams" | "/v1/cluster/read")
-                if cluster.get().is_none() =>
-            {
-                error_json(
-                    404,
-                    "this broker is not a cluster member (FELIX_CLUSTER_NODE_ID=0)",
-                )
-            }
+            (
+                _,
+                "/v1/cluster/status"
+                | "/v1/cluster/streams"
+                | "/v1/cluster/read"
+                | "/v1/cluster/faults",
+            ) if cluster.get().is_none() => error_json(
+                404,
+                "this broker is not a cluster member (FELIX_CLUSTER_NODE_ID=0)",
+            ),
             (_, "/v1/cluster/status" | "/v1/cluster/streams" | "/v1/cluster/read")
                 if cluster.get().is_some_and(|service| service.failed()) =>
             {
@@ -1216,6 +1239,10 @@ fn serve(server: &tiny_http::Server, metrics: &Metrics, cluster: &ClusterSlot) {
             },
             (tiny_http::Method::Post, "/v1/cluster/read") => match cluster.get() {
                 Some(service) => read_records(service, &mut request),
+                None => error_json(404, "not a cluster member"),
+            },
+            (tiny_http::Method::Post, "/v1/cluster/faults") => match cluster.get() {
+                Some(service) => cut_peers(service, &mut request),
                 None => error_json(404, "not a cluster member"),
             },
             _ => tiny_http::Response::from_string(

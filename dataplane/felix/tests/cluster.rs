@@ -101,6 +101,32 @@ impl Cluster {
             .join("\n")
     }
 
+    /// Cuts member `alone` off from the others, both ways (a network partition: every process
+    /// runs, only the peer traffic between the two sides is dropped).
+    fn partition(&self, alone: u64) {
+        for (&id, broker) in &self.brokers {
+            let cut: Vec<u64> = if id == alone {
+                self.brokers
+                    .keys()
+                    .copied()
+                    .filter(|peer| *peer != alone)
+                    .collect()
+            } else {
+                vec![alone]
+            };
+            felix_cluster::admin::cut_peers(broker.metrics_addr, &cut, ADMIN_TIMEOUT)
+                .expect("fault injection");
+        }
+    }
+
+    /// Every peer link whole again.
+    fn heal(&self) {
+        for broker in self.brokers.values() {
+            felix_cluster::admin::cut_peers(broker.metrics_addr, &[], ADMIN_TIMEOUT)
+                .expect("fault injection");
+        }
+    }
+
     /// Creates a durable stream of three replicas acknowledged on_commit.
     fn create(&self, via: u64, name: &str, shards: u32) -> Result<(), String> {
         self.create_fsync(via, name, shards, Fsync::OnCommit)
@@ -136,6 +162,8 @@ fn member_env(certs: &Path, id: u64, peers: &str) -> Vec<(String, String)> {
             "info,felix_cluster=debug".to_owned(),
         ),
         ("FELIX_CLUSTER_PEERS".to_owned(), peers.to_owned()),
+        // Lets the tests cut peer links (`Cluster::partition`).
+        ("FELIX_CLUSTER_FAULT_INJECTION".to_owned(), "1".to_owned()),
         ("FELIX_CLUSTER_CA".to_owned(), path("ca.pem".to_owned())),
         (
             "FELIX_CLUSTER_CERT".to_owned(),
@@ -428,6 +456,130 @@ fn a_member_cut_off_from_the_majority_cannot_change_the_control_plane_or_ack_a_p
         );
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// The Jepsen case a pause cannot make: the shard's leader keeps running, cut off from both
+/// followers by a network partition. It must not acknowledge (it cannot reach a majority);
+/// the majority side elects a leader and acknowledges; after healing, every copy agrees and
+/// holds every acknowledged record exactly once.
+#[test]
+fn a_partitioned_leader_cannot_ack_while_the_majority_elects_and_acks() {
+    let cluster = Cluster::start(3);
+    cluster.settled(&[1, 2, 3]);
+    cluster.create(1, "split", 1).expect("created");
+    wait_for(
+        &cluster,
+        &[1, 2, 3],
+        "the shard led as placed",
+        |statuses| placed_and_in_sync(statuses, 1),
+    );
+    let old_leader = cluster.status(1).expect("status").shards[0]
+        .leader
+        .expect("a leader");
+    let majority: Vec<u64> = (1..=3).filter(|id| *id != old_leader).collect();
+    cluster.partition(old_leader);
+    // A publish through the cut-off leader: never acknowledged.
+    let lonely = cluster.brokers[&old_leader].naive_client_config();
+    let minority_publish = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            let client = felix_client::Client::connect(lonely)
+                .await
+                .expect("the cut-off member takes client connections");
+            let record = felix_client::record("k", "minority");
+            let outcome = tokio::time::timeout(DEADLINE, client.publish("split", &[record])).await;
+            client.close().await;
+            outcome
+        })
+    });
+    // The majority elects a new leader of the shard and acknowledges publishes through it.
+    wait_for(
+        &cluster,
+        &majority,
+        "the majority elects a new shard leader",
+        |statuses| {
+            statuses.iter().all(|s| {
+                s.shards
+                    .first()
+                    .and_then(|shard| shard.leader)
+                    .is_some_and(|leader| leader != old_leader)
+            })
+        },
+    );
+    let config = cluster.brokers[&majority[0]].naive_client_config();
+    let acked: Vec<String> = {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            let client = felix_client::Client::connect(config)
+                .await
+                .expect("connect");
+            let mut acked = Vec::new();
+            for i in 0..20 {
+                let payload = format!("majority {i}");
+                let record = felix_client::record("k", payload.clone());
+                // Bounded: the new leader was elected; a retry covers a leader still settling.
+                let deadline = Instant::now() + DEADLINE;
+                loop {
+                    match client.publish("split", std::slice::from_ref(&record)).await {
+                        Ok(_) => break,
+                        Err(error) => {
+                            assert!(Instant::now() < deadline, "majority publish: {error}");
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                        }
+                    }
+                }
+                acked.push(payload);
+            }
+            client.close().await;
+            acked
+        })
+    };
+    match minority_publish.join().expect("publisher") {
+        Ok(Err(felix_client::ClientError::Server { code, .. })) => {
+            assert_eq!(code, felix_wire::ErrorCode::Unavailable);
+        }
+        other => panic!("a cut-off leader acknowledged a publish, or never answered: {other:?}"),
+    }
+    cluster.heal();
+    // Healed: the old leader catches up, every copy agrees.
+    wait_for(&cluster, &[1, 2, 3], "every copy agrees", |statuses| {
+        let ends: Vec<u64> = statuses
+            .iter()
+            .filter_map(|s| s.shards.first().map(|shard| shard.next_offset))
+            .collect();
+        ends.len() == 3 && ends.windows(2).all(|pair| pair[0] == pair[1]) && ends[0] >= 20
+    });
+    let copies: Vec<_> = (1..=3)
+        .map(|id| read_copy(&cluster, id, "split", 1))
+        .collect();
+    assert!(
+        copies.windows(2).all(|pair| pair[0] == pair[1]),
+        "the copies differ"
+    );
+    let payloads: Vec<String> = copies[0][0]
+        .iter()
+        .map(|(_, payload)| String::from_utf8_lossy(payload).into_owned())
+        .collect();
+    for payload in &acked {
+        assert_eq!(
+            payloads.iter().filter(|p| *p == payload).count(),
+            1,
+            "acked {payload:?} once in {payloads:?}"
+        );
+    }
+    // The minority's record was never acknowledged: it may commit once after healing (its
+    // member proposes it again), never twice.
+    assert!(payloads.iter().filter(|p| *p == "minority").count() <= 1);
+    assert_eq!(
+        payloads.len(),
+        acked.len() + payloads.iter().filter(|p| *p == "minority").count()
+    );
 }
 
 #[test]
@@ -872,7 +1024,8 @@ fn subscribe_under_faults(
 
 /// A Jepsen-style run: a client creates streams (unique names) through random members, and
 /// another publishes unique records to a replicated stream through random members, while a
-/// nemesis kills members with SIGKILL and restarts them, and pauses them with SIGSTOP
+/// nemesis kills members with SIGKILL and restarts them, cuts one off from the others (a
+/// network partition: `Cluster::partition`), and pauses them with SIGSTOP
 /// (sometimes two at once, leaving a minority), for FELIX_CLUSTER_NEMESIS_SECONDS (default 20;
 /// `make cluster-test` runs 60). After healing, the audit of the control plane: every member
 /// holds the same streams; every acknowledged creation is there; nothing is there that no
@@ -992,7 +1145,7 @@ fn randomized_faults_keep_acked_creations_once_and_in_real_time_order() {
     while Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(rng.random_range(300..1_500)));
         let victim = rng.random_range(1..=3u64);
-        match rng.random_range(0..3) {
+        match rng.random_range(0..4) {
             0 => {
                 faults.push(format!("kill {victim}"));
                 admin.lock().expect("lock").insert(victim, None);
@@ -1011,6 +1164,13 @@ fn randomized_faults_keep_acked_creations_once_and_in_real_time_order() {
                 cluster.brokers[&victim].signal("STOP");
                 std::thread::sleep(Duration::from_millis(rng.random_range(200..3_000)));
                 cluster.brokers[&victim].signal("CONT");
+            }
+            2 => {
+                // A network partition: the victim runs on, cut off from both others.
+                faults.push(format!("partition {victim}"));
+                cluster.partition(victim);
+                std::thread::sleep(Duration::from_millis(rng.random_range(200..3_000)));
+                cluster.heal();
             }
             _ => {
                 // Two paused at once: the remaining member is a minority.
