@@ -100,29 +100,46 @@ fn open_fault_periodic(dir: &Path) -> (RaftLog<FaultBackend>, FaultHandle) {
     (log, handle)
 }
 
+/// A periodic log holding voters 1-3 and entries 1..=5 of term 1 fdatasynced with a vote for
+/// 2 (a conf state, a new term and vote: synced), then entries 6..=8 with commit 5 written
+/// but not synced.
+fn periodic_log_with_an_unsynced_tail(dir: &Path) -> (RaftLog<FaultBackend>, FaultHandle) {
+    let (mut log, handle) = open_fault_periodic(dir);
+    log.set_conf_state(conf_state(&[1, 2, 3]))
+        .expect("conf state");
+    log.persist(&entries(1..=5, 1), Some(&hard_state(1, 2, 0)))
+        .expect("persist");
+    assert!(!log.has_unsynced(), "a new term and vote are fdatasynced");
+    log.persist(&entries(6..=8, 1), Some(&hard_state(1, 2, 5)))
+        .expect("persist");
+    assert!(log.has_unsynced(), "entries and a commit are only written");
+    (log, handle)
+}
+
+/// Cuts the power (what no fdatasync covered is lost) and reopens the log.
+fn power_cut_and_reopen(
+    log: RaftLog<FaultBackend>,
+    handle: &FaultHandle,
+    dir: &Path,
+) -> RaftLog<FaultBackend> {
+    handle.power_cut(PowerCut::DropUnsynced).expect("power cut");
+    drop(log);
+    open_fault_periodic(dir).0
+}
+
 #[test]
 fn periodic_entries_are_stored_once_written_and_a_vote_once_synced() {
     for power_cut in [false, true] {
         let dir = tempfile::tempdir().expect("tempdir");
-        let (mut log, handle) = open_fault_periodic(dir.path());
+        let (log, handle) = periodic_log_with_an_unsynced_tail(dir.path());
         assert!(log.is_periodic());
-        log.set_conf_state(conf_state(&[1, 2, 3]))
-            .expect("conf state");
-        // A new term and vote: fdatasynced before it returns, with the entries written with
-        // it.
-        log.persist(&entries(1..=5, 1), Some(&hard_state(1, 2, 0)))
-            .expect("persist");
-        assert!(!log.has_unsynced());
-        // Entries and a newer commit only: written, not synced.
-        log.persist(&entries(6..=8, 1), Some(&hard_state(1, 2, 5)))
-            .expect("persist");
-        assert!(log.has_unsynced());
         assert_eq!(log.last_index().expect("last"), 8);
-        if power_cut {
-            handle.power_cut(PowerCut::DropUnsynced).expect("power cut");
-        }
-        drop(log);
-        let (log, _) = open_fault_periodic(dir.path());
+        let log = if power_cut {
+            power_cut_and_reopen(log, &handle, dir.path())
+        } else {
+            drop(log);
+            open_fault_periodic(dir.path()).0
+        };
         let state = log.initial_state().expect("state");
         assert_eq!(state.conf_state, conf_state(&[1, 2, 3]));
         if power_cut {
@@ -140,11 +157,7 @@ fn periodic_entries_are_stored_once_written_and_a_vote_once_synced() {
 #[test]
 fn a_periodic_log_fdatasyncs_once_its_interval_passed() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (mut log, handle) = open_fault_periodic(dir.path());
-    log.persist(&entries(1..=5, 1), Some(&hard_state(1, 2, 0)))
-        .expect("persist");
-    log.persist(&entries(6..=8, 1), Some(&hard_state(1, 2, 5)))
-        .expect("persist");
+    let (mut log, handle) = periodic_log_with_an_unsynced_tail(dir.path());
     log.tick(Instant::now()).expect("tick");
     assert!(log.has_unsynced(), "the interval has not passed");
     let later = Instant::now() + Duration::from_secs(2 * 3600);
@@ -153,9 +166,7 @@ fn a_periodic_log_fdatasyncs_once_its_interval_passed() {
         log.tick(later).expect("tick");
     }
     assert!(!log.has_unsynced(), "a tick past the interval fdatasyncs");
-    handle.power_cut(PowerCut::DropUnsynced).expect("power cut");
-    drop(log);
-    let (log, _) = open_fault_periodic(dir.path());
+    let log = power_cut_and_reopen(log, &handle, dir.path());
     assert_eq!(all_entries(&log), entries(1..=8, 1));
     assert_eq!(
         log.initial_state().expect("state").hard_state,
@@ -166,18 +177,11 @@ fn a_periodic_log_fdatasyncs_once_its_interval_passed() {
 #[test]
 fn a_new_term_in_periodic_mode_fdatasyncs_everything_before_it() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (mut log, handle) = open_fault_periodic(dir.path());
-    log.persist(&entries(1..=5, 1), Some(&hard_state(1, 2, 0)))
-        .expect("persist");
-    log.persist(&entries(6..=8, 1), Some(&hard_state(1, 2, 5)))
-        .expect("persist");
-    assert!(log.has_unsynced());
+    let (mut log, handle) = periodic_log_with_an_unsynced_tail(dir.path());
     log.persist(&[], Some(&hard_state(2, 3, 5)))
         .expect("a vote in a new term");
     assert!(!log.has_unsynced());
-    handle.power_cut(PowerCut::DropUnsynced).expect("power cut");
-    drop(log);
-    let (log, _) = open_fault_periodic(dir.path());
+    let log = power_cut_and_reopen(log, &handle, dir.path());
     assert_eq!(all_entries(&log), entries(1..=8, 1));
     assert_eq!(
         log.initial_state().expect("state").hard_state,

@@ -394,21 +394,7 @@ fn a_member_cut_off_from_the_majority_cannot_change_the_control_plane_or_ack_a_p
         cluster.brokers[id].signal("STOP");
     }
     // A publish through the lone member, while it also tries to create a stream.
-    let publish = std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
-        runtime.block_on(async {
-            let client = felix_client::Client::connect(config)
-                .await
-                .expect("the lone member takes connections");
-            let record = felix_client::record("k", "alone");
-            let outcome = tokio::time::timeout(DEADLINE, client.publish("ledger", &[record])).await;
-            client.close().await;
-            outcome
-        })
-    });
+    let publish = publish_one_in_a_thread(config, "ledger", "alone");
     let outcome = cluster.create(leader, "lonely", 3);
     let published = publish.join().expect("publisher");
     for id in &others {
@@ -480,21 +466,7 @@ fn a_partitioned_leader_cannot_ack_while_the_majority_elects_and_acks() {
     cluster.partition(old_leader);
     // A publish through the cut-off leader: never acknowledged.
     let lonely = cluster.brokers[&old_leader].naive_client_config();
-    let minority_publish = std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
-        runtime.block_on(async {
-            let client = felix_client::Client::connect(lonely)
-                .await
-                .expect("the cut-off member takes client connections");
-            let record = felix_client::record("k", "minority");
-            let outcome = tokio::time::timeout(DEADLINE, client.publish("split", &[record])).await;
-            client.close().await;
-            outcome
-        })
-    });
+    let minority_publish = publish_one_in_a_thread(lonely, "split", "minority");
     // The majority elects a new leader of the shard and acknowledges publishes through it.
     wait_for(
         &cluster,
@@ -580,6 +552,35 @@ fn a_partitioned_leader_cannot_ack_while_the_majority_elects_and_acks() {
         payloads.len(),
         acked.len() + payloads.iter().filter(|p| *p == "minority").count()
     );
+}
+
+/// Publishes one record (key `k`) to `stream` through a client of `config` on a thread of its
+/// own; the thread returns the outcome, or a timeout after [`DEADLINE`].
+fn publish_one_in_a_thread(
+    config: felix_client::ClientConfig,
+    stream: &'static str,
+    payload: &'static str,
+) -> std::thread::JoinHandle<
+    Result<
+        Result<Vec<felix_wire::ShardAck>, felix_client::ClientError>,
+        tokio::time::error::Elapsed,
+    >,
+> {
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            let client = felix_client::Client::connect(config)
+                .await
+                .expect("the member takes client connections");
+            let record = felix_client::record("k", payload);
+            let outcome = tokio::time::timeout(DEADLINE, client.publish(stream, &[record])).await;
+            client.close().await;
+            outcome
+        })
+    })
 }
 
 #[test]
