@@ -104,7 +104,7 @@ impl Cluster {
     /// Cuts member `alone` off from the others, both ways (a network partition: every process
     /// runs, only the peer traffic between the two sides is dropped).
     fn partition(&self, alone: u64) {
-        for (&id, broker) in &self.brokers {
+        for &id in self.brokers.keys() {
             let cut: Vec<u64> = if id == alone {
                 self.brokers
                     .keys()
@@ -114,16 +114,29 @@ impl Cluster {
             } else {
                 vec![alone]
             };
-            felix_cluster::admin::cut_peers(broker.metrics_addr, &cut, ADMIN_TIMEOUT)
-                .expect("fault injection");
+            self.cut(id, &cut);
         }
     }
 
     /// Every peer link whole again.
     fn heal(&self) {
-        for broker in self.brokers.values() {
-            felix_cluster::admin::cut_peers(broker.metrics_addr, &[], ADMIN_TIMEOUT)
-                .expect("fault injection");
+        for &id in self.brokers.keys() {
+            self.cut(id, &[]);
+        }
+    }
+
+    /// Cuts member `id`'s links to `peers`, asking again while it is not ready (a member just
+    /// restarted may serve its endpoint before its cluster service runs).
+    fn cut(&self, id: u64, peers: &[u64]) {
+        let deadline = Instant::now() + DEADLINE;
+        while let Err(error) =
+            felix_cluster::admin::cut_peers(self.brokers[&id].metrics_addr, peers, ADMIN_TIMEOUT)
+        {
+            assert!(
+                Instant::now() < deadline,
+                "member {id}: cut {peers:?}: {error}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
         }
     }
 
