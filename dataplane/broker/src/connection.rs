@@ -5,11 +5,13 @@
 //! What a stream is (the hello stream, a request stream, a subscription) and what it answers
 //! is the machine's decision; this file only moves bytes.
 
+use std::collections::VecDeque;
 use std::rc::Rc;
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use felix_core::{ConnectionId, Core, Flow, Now, StreamId};
+use felix_wire::{Frame, WireError};
 use s2n_quic::connection::Connection;
 use s2n_quic::stream::{BidirectionalStream, SendStream};
 
@@ -211,80 +213,80 @@ impl Drop for StreamGuard {
     }
 }
 
-/// A stream's received bytes: whole frames and the front of a partial one in `buffer`, and the
-/// chunks that continue a partial frame too large to complete yet in `pending`, uncopied.
+/// A stream's received bytes, as the chunks QUIC gave them, uncopied.
 ///
-/// Copying every chunk into `buffer` as it came made the buffer grow by reallocation, and each
-/// growth copied the frame so far again: at 4 KiB x 64 that was a second copy of every byte,
-/// 10% of the broker's instructions per record (docs/performance.md). Now a frame that spans
-/// chunks is put together once, into a buffer of its exact size, when its last byte arrived.
-/// What it holds is counted as before (`len`): bytes received, nothing reserved.
+/// A frame inside one chunk is decoded from it; a frame spanning chunks is decoded from the
+/// chunks themselves ([`felix_wire::Decoder::decode_chunks`]): only a key or payload that
+/// straddles two chunks is copied. Copying every chunk into one growing buffer copied each
+/// byte twice (the append and the growth), and putting a spanning frame together once still
+/// copied every byte of it: at 4 KiB x 64 that one copy was ~4 k of the broker's ~20 k
+/// instructions per record (docs/performance.md). What it holds is counted as before (`len`):
+/// bytes received and not yet decoded.
 #[derive(Default)]
 struct FrameBuffer {
-    buffer: BytesMut,
-    pending: Vec<Bytes>,
-    pending_len: usize,
-    /// Largest frame body the stream's decoder accepts: a header over it is left to the decoder.
-    max_body: usize,
+    chunks: VecDeque<Bytes>,
+    len: usize,
+    /// The chunks of the frame being decoded (kept to reuse its allocation).
+    parts: Vec<Bytes>,
 }
 
 impl FrameBuffer {
-    fn new(max_frame_bytes: u32) -> FrameBuffer {
-        FrameBuffer {
-            max_body: max_frame_bytes as usize,
-            ..FrameBuffer::default()
-        }
-    }
-
     /// Bytes held, whole and partial frames.
     fn len(&self) -> usize {
-        self.buffer.len() + self.pending_len
+        self.len
     }
 
     fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.len == 0
     }
 
-    /// Length of the frame at the front of `buffer`, when its header is there and valid.
-    fn front_frame_len(&self) -> Option<usize> {
-        let header = self
-            .buffer
-            .first_chunk::<{ felix_wire::FRAME_HEADER_LEN }>()?;
-        let body = felix_wire::header_body_len(header) as usize;
-        (body <= self.max_body).then_some(felix_wire::FRAME_HEADER_LEN + body)
-    }
-
-    /// Takes a received chunk, without copying when the buffer is empty and the chunk unique,
-    /// or when it continues a frame that is still not complete.
     fn push(&mut self, chunk: Bytes) {
-        if self.buffer.is_empty() {
-            debug_assert!(self.pending.is_empty());
-            self.buffer = BytesMut::from(chunk);
-            return;
+        if !chunk.is_empty() {
+            self.len += chunk.len();
+            self.chunks.push_back(chunk);
         }
-        let Some(frame_len) = self.front_frame_len() else {
-            self.buffer.extend_from_slice(&chunk);
-            return;
-        };
-        let held = self.len() + chunk.len();
-        if held < frame_len {
-            self.pending_len += chunk.len();
-            self.pending.push(chunk);
-            return;
+    }
+
+    /// Decodes the frame at the front once it is whole (`Ok(None)` until then, nothing taken).
+    /// Its header is judged as soon as its 6 bytes are here; a header error takes nothing, a
+    /// body error takes the frame.
+    fn next(&mut self, decoder: &felix_wire::Decoder) -> Result<Option<Frame>, WireError> {
+        const HEADER: usize = felix_wire::FRAME_HEADER_LEN;
+        if self.len < HEADER {
+            return Ok(None);
         }
-        if self.pending.is_empty() {
-            self.buffer.extend_from_slice(&chunk);
-            return;
+        let mut header = [0u8; HEADER];
+        let mut filled = 0;
+        for chunk in &self.chunks {
+            let n = chunk.len().min(HEADER - filled);
+            header[filled..filled + n].copy_from_slice(&chunk[..n]);
+            filled += n;
+            if filled == HEADER {
+                break;
+            }
         }
-        // The frame is complete: one buffer of exactly what is held, each byte copied once.
-        let mut whole = BytesMut::with_capacity(held);
-        whole.extend_from_slice(&self.buffer);
-        for part in self.pending.drain(..) {
-            whole.extend_from_slice(&part);
+        let frame_len = decoder.frame_len(&header)?;
+        if self.len < frame_len {
+            return Ok(None);
         }
-        whole.extend_from_slice(&chunk);
-        self.pending_len = 0;
-        self.buffer = whole;
+        self.len -= frame_len;
+        let mut parts = std::mem::take(&mut self.parts);
+        let mut need = frame_len;
+        while need > 0 {
+            let mut chunk = self
+                .chunks
+                .pop_front()
+                .expect("len counts the chunks' bytes");
+            if chunk.len() > need {
+                self.chunks.push_front(chunk.split_off(need));
+            }
+            need -= chunk.len();
+            parts.push(chunk);
+        }
+        let frame = decoder.decode_chunks(&parts).map(|(frame, _copied)| frame);
+        parts.clear();
+        self.parts = parts;
+        frame.map(Some)
     }
 }
 
@@ -296,14 +298,14 @@ fn feed(
     core: &mut Core,
     now: Now,
     stream: StreamId,
-    buffer: &mut BytesMut,
+    frames: &mut FrameBuffer,
     decoder: &felix_wire::Decoder,
 ) -> (Reading, bool) {
     if !core.accepts_frames(stream) {
         return (Reading::Frames, false);
     }
     for _ in 0..FRAMES_PER_FEED_MAX {
-        let frame = match decoder.decode(buffer) {
+        let frame = match frames.next(decoder) {
             Ok(Some(frame)) => frame,
             Ok(None) => return (Reading::Frames, false),
             Err(error) => {
@@ -315,7 +317,7 @@ fn feed(
             Flow::Continue => {}
             // Parked: the rest stays buffered until the machine says the stream goes on.
             Flow::Blocked => return (Reading::Frames, false),
-            Flow::Subscribed if buffer.is_empty() => return (Reading::Subscription, false),
+            Flow::Subscribed if frames.is_empty() => return (Reading::Subscription, false),
             Flow::Subscribed => {
                 core.handle_extra_data(now, stream);
                 return (Reading::Done, false);
@@ -323,7 +325,7 @@ fn feed(
             Flow::Done => return (Reading::Done, false),
         }
     }
-    (Reading::Frames, !buffer.is_empty())
+    (Reading::Frames, !frames.is_empty())
 }
 
 /// One client stream: feed its frames, write its answers (or deliveries), until the machine
@@ -347,7 +349,7 @@ async fn serve_stream(
         budget,
         accounted: 0,
     };
-    let mut frames = FrameBuffer::new(shell.decoder.limits().max_frame_bytes);
+    let mut frames = FrameBuffer::default();
     let mut reading = Reading::Frames;
     let mut receive_open = true;
     loop {
@@ -360,7 +362,7 @@ async fn serve_stream(
                 } else {
                     &shell.decoder
                 };
-                (reading, frames_left) = feed(core, now, stream, &mut frames.buffer, decoder);
+                (reading, frames_left) = feed(core, now, stream, &mut frames, decoder);
             }
             core.poll_transmit(now, stream)
         });
@@ -530,7 +532,7 @@ mod tests {
 
     /// Decodes every whole frame `frames` holds, as the stream's feed does.
     fn drain(frames: &mut FrameBuffer, decoder: &Decoder, out: &mut Vec<Frame>) {
-        while let Some(frame) = decoder.decode(&mut frames.buffer).unwrap() {
+        while let Some(frame) = frames.next(decoder).unwrap() {
             out.push(frame);
         }
     }
@@ -555,7 +557,7 @@ mod tests {
         }
         let wire = wire.freeze();
         for chunk_len in [1usize, 5, 6, 7, 1200, 1350, 4096, 70_000, wire.len()] {
-            let mut frames = FrameBuffer::new(limits.max_frame_bytes);
+            let mut frames = FrameBuffer::default();
             let mut got = Vec::new();
             let mut received = 0;
             let mut decoded = 0;
@@ -573,17 +575,20 @@ mod tests {
     }
 
     #[test]
-    fn a_header_over_the_limit_is_left_to_the_decoder() {
-        // Proves a header claiming more than the frame limit is not collected: the decoder
-        // sees it at once and refuses it.
+    fn a_header_over_the_limit_is_refused_at_once() {
+        // Proves a header claiming more than the frame limit is refused as soon as its 6
+        // bytes are here (split over two chunks), without waiting for the body.
         let limits = Limits::DEFAULT;
         let decoder = Decoder::new(limits);
-        let mut frames = FrameBuffer::new(limits.max_frame_bytes);
+        let mut frames = FrameBuffer::default();
         let mut header = (limits.max_frame_bytes + 1).to_le_bytes().to_vec();
-        header.extend_from_slice(&[3, 0]);
-        frames.push(Bytes::from(header));
-        frames.push(Bytes::from_static(&[0; 100]));
-        assert!(frames.pending.is_empty());
-        assert!(decoder.decode(&mut frames.buffer).is_err());
+        header.extend_from_slice(&[0x20, 0]);
+        frames.push(Bytes::copy_from_slice(&header[..3]));
+        assert_eq!(frames.next(&decoder), Ok(None));
+        frames.push(Bytes::copy_from_slice(&header[3..]));
+        assert!(matches!(
+            frames.next(&decoder),
+            Err(felix_wire::WireError::FrameTooLarge { .. })
+        ));
     }
 }

@@ -238,8 +238,9 @@ impl Core {
             shards.push(shard);
             key_payload_bytes += record.key.len() + record.payload.len();
         }
-        // The decoder sliced every key and payload out of the frame: each record keeps the
-        // whole frame alive, which is what the replay rings charge (RecordBuffers).
+        // The decoder sliced every key and payload out of the frame (or of the QUIC chunks it
+        // arrived in, copying only what straddles two): each record keeps the whole frame
+        // alive, which is what the replay rings charge (RecordBuffers; docs/semantics.md).
         let buffers = RecordBuffers::Shared {
             len: felix_wire::encoded_publish_len(&name, records.len(), key_payload_bytes) as u64,
         };

@@ -762,6 +762,98 @@ impl Decoder {
         let Some(header) = buf.first_chunk::<FRAME_HEADER_LEN>() else {
             return Ok(None);
         };
+        let (frame_type, frame_len) = self.check_header(header)?;
+        if buf.len() < frame_len {
+            return Ok(None);
+        }
+        let mut frame = buf.split_to(frame_len);
+        frame.advance(FRAME_HEADER_LEN);
+        let body = frame.freeze();
+        self.decode_frame(
+            frame_type,
+            Whole {
+                body: &body,
+                pos: 0,
+            },
+        )
+        .map(Some)
+    }
+
+    /// Decodes one whole frame (header included) that arrived in several `chunks`, without
+    /// putting it together first: keys and payloads inside one chunk are zero-copy slices of it;
+    /// one that straddles two or more chunks is copied into a buffer of its own. Judged like
+    /// [`Decoder::decode`] (the same errors, the same limits). Returns the frame and the bytes
+    /// copied (for memory accounting: the records keep their chunks and these copies alive).
+    ///
+    /// # Errors
+    /// As [`Decoder::decode`], and `Malformed` when the chunks do not hold exactly the length
+    /// the header announces.
+    pub fn decode_chunks(&self, chunks: &[Bytes]) -> Result<(Frame, usize), WireError> {
+        if let [whole] = chunks
+            && let Some(header) = whole.first_chunk::<FRAME_HEADER_LEN>()
+        {
+            let (frame_type, frame_len) = self.check_header(header)?;
+            if frame_len == whole.len() {
+                let body = whole.slice(FRAME_HEADER_LEN..);
+                return Ok((
+                    self.decode_frame(
+                        frame_type,
+                        Whole {
+                            body: &body,
+                            pos: 0,
+                        },
+                    )?,
+                    0,
+                ));
+            }
+        }
+        let total: usize = chunks.iter().map(Bytes::len).sum();
+        let mut body = Split {
+            chunks,
+            index: 0,
+            pos: 0,
+            remaining: total,
+            copied: 0,
+        };
+        if total < FRAME_HEADER_LEN {
+            return Err(WireError::Malformed {
+                frame: "frame",
+                reason: format!("a frame of {total} bytes is shorter than its header"),
+            });
+        }
+        let mut header = [0u8; FRAME_HEADER_LEN];
+        body.read(&mut header);
+        let (frame_type, frame_len) = self.check_header(&header)?;
+        if frame_len != total {
+            return Err(malformed(
+                frame_type,
+                format!("the header announces {frame_len} bytes, {total} were given"),
+            ));
+        }
+        let mut reader = Reader {
+            body,
+            frame: frame_type,
+            limits: &self.limits,
+        };
+        let frame = reader.frame()?;
+        Ok((frame, reader.body.copied))
+    }
+
+    /// Judges a frame header as [`Decoder::decode`] does (its first three errors): the whole
+    /// frame's length, header included, when the header is acceptable.
+    ///
+    /// # Errors
+    /// `FrameTooLarge`, `UnknownFrameType`, `Malformed` (flags).
+    pub fn frame_len(&self, header: &[u8; FRAME_HEADER_LEN]) -> Result<usize, WireError> {
+        self.check_header(header).map(|(_, len)| len)
+    }
+
+    /// Judges a frame header as soon as its 6 bytes are present: the frame's type and its whole
+    /// length (header included).
+    fn check_header(
+        &self,
+        header: &[u8; FRAME_HEADER_LEN],
+    ) -> Result<(FrameType, usize), WireError> {
         let body_len = header_body_len(header);
         let type_code = header[4];
         let flags = header[5];
@@ -780,14 +872,7 @@ impl Decoder {
             ));
         }
         // body_len <= max_frame_bytes <= u32::MAX, which fits usize on every target we build.
-        let frame_len = FRAME_HEADER_LEN + body_len as usize;
-        if buf.len() < frame_len {
-            return Ok(None);
-        }
-        let mut frame = buf.split_to(frame_len);
-        frame.advance(FRAME_HEADER_LEN);
-        let body = frame.freeze();
-        self.decode_frame(frame_type, &body).map(Some)
+        Ok((frame_type, FRAME_HEADER_LEN + body_len as usize))
     }
 
     /// Decodes exactly one frame body of type `frame_type` (header already removed).
@@ -800,17 +885,30 @@ impl Decoder {
                 max: self.limits.max_frame_bytes,
             });
         }
-        self.decode_frame(frame_type, &body)
+        self.decode_frame(
+            frame_type,
+            Whole {
+                body: &body,
+                pos: 0,
+            },
+        )
     }
 
-    fn decode_frame(&self, frame_type: FrameType, body: &Bytes) -> Result<Frame, WireError> {
-        let mut r = Reader {
+    fn decode_frame(&self, frame_type: FrameType, body: Whole<'_>) -> Result<Frame, WireError> {
+        Reader {
             body,
-            pos: 0,
             frame: frame_type,
             limits: &self.limits,
-        };
-        let frame = match frame_type {
+        }
+        .frame()
+    }
+}
+
+impl<B: Body> Reader<'_, B> {
+    /// The whole body of a frame of type `self.frame`, nothing left over.
+    fn frame(&mut self) -> Result<Frame, WireError> {
+        let r = self;
+        let frame = match r.frame {
             FrameType::Hello => {
                 let min_version = r.u16("min_version")?;
                 let max_version = r.u16("max_version")?;
@@ -871,18 +969,139 @@ impl Decoder {
     }
 }
 
-/// A cursor over one frame body. Every read checks the bytes remaining first.
-struct Reader<'a> {
+/// The bytes of one frame body, read front to back. The caller checks `len <= remaining()`
+/// before every read.
+trait Body {
+    fn remaining(&self) -> usize;
+    /// Copies the next `out.len()` bytes into `out`.
+    fn read(&mut self, out: &mut [u8]);
+    /// The next `len` bytes, as a slice of the received bytes where they are contiguous.
+    fn take(&mut self, len: usize) -> Bytes;
+    /// The next `len` bytes as UTF-8.
+    fn string(&mut self, len: usize) -> Result<String, std::str::Utf8Error>;
+}
+
+/// A body received in one buffer: every key and payload is a zero-copy slice of it.
+struct Whole<'a> {
     body: &'a Bytes,
     pos: usize,
+}
+
+impl Body for Whole<'_> {
+    #[inline]
+    fn remaining(&self) -> usize {
+        self.body.len() - self.pos
+    }
+
+    #[inline]
+    fn read(&mut self, out: &mut [u8]) {
+        out.copy_from_slice(&self.body[self.pos..self.pos + out.len()]);
+        self.pos += out.len();
+    }
+
+    #[inline]
+    fn take(&mut self, len: usize) -> Bytes {
+        let bytes = self.body.slice(self.pos..self.pos + len);
+        self.pos += len;
+        bytes
+    }
+
+    fn string(&mut self, len: usize) -> Result<String, std::str::Utf8Error> {
+        let range = self.pos..self.pos + len;
+        self.pos += len;
+        std::str::from_utf8(&self.body[range]).map(str::to_owned)
+    }
+}
+
+/// A body received in several chunks ([`Decoder::decode_chunks`]): what lies inside one chunk
+/// is sliced out of it, what straddles chunks is copied (and counted in `copied`).
+struct Split<'a> {
+    chunks: &'a [Bytes],
+    /// The chunk read next, and the position in it.
+    index: usize,
+    pos: usize,
+    remaining: usize,
+    copied: usize,
+}
+
+impl<'a> Split<'a> {
+    /// The chunk holding the next byte, after the used-up ones. Only called with bytes
+    /// remaining, so a non-empty chunk is ahead.
+    #[inline]
+    fn current(&mut self) -> &'a Bytes {
+        let chunks = self.chunks;
+        while self.pos == chunks[self.index].len() {
+            self.index += 1;
+            self.pos = 0;
+        }
+        &chunks[self.index]
+    }
+}
+
+impl Split<'_> {
+    /// The next `len` bytes copied into a buffer of their own (appended, never zeroed first).
+    fn copy(&mut self, len: usize) -> BytesMut {
+        let mut copy = BytesMut::with_capacity(len);
+        while copy.len() < len {
+            let chunk = self.current();
+            let n = (chunk.len() - self.pos).min(len - copy.len());
+            copy.extend_from_slice(&chunk[self.pos..self.pos + n]);
+            self.pos += n;
+        }
+        self.remaining -= len;
+        copy
+    }
+}
+
+impl Body for Split<'_> {
+    #[inline]
+    fn remaining(&self) -> usize {
+        self.remaining
+    }
+
+    fn read(&mut self, out: &mut [u8]) {
+        let mut filled = 0;
+        while filled < out.len() {
+            let chunk = self.current();
+            let n = (chunk.len() - self.pos).min(out.len() - filled);
+            out[filled..filled + n].copy_from_slice(&chunk[self.pos..self.pos + n]);
+            self.pos += n;
+            filled += n;
+        }
+        self.remaining -= out.len();
+    }
+
+    fn take(&mut self, len: usize) -> Bytes {
+        if len == 0 {
+            return Bytes::new();
+        }
+        let chunk = self.current();
+        if chunk.len() - self.pos >= len {
+            let bytes = chunk.slice(self.pos..self.pos + len);
+            self.pos += len;
+            self.remaining -= len;
+            return bytes;
+        }
+        self.copied += len;
+        self.copy(len).freeze()
+    }
+
+    fn string(&mut self, len: usize) -> Result<String, std::str::Utf8Error> {
+        String::from_utf8(self.copy(len).into()).map_err(|e| e.utf8_error())
+    }
+}
+
+/// A cursor over one frame body. Every read checks the bytes remaining first.
+struct Reader<'a, B> {
+    body: B,
     frame: FrameType,
     limits: &'a Limits,
 }
 
-impl Reader<'_> {
+impl<B: Body> Reader<'_, B> {
     #[inline]
     fn remaining(&self) -> usize {
-        self.body.len() - self.pos
+        self.body.remaining()
     }
 
     #[cold]
@@ -891,25 +1110,31 @@ impl Reader<'_> {
         malformed(self.frame, reason)
     }
 
-    /// The next `len` bytes as a range of `body`, or Malformed if fewer remain.
+    /// Checks that `len` more bytes are there, or Malformed if fewer remain.
     #[inline]
-    fn take(&mut self, len: usize, what: &str) -> Result<std::ops::Range<usize>, WireError> {
+    fn need(&self, len: usize, what: &str) -> Result<(), WireError> {
         if len > self.remaining() {
             return Err(self.malformed(format!(
                 "{what}: needs {len} bytes, {} remain",
                 self.remaining()
             )));
         }
-        let range = self.pos..self.pos + len;
-        self.pos += len;
-        Ok(range)
+        Ok(())
+    }
+
+    /// The next `len` bytes (a slice of the received bytes where possible).
+    #[inline]
+    fn take(&mut self, len: usize, what: &str) -> Result<Bytes, WireError> {
+        self.need(len, what)?;
+        Ok(self.body.take(len))
     }
 
     #[inline]
     fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N], WireError> {
-        let range = self.take(N, what)?;
-        <[u8; N]>::try_from(&self.body[range])
-            .map_err(|_| self.malformed(format!("{what}: short read")))
+        self.need(N, what)?;
+        let mut bytes = [0u8; N];
+        self.body.read(&mut bytes);
+        Ok(bytes)
     }
 
     #[inline]
@@ -936,11 +1161,10 @@ impl Reader<'_> {
     fn string(&mut self, what: &'static str, max: usize) -> Result<String, WireError> {
         let len = usize::from(self.u16(what)?);
         check_len(what, len, max)?;
-        let range = self.take(len, what)?;
-        match std::str::from_utf8(&self.body[range]) {
-            Ok(s) => Ok(s.to_owned()),
-            Err(e) => Err(self.malformed(format!("{what}: invalid UTF-8 ({e})"))),
-        }
+        self.need(len, what)?;
+        self.body
+            .string(len)
+            .map_err(|e| self.malformed(format!("{what}: invalid UTF-8 ({e})")))
     }
 
     fn name(&mut self) -> Result<String, WireError> {
@@ -950,13 +1174,13 @@ impl Reader<'_> {
         )
     }
 
-    /// A u16-length-prefixed key, as a zero-copy slice.
+    /// A u16-length-prefixed key (a zero-copy slice where it lies in one received chunk).
     #[inline]
     fn key(&mut self) -> Result<Bytes, WireError> {
         self.bytes16("key length", "key", usize::from(self.limits.max_key_bytes))
     }
 
-    /// u16-length-prefixed bytes of at most `max`, as a zero-copy slice.
+    /// u16-length-prefixed bytes of at most `max` (a zero-copy slice where contiguous).
     #[inline]
     fn bytes16(
         &mut self,
@@ -966,11 +1190,10 @@ impl Reader<'_> {
     ) -> Result<Bytes, WireError> {
         let len = usize::from(self.u16(what_len)?);
         check_len(what_len, len, max)?;
-        let range = self.take(len, what)?;
-        Ok(self.body.slice(range))
+        self.take(len, what)
     }
 
-    /// A u32-length-prefixed payload, as a zero-copy slice.
+    /// A u32-length-prefixed payload (a zero-copy slice where contiguous).
     #[inline]
     fn payload(&mut self) -> Result<Bytes, WireError> {
         let len = self.u32("payload length")? as usize;
@@ -979,8 +1202,7 @@ impl Reader<'_> {
             len,
             self.limits.max_payload_bytes as usize,
         )?;
-        let range = self.take(len, "payload")?;
-        Ok(self.body.slice(range))
+        self.take(len, "payload")
     }
 
     /// A u32 list count, checked against `max` and against the bytes remaining (each item

@@ -467,6 +467,58 @@ proptest! {
         }
     }
 
+    // A frame received in chunks, cut anywhere (body bytes possibly overwritten), decodes with
+    // decode_chunks exactly as the whole frame decodes with decode: the same frame or the same
+    // error. Only bytes that straddle a cut are copied, so one chunk copies nothing.
+    #[test]
+    fn split_frames_decode_like_whole_ones(
+        frame in any_frame(VALID),
+        cuts in vec(any::<prop::sample::Index>(), 0..=8),
+        edits in vec((any::<prop::sample::Index>(), any::<u8>()), 0..=2),
+    ) {
+        let mut full = encoded(&frame);
+        let body_len = full.len() - FRAME_HEADER_LEN;
+        for (index, byte) in edits {
+            if body_len > 0 {
+                full[FRAME_HEADER_LEN + index.index(body_len)] = byte;
+            }
+        }
+        let decoder = Decoder::new(LIMITS);
+        let whole = decoder.decode(&mut full.clone()).map(|frame| frame.expect("whole"));
+        let mut cuts: Vec<usize> = cuts.iter().map(|cut| cut.index(full.len() + 1)).collect();
+        cuts.sort_unstable();
+        let full = full.freeze();
+        let mut chunks = Vec::new();
+        let mut start = 0;
+        for cut in cuts.into_iter().chain([full.len()]) {
+            chunks.push(full.slice(start..cut));
+            start = cut;
+        }
+        let split = decoder.decode_chunks(&chunks);
+        match (&whole, &split) {
+            (Ok(frame), Ok((got, copied))) => {
+                prop_assert_eq!(frame, got);
+                prop_assert!(*copied <= full.len());
+                if chunks.iter().filter(|c| !c.is_empty()).count() == 1 {
+                    prop_assert_eq!(*copied, 0);
+                }
+            }
+            (Err(error), Err(got)) => prop_assert_eq!(error, got),
+            _ => prop_assert!(false, "decode {:?}, decode_chunks {:?}", whole, split),
+        }
+    }
+
+    // Chunks that do not hold exactly the frame the header announces are refused.
+    #[test]
+    fn split_frames_of_the_wrong_length_are_refused(frame in any_frame(VALID), extra in 1..4usize) {
+        let full = encoded(&frame).freeze();
+        let decoder = Decoder::new(LIMITS);
+        let short = [full.slice(..full.len() - 1)];
+        prop_assert!(decoder.decode_chunks(&short).is_err());
+        let long = [full.clone(), Bytes::from(vec![0u8; extra])];
+        prop_assert!(decoder.decode_chunks(&long).is_err());
+    }
+
     // Overwriting or flipping random bytes of valid frames gives an error or a valid frame
     // (which re-encodes to the same bytes), never a panic.
     #[test]
