@@ -9,7 +9,7 @@ use std::collections::VecDeque;
 use std::rc::Rc;
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use felix_core::{ConnectionId, Core, Flow, Now, StreamId};
 use felix_wire::{Frame, WireError};
 use s2n_quic::connection::Connection;
@@ -222,6 +222,11 @@ impl Drop for StreamGuard {
 /// copied every byte of it: at 4 KiB x 64 that one copy was ~4 k of the broker's ~20 k
 /// instructions per record (docs/performance.md). What it holds is counted as before (`len`):
 /// bytes received and not yet decoded.
+/// A received chunk under this many bytes is copied onto a small last chunk ([`FrameBuffer::push`]).
+const SMALL_CHUNK_BYTES: usize = 512;
+/// ... as long as that chunk stays within this many bytes.
+const MERGED_CHUNK_BYTES_MAX: usize = 4096;
+
 #[derive(Default)]
 struct FrameBuffer {
     chunks: VecDeque<Bytes>,
@@ -240,11 +245,25 @@ impl FrameBuffer {
         self.len == 0
     }
 
+    /// Takes a received chunk. A small one is appended to a small last chunk (copied), so a
+    /// peer sending its bytes a few at a time cannot make the queue hold an entry per byte:
+    /// entries stay at most ~2 per [`SMALL_CHUNK_BYTES`] held.
     fn push(&mut self, chunk: Bytes) {
-        if !chunk.is_empty() {
-            self.len += chunk.len();
-            self.chunks.push_back(chunk);
+        if chunk.is_empty() {
+            return;
         }
+        self.len += chunk.len();
+        if chunk.len() < SMALL_CHUNK_BYTES
+            && let Some(back) = self.chunks.back_mut()
+            && back.len() + chunk.len() <= MERGED_CHUNK_BYTES_MAX
+        {
+            let mut merged = BytesMut::with_capacity(back.len() + chunk.len());
+            merged.extend_from_slice(back);
+            merged.extend_from_slice(&chunk);
+            *back = merged.freeze();
+            return;
+        }
+        self.chunks.push_back(chunk);
     }
 
     /// Decodes the frame at the front once it is whole (`Ok(None)` until then, nothing taken).
@@ -572,6 +591,31 @@ mod tests {
             assert!(frames.is_empty());
             assert_eq!(got, sent, "chunks of {chunk_len}");
         }
+    }
+
+    #[test]
+    fn bytes_sent_a_few_at_a_time_are_held_in_few_chunks() {
+        // Proves a peer trickling a frame byte by byte does not make the buffer keep an entry
+        // per byte (small chunks are merged), and the frame still decodes as sent.
+        let decoder = Decoder::new(Limits::DEFAULT);
+        let sent = publish(7, 16, 600);
+        let mut wire = BytesMut::new();
+        felix_wire::encode(&sent, &mut wire);
+        let mut frames = FrameBuffer::default();
+        for i in 0..wire.len() - 1 {
+            frames.push(wire.clone().freeze().slice(i..=i));
+        }
+        assert_eq!(frames.len(), wire.len() - 1);
+        assert!(
+            frames.chunks.len() <= wire.len() / 4096 + 1,
+            "{} chunks for {} bytes",
+            frames.chunks.len(),
+            wire.len()
+        );
+        assert_eq!(frames.next(&decoder), Ok(None));
+        frames.push(wire.clone().freeze().slice(wire.len() - 1..));
+        assert_eq!(frames.next(&decoder), Ok(Some(sent)));
+        assert!(frames.is_empty());
     }
 
     #[test]
