@@ -13,9 +13,11 @@
 //! - `Ok(None)` consumes nothing and is answered only to an incomplete frame; an error
 //!   consumes nothing (a bad header) or exactly its frame (a bad body);
 //! - feeding the same bytes in chunks (as QUIC delivers them) gives the same frames and the
-//!   same final outcome as feeding them whole.
+//!   same final outcome as feeding them whole;
+//! - a whole frame cut into chunks decodes with `decode_chunks` (what the broker does with a
+//!   frame spanning QUIC chunks) to the same frame, or the same body error, as `decode`.
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use felix_wire::{
     Decoder, FRAME_HEADER_LEN, Frame, Limits, WireError, encode, encoded_len, validate,
 };
@@ -55,7 +57,7 @@ enum End {
 
 fn check(limits: Limits, bytes: &[u8], selector: u8) {
     let decoder = Decoder::new(limits);
-    let (whole, whole_end) = decode_whole(&decoder, &limits, bytes);
+    let (whole, whole_end) = decode_whole(&decoder, &limits, bytes, chunk_len(selector));
     let (chunked, chunked_end) = decode_chunked(&decoder, bytes, chunk_len(selector));
     assert_eq!(
         whole, chunked,
@@ -73,7 +75,12 @@ fn chunk_len(selector: u8) -> usize {
 }
 
 /// Decodes `bytes` fed at once, checking every frame and the way it ends.
-fn decode_whole(decoder: &Decoder, limits: &Limits, bytes: &[u8]) -> (Vec<Frame>, End) {
+fn decode_whole(
+    decoder: &Decoder,
+    limits: &Limits,
+    bytes: &[u8],
+    chunk: usize,
+) -> (Vec<Frame>, End) {
     let mut buf = BytesMut::from(bytes);
     let mut frames = Vec::new();
     loop {
@@ -83,6 +90,11 @@ fn decode_whole(decoder: &Decoder, limits: &Limits, bytes: &[u8]) -> (Vec<Frame>
                 let consumed = before.len() - buf.len();
                 let wire = &before[..consumed];
                 check_frame(decoder, limits, &frame, wire);
+                let (split, copied) = decoder
+                    .decode_chunks(&cut(wire, chunk))
+                    .expect("a frame decode accepts decodes in chunks");
+                assert_eq!(split, frame, "decode_chunks agrees with decode");
+                assert!(copied <= wire.len(), "copies only the frame's bytes");
                 frames.push(frame);
             }
             Ok(None) => {
@@ -104,6 +116,11 @@ fn decode_whole(decoder: &Decoder, limits: &Limits, bytes: &[u8]) -> (Vec<Frame>
                         Some(consumed),
                         announced_len(&before),
                         "a body error consumes exactly its frame"
+                    );
+                    assert_eq!(
+                        decoder.decode_chunks(&cut(&before[..consumed], chunk)),
+                        Err(error.clone()),
+                        "decode_chunks refuses a frame in chunks as decode does"
                     );
                 }
                 return (frames, End::Error(error, buf.to_vec()));
@@ -133,6 +150,15 @@ fn decode_chunked(decoder: &Decoder, bytes: &[u8], chunk: usize) -> (Vec<Frame>,
             }
         }
     }
+}
+
+/// `bytes` cut into pieces of `chunk` bytes, as QUIC might hand them out.
+fn cut(bytes: &[u8], chunk: usize) -> Vec<Bytes> {
+    let whole = Bytes::copy_from_slice(bytes);
+    (0..bytes.len())
+        .step_by(chunk)
+        .map(|start| whole.slice(start..(start + chunk).min(bytes.len())))
+        .collect()
 }
 
 /// The frame length a header announces (header included), if 6 bytes are there.
