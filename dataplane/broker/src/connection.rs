@@ -213,6 +213,12 @@ impl Drop for StreamGuard {
     }
 }
 
+/// A received chunk under this many bytes is copied onto a small last chunk
+/// ([`FrameBuffer::push`]).
+const SMALL_CHUNK_BYTES: usize = 512;
+/// ... as long as that chunk stays within this many bytes.
+const MERGED_CHUNK_BYTES_MAX: usize = 4096;
+
 /// A stream's received bytes, as the chunks QUIC gave them, uncopied.
 ///
 /// A frame inside one chunk is decoded from it; a frame spanning chunks is decoded from the
@@ -222,11 +228,6 @@ impl Drop for StreamGuard {
 /// copied every byte of it: at 4 KiB x 64 that one copy was ~4 k of the broker's ~20 k
 /// instructions per record (docs/performance.md). What it holds is counted as before (`len`):
 /// bytes received and not yet decoded.
-/// A received chunk under this many bytes is copied onto a small last chunk ([`FrameBuffer::push`]).
-const SMALL_CHUNK_BYTES: usize = 512;
-/// ... as long as that chunk stays within this many bytes.
-const MERGED_CHUNK_BYTES_MAX: usize = 4096;
-
 #[derive(Default)]
 struct FrameBuffer {
     chunks: VecDeque<Bytes>,

@@ -769,14 +769,7 @@ impl Decoder {
         let mut frame = buf.split_to(frame_len);
         frame.advance(FRAME_HEADER_LEN);
         let body = frame.freeze();
-        self.decode_frame(
-            frame_type,
-            Whole {
-                body: &body,
-                pos: 0,
-            },
-        )
-        .map(Some)
+        self.decode_frame(frame_type, &body).map(Some)
     }
 
     /// Decodes one whole frame (header included) that arrived in several `chunks`, without
@@ -795,16 +788,7 @@ impl Decoder {
             let (frame_type, frame_len) = self.check_header(header)?;
             if frame_len == whole.len() {
                 let body = whole.slice(FRAME_HEADER_LEN..);
-                return Ok((
-                    self.decode_frame(
-                        frame_type,
-                        Whole {
-                            body: &body,
-                            pos: 0,
-                        },
-                    )?,
-                    0,
-                ));
+                return Ok((self.decode_frame(frame_type, &body)?, 0));
             }
         }
         let total: usize = chunks.iter().map(Bytes::len).sum();
@@ -885,18 +869,12 @@ impl Decoder {
                 max: self.limits.max_frame_bytes,
             });
         }
-        self.decode_frame(
-            frame_type,
-            Whole {
-                body: &body,
-                pos: 0,
-            },
-        )
+        self.decode_frame(frame_type, &body)
     }
 
-    fn decode_frame(&self, frame_type: FrameType, body: Whole<'_>) -> Result<Frame, WireError> {
+    fn decode_frame(&self, frame_type: FrameType, body: &Bytes) -> Result<Frame, WireError> {
         Reader {
-            body,
+            body: Whole { body, pos: 0 },
             frame: frame_type,
             limits: &self.limits,
         }
