@@ -326,8 +326,8 @@ pub fn render(status: &ClusterStatus) -> String {
         );
         let _ = writeln!(
             out,
-            "  {:<6} {:<7} {:<5} {:<10} {:<7} {:>11} {:>8} state",
-            "shard", "placed", "core", "replicas", "leader", "next offset", "max lag"
+            "  {:<6} {:<7} {:<5} {:<10} {:<7} {:>11} {:>11} {:>8} state",
+            "shard", "placed", "core", "replicas", "leader", "oldest", "next offset", "max lag"
         );
         for (shard, placement) in stream.shards.iter().enumerate() {
             let replicas: Vec<String> = placement.replicas.iter().map(u64::to_string).collect();
@@ -336,17 +336,25 @@ pub fn render(status: &ClusterStatus) -> String {
                 u32::try_from(shard).unwrap_or(u32::MAX),
             );
             let held = status.shards.iter().find(|s| s.group == group);
-            let (leader, next_offset, lag, state) = match held {
+            let (leader, oldest, next_offset, lag, state) = match held {
                 None if stream.kind == StreamKind::Durable => (
+                    "-".to_owned(),
                     "-".to_owned(),
                     "-".to_owned(),
                     "-".to_owned(),
                     "not held here",
                 ),
-                None => ("-".to_owned(), "-".to_owned(), "-".to_owned(), "one copy"),
+                None => (
+                    "-".to_owned(),
+                    "-".to_owned(),
+                    "-".to_owned(),
+                    "-".to_owned(),
+                    "one copy",
+                ),
                 Some(held) => (
                     held.leader
                         .map_or_else(|| "none".to_owned(), |leader| leader.to_string()),
+                    held.oldest_offset.to_string(),
                     held.next_offset.to_string(),
                     held.progress
                         .iter()
@@ -355,6 +363,8 @@ pub fn render(status: &ClusterStatus) -> String {
                         .map_or_else(|| "-".to_owned(), |lag| lag.to_string()),
                     if held.under_replicated {
                         "under-replicated"
+                    } else if held.fetching_from.is_some() {
+                        "fetching missed records"
                     } else if held.leader.is_none() {
                         "electing"
                     } else {
@@ -364,12 +374,13 @@ pub fn render(status: &ClusterStatus) -> String {
             };
             let _ = writeln!(
                 out,
-                "  {:<6} {:<7} {:<5} {:<10} {:<7} {:>11} {:>8} {state}",
+                "  {:<6} {:<7} {:<5} {:<10} {:<7} {:>11} {:>11} {:>8} {state}",
                 shard,
                 placement.leader,
                 placement.core,
                 replicas.join(","),
                 leader,
+                oldest,
                 next_offset,
                 lag
             );
@@ -476,6 +487,51 @@ pub fn render_metrics(status: &ClusterStatus) -> String {
             held.pending
         );
     }
+    gauge(
+        &mut out,
+        "felix_cluster_shard_record_log_bytes",
+        "Bytes of this member's record log of each replicated shard it holds (records kept \
+         by FELIX_DURABLE_RETENTION_*).",
+    );
+    for held in &status.shards {
+        let _ = writeln!(
+            out,
+            "felix_cluster_shard_record_log_bytes{{stream=\"{}\",shard=\"{}\"}} {}",
+            label(&held.stream),
+            held.shard,
+            held.record_log_bytes
+        );
+    }
+    gauge(
+        &mut out,
+        "felix_cluster_shard_oldest_offset",
+        "The oldest offset of each replicated shard this member still holds.",
+    );
+    for held in &status.shards {
+        let _ = writeln!(
+            out,
+            "felix_cluster_shard_oldest_offset{{stream=\"{}\",shard=\"{}\"}} {}",
+            label(&held.stream),
+            held.shard,
+            held.oldest_offset
+        );
+    }
+    gauge(
+        &mut out,
+        "felix_cluster_shard_missing_records",
+        "Offsets of each replicated shard this member's record log misses and fetches from a \
+         peer (it installed a snapshot after falling behind a compaction); 0 normally.",
+    );
+    for held in &status.shards {
+        let _ = writeln!(
+            out,
+            "felix_cluster_shard_missing_records{{stream=\"{}\",shard=\"{}\"}} {}",
+            label(&held.stream),
+            held.shard,
+            held.fetching_from
+                .map_or(0, |from| held.next_offset.saturating_sub(from))
+        );
+    }
     // Each family's samples follow its own descriptors (OpenMetrics: a family is contiguous).
     let led = || {
         status
@@ -553,6 +609,10 @@ mod tests {
             commit: 3,
             next_offset: 4,
             oldest_offset: 0,
+            recorded_offset: 4,
+            record_log_bytes: 4096,
+            snapshot_index: 0,
+            fetching_from: None,
             replicas: vec![1, 2, 3],
             progress: vec![PeerProgress {
                 id: 2,

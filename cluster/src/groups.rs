@@ -16,9 +16,11 @@ use raft::prelude::Message;
 use serde::{Deserialize, Serialize};
 
 use crate::control::{ControlState, Fsync, StreamKind};
-use crate::node::{Node, NodeConfig, NodeError, Output, PeerProgress, Role};
+use crate::memory::{DataFrame, Fetch, FetchRefusal, Fetched};
+use crate::node::{Machine, Node, NodeConfig, NodeError, Output, PeerProgress, Role};
 use crate::publish::{Producer, PublishAnswer, PublishError};
 use crate::raft_log::{RaftLog, raft_log_config};
+use crate::records::{CatchUp, RecordsConfig, ShardRecords, records_dir};
 use crate::shard::{ReadError, ShardApplied, ShardRecord, ShardState};
 
 /// Group id 0 is the control plane's; a shard's group id is its stream's incarnation (the
@@ -35,6 +37,16 @@ pub const IN_SYNC_LAG_MAX: u64 = 1_000;
 
 /// Ticks between two checks whether a group should hand leadership to its placed leader.
 const TRANSFER_CHECK_TICKS: u64 = 10;
+
+/// Ticks between two retention passes over the record logs (1 s).
+const RETENTION_TICKS: u64 = 10;
+
+/// Ticks a member waits for a peer's answer to a fetch of missing records before it asks
+/// again (the next replica in turn).
+const HOLE_FETCH_RETRY_TICKS: u64 = 5;
+/// Records and bytes of keys and payloads asked per fetch of missing records.
+const HOLE_FETCH_RECORDS: u32 = 4_096;
+const HOLE_FETCH_BYTES: u32 = 1 << 20;
 
 /// A replica heard from within this many ticks (3 s: fifteen heartbeats) counts as alive.
 /// raft-rs's own `recent_active` flag is cleared at every election timeout and set again by
@@ -62,9 +74,23 @@ pub struct ShardStatus {
     pub commit: u64,
     /// The shard's next offset here: every offset below is committed and applied.
     pub next_offset: u64,
-    /// The oldest offset this member's copy still holds (older ones were compacted).
+    /// The oldest offset this member's copy still holds (older ones were deleted by the
+    /// record log's retention).
     #[serde(default)]
     pub oldest_offset: u64,
+    /// Offsets below are in this member's record log and fdatasynced (`records.rs`).
+    #[serde(default)]
+    pub recorded_offset: u64,
+    /// The Raft log is compacted up to this index (its entries before are in the snapshot).
+    #[serde(default)]
+    pub snapshot_index: u64,
+    /// Bytes of this member's record log files.
+    #[serde(default)]
+    pub record_log_bytes: u64,
+    /// Where this member's record log misses records it fetches from a peer (it fell
+    /// behind a compaction), if it does.
+    #[serde(default)]
+    pub fetching_from: Option<u64>,
     pub replicas: Vec<u64>,
     /// On the leader: each replica's progress.
     pub progress: Vec<PeerProgress>,
@@ -89,6 +115,30 @@ struct Group {
     heard: BTreeMap<u64, u64>,
     /// This member's publishes into the shard (`publish.rs`).
     producer: Producer,
+    /// The shard's committed records on this member (`records.rs`).
+    records: ShardRecords,
+    /// A compaction waiting for the record log's fdatasync: the state taken at its index.
+    compact_point: Option<CompactPoint>,
+    /// Records missing from the record log that a peer is asked for.
+    hole: Option<Hole>,
+}
+
+/// A compaction that waits until the record log has fdatasynced the records before
+/// `next_offset` (the shard's next offset at `index`).
+struct CompactPoint {
+    index: u64,
+    next_offset: u64,
+    data: Vec<u8>,
+}
+
+/// A run of offsets the member's record log misses and its Raft log no longer holds.
+struct Hole {
+    from: u64,
+    /// The fetch asked last, and the tick it was asked at (none yet: ask now).
+    request: u64,
+    asked_at: Option<u64>,
+    /// Fetches asked so far: the replicas are asked in turn, the leader first.
+    attempts: u64,
 }
 
 /// Answers this member's publishes that `output` applied and sends its messages; notes
@@ -125,6 +175,12 @@ pub struct Groups {
     ticks: u64,
     /// `(group, to, snapshot, sent)` of the sends a group must hear about after a pass.
     reports: Vec<(u64, u64, bool, bool)>,
+    /// Where the record logs live (`<data_dir>/cluster/records/<group>/`) and how they are kept.
+    records_dir: PathBuf,
+    records_config: RecordsConfig,
+    /// Fetches of missing records to send to peers, by member.
+    fetches: Vec<(u64, DataFrame)>,
+    next_request: u64,
 }
 
 impl std::fmt::Debug for Groups {
@@ -137,19 +193,30 @@ impl std::fmt::Debug for Groups {
 }
 
 impl Groups {
-    /// No groups yet; their logs go under `dir`. `boot` tells this run of the member from
-    /// its earlier ones (its publishes' producer ids differ per run). Groups of periodic
-    /// streams fdatasync every `fsync_interval`.
+    /// No groups yet; their Raft logs go under `dir`, their record logs under `records_dir`.
+    /// `boot` tells this run of the member from its earlier ones (its publishes' producer ids
+    /// differ per run). Groups of periodic streams, and every record log, fdatasync every
+    /// `records.fsync_interval`.
     #[must_use]
-    pub fn new(id: u64, boot: u64, dir: PathBuf, fsync_interval: std::time::Duration) -> Groups {
+    pub fn new(
+        id: u64,
+        boot: u64,
+        dir: PathBuf,
+        records_dir: PathBuf,
+        records: RecordsConfig,
+    ) -> Groups {
         Groups {
             id,
             boot,
             dir,
-            fsync_interval,
+            fsync_interval: records.fsync_interval,
             groups: BTreeMap::new(),
             ticks: 0,
             reports: Vec::new(),
+            records_dir,
+            records_config: records,
+            fetches: Vec::new(),
+            next_request: 1,
         }
     }
 
@@ -186,6 +253,11 @@ impl Groups {
                 if let Err(error) = std::fs::remove_dir_all(&stopped.dir) {
                     tracing::warn!(group, %error, "cannot remove a deleted shard's raft log");
                 }
+                let records = stopped.records.dir().to_path_buf();
+                drop(stopped.records);
+                if let Err(error) = std::fs::remove_dir_all(&records) {
+                    tracing::warn!(group, %error, "cannot remove a deleted shard's record log");
+                }
             }
         }
         for (group, (stream, shard, placement, fsync)) in wanted {
@@ -208,7 +280,11 @@ impl Groups {
             .map_err(|error| NodeError::Store(error.to_string()))?;
             let store = RaftLog::open_with(log_config, backend)
                 .map_err(|error| NodeError::Store(error.to_string()))?;
-            let config = NodeConfig::new(self.id, placement.replicas.clone());
+            let records =
+                ShardRecords::open(&records_dir(&self.records_dir, group), &self.records_config)
+                    .map_err(|error| NodeError::Store(error.to_string()))?;
+            let mut config = NodeConfig::new(self.id, placement.replicas.clone());
+            config.compact_after = self.records_config.compact_after;
             let node = Node::with_machine(&config, store, ShardState::default())?;
             tracing::info!(
                 stream,
@@ -228,6 +304,9 @@ impl Groups {
                     dir,
                     heard: BTreeMap::new(),
                     producer: Producer::new(self.id, self.boot),
+                    records,
+                    compact_point: None,
+                    hole: None,
                 },
             );
         }
@@ -243,8 +322,19 @@ impl Groups {
     pub fn tick(&mut self, connected: &[u64], now: std::time::Instant) -> Result<(), NodeError> {
         self.ticks += 1;
         let check = self.ticks.is_multiple_of(TRANSFER_CHECK_TICKS);
-        for group in self.groups.values_mut() {
+        let retention = self.ticks.is_multiple_of(RETENTION_TICKS);
+        for (id, group) in &mut self.groups {
             group.node.drive_store(now)?;
+            group
+                .records
+                .drive(now)
+                .map_err(|error| records_failed(*id, &error))?;
+            if retention {
+                group
+                    .records
+                    .apply_retention()
+                    .map_err(|error| records_failed(*id, &error))?;
+            }
             group.node.tick();
             for (sequence, data) in group.producer.due(self.ticks, now) {
                 if group.node.propose_data(data).is_err() {
@@ -328,11 +418,16 @@ impl Groups {
         Ok(())
     }
 
-    /// After the passes: compacts the groups due and tells them how their sends went.
+    /// After the passes: records what the groups applied in their record logs, compacts
+    /// the groups due (behind what their record logs fdatasynced), asks peers for records a
+    /// record log misses, and tells the groups how their sends went.
     pub fn end_advance(&mut self) -> Result<(), NodeError> {
-        for group in self.groups.values_mut() {
-            group.node.compact_if_due()?;
+        let now = std::time::Instant::now();
+        for (id, group) in &mut self.groups {
+            record(*id, group, now)?;
+            compact(group)?;
         }
+        self.ask_for_holes();
         for (group, to, snapshot, sent) in std::mem::take(&mut self.reports) {
             if snapshot {
                 self.report_snapshot(group, to, sent);
@@ -389,10 +484,7 @@ impl Groups {
             .groups
             .get(&group)
             .ok_or_else(|| format!("shard group {group} is not running on this member"))?;
-        found
-            .node
-            .state()
-            .read(found.node.store(), from, max_records, usize::MAX)
+        read_copy(found, from, max_records, usize::MAX)
             .map_err(|error| format!("offset {from}: {error}"))
     }
 
@@ -408,18 +500,145 @@ impl Groups {
         let found = self.groups.get(&group).ok_or_else(|| {
             ReadError::Failed(format!("shard group {group} is not running on this member"))
         })?;
-        found
-            .node
-            .state()
-            .read(found.node.store(), from, max_records, max_bytes)
+        read_copy(found, from, max_records, max_bytes)
     }
 
     /// The offsets this member's copy of `group` holds: `(oldest, next)`, every offset in
-    /// between committed and readable. `None` when the group does not run here.
+    /// between committed (a read in a run the member still fetches from a peer answers
+    /// nothing until the records are here). `None` when the group does not run here.
     #[must_use]
     pub fn range(&self, group: u64) -> Option<(u64, u64)> {
-        let state = self.groups.get(&group)?.node.state();
-        Some((state.oldest_offset(), state.next_offset()))
+        let group = self.groups.get(&group)?;
+        Some((group.records.oldest(), group.node.state().next_offset()))
+    }
+
+    /// A peer asks for records its record log misses (`records.rs`, "Holes"): answered from
+    /// this member's copy, as a subscriber would read them.
+    #[must_use]
+    pub fn answer_fetch(&self, fetch: &Fetch) -> DataFrame {
+        let group = group_id(fetch.key.0, fetch.key.1);
+        let result = match self.groups.get(&group) {
+            None => Err(FetchRefusal::NotHere),
+            Some(found) => match read_copy(
+                found,
+                fetch.from,
+                fetch.max_records.min(HOLE_FETCH_RECORDS) as usize,
+                fetch.max_bytes.min(HOLE_FETCH_BYTES) as usize,
+            ) {
+                Ok(records) => Ok(Fetched {
+                    oldest: found.records.oldest(),
+                    next: found.node.state().next_offset(),
+                    records,
+                }),
+                Err(ReadError::Compacted { oldest }) => Err(FetchRefusal::TooOld { oldest }),
+                Err(ReadError::Failed(reason)) => {
+                    tracing::warn!(group, %reason, "cannot read records a peer asks for");
+                    Err(FetchRefusal::NotHere)
+                }
+            },
+        };
+        DataFrame::RecordsFetched {
+            request: fetch.request,
+            result,
+        }
+    }
+
+    /// A peer's answer to a fetch of missing records: the records are appended to the
+    /// record log (those that follow its end), recording goes on past them, and a hole not
+    /// filled yet is asked for again (at once after records, else the next replica later).
+    pub fn records_fetched(
+        &mut self,
+        request: u64,
+        result: Result<Fetched, FetchRefusal>,
+    ) -> Result<(), NodeError> {
+        let Some((id, group)) = self
+            .groups
+            .iter_mut()
+            .find(|(_, g)| g.hole.as_ref().is_some_and(|h| h.request == request))
+        else {
+            return Ok(());
+        };
+        let Some(hole) = group.hole.as_mut() else {
+            return Ok(());
+        };
+        match result {
+            Ok(fetched) if !fetched.records.is_empty() => {
+                let appended = group
+                    .records
+                    .fill(&fetched.records)
+                    .map_err(|error| records_failed(*id, &error))?;
+                if appended > 0 {
+                    hole.asked_at = None;
+                } else {
+                    // Records not at the hole's start (the peer's copy skips offsets there,
+                    // or the log's pending bytes are full): the next replica, after a while.
+                    hole.attempts += 1;
+                }
+            }
+            Ok(_) | Err(FetchRefusal::NotHere) => {
+                // The peer has not got them either (yet): the next replica, after a while.
+                hole.attempts += 1;
+            }
+            Err(FetchRefusal::TooOld { oldest }) => {
+                group
+                    .records
+                    .skip_to(oldest)
+                    .map_err(|error| records_failed(*id, &error))?;
+                hole.asked_at = None;
+            }
+        }
+        record(*id, group, std::time::Instant::now())?;
+        Ok(())
+    }
+
+    /// The fetches of missing records to send now, by member.
+    pub fn take_fetches(&mut self) -> Vec<(u64, DataFrame)> {
+        self.ask_for_holes();
+        std::mem::take(&mut self.fetches)
+    }
+
+    fn ask_for_holes(&mut self) {
+        for (id, group) in &mut self.groups {
+            let Some(hole) = group.hole.as_mut() else {
+                continue;
+            };
+            if hole
+                .asked_at
+                .is_some_and(|at| self.ticks < at + HOLE_FETCH_RETRY_TICKS)
+            {
+                continue;
+            }
+            if hole.asked_at.is_some() {
+                hole.attempts += 1;
+            }
+            let mut peers: Vec<u64> = Vec::new();
+            if let Some(leader) = group.node.leader().filter(|l| *l != self.id) {
+                peers.push(leader);
+            }
+            for replica in &group.replicas {
+                if *replica != self.id && !peers.contains(replica) {
+                    peers.push(*replica);
+                }
+            }
+            let Some(&peer) =
+                peers.get(usize::try_from(hole.attempts % peers.len().max(1) as u64).unwrap_or(0))
+            else {
+                continue;
+            };
+            hole.request = self.next_request;
+            self.next_request += 1;
+            hole.asked_at = Some(self.ticks);
+            self.fetches.push((
+                peer,
+                DataFrame::RecordsFetch(Fetch {
+                    request: hole.request,
+                    key: (id >> 16, u32::try_from(id & 0xffff).expect("16 bits")),
+                    from: hole.from,
+                    max_records: HOLE_FETCH_RECORDS,
+                    max_bytes: HOLE_FETCH_BYTES,
+                }),
+            ));
+        }
     }
 
     /// Whether shard group `group` runs on this member.
@@ -471,7 +690,12 @@ impl Groups {
                     term: status.term,
                     commit: status.commit,
                     next_offset: group.node.state().next_offset(),
-                    oldest_offset: group.node.state().oldest_offset(),
+                    oldest_offset: group.records.oldest(),
+                    recorded_offset: group.records.synced(),
+                    record_log_bytes: group.records.disk_bytes(),
+                    snapshot_index: raft::Storage::first_index(group.node.store())
+                        .map_or(0, |first| first - 1),
+                    fetching_from: group.hole.as_ref().map(|h| h.from),
                     replicas: group.replicas.clone(),
                     under_replicated: status.role == Role::Leader && in_sync < group.replicas.len(),
                     pending: group.producer.pending(),
@@ -485,4 +709,91 @@ impl Groups {
             })
             .collect()
     }
+}
+
+fn records_failed(group: u64, error: &dyn std::fmt::Display) -> NodeError {
+    NodeError::Store(format!("shard group {group}: record log: {error}"))
+}
+
+/// Reads `group`'s committed records from `from`: out of the record log up to what it has
+/// written, past it out of the Raft log's live entries. Offsets the record log still misses
+/// and the Raft log no longer holds (a hole being fetched) read as nothing yet.
+fn read_copy(
+    group: &Group,
+    from: u64,
+    max_records: usize,
+    max_bytes: usize,
+) -> Result<Vec<(u64, ShardRecord)>, ReadError> {
+    let records = &group.records;
+    if from < records.written() || from < records.oldest() {
+        return records.read(from, max_records, max_bytes);
+    }
+    match group
+        .node
+        .state()
+        .read(group.node.store(), from, max_records, max_bytes)
+    {
+        Err(ReadError::Compacted { .. }) => Ok(Vec::new()),
+        other => other,
+    }
+}
+
+/// Appends what the group applied to its record log, notes a hole to fetch, and writes.
+fn record(id: u64, group: &mut Group, now: std::time::Instant) -> Result<(), NodeError> {
+    let found = group
+        .records
+        .catch_up(group.node.state(), group.node.store())
+        .map_err(|error| records_failed(id, &error))?;
+    match found {
+        CatchUp::Recorded => {
+            if group.hole.take().is_some() {
+                tracing::info!(group = id, "the records this member missed are fetched");
+            }
+        }
+        CatchUp::Hole { from } => match group.hole.as_mut() {
+            Some(hole) => hole.from = from,
+            None => {
+                tracing::info!(
+                    group = id,
+                    from,
+                    upto = group.node.state().oldest_offset(),
+                    "this member's copy misses records (it installed a snapshot): fetching them from a peer"
+                );
+                group.hole = Some(Hole {
+                    from,
+                    request: 0,
+                    asked_at: None,
+                    attempts: 0,
+                });
+            }
+        },
+    }
+    group
+        .records
+        .drive(now)
+        .map_err(|error| records_failed(id, &error))
+}
+
+/// Compacts the group's Raft log once due, behind a point its record log has fdatasynced:
+/// the state is taken when the compaction falls due, and the log compacts to it once the
+/// record log's fdatasync covers the records before it.
+fn compact(group: &mut Group) -> Result<(), NodeError> {
+    if group.compact_point.is_none() && group.node.compaction_due()? {
+        let state = group.node.state();
+        group.compact_point = Some(CompactPoint {
+            index: state.applied_index(),
+            next_offset: state.next_offset(),
+            data: state.snapshot(),
+        });
+        group.records.sync_now();
+    }
+    if group
+        .compact_point
+        .as_ref()
+        .is_some_and(|point| group.records.synced() >= point.next_offset)
+        && let Some(point) = group.compact_point.take()
+    {
+        group.node.compact_to(point.index, point.data)?;
+    }
+    Ok(())
 }

@@ -28,6 +28,7 @@ pub mod pki;
 pub mod placement;
 pub mod publish;
 pub mod raft_log;
+pub mod records;
 pub mod service;
 pub mod shard;
 pub mod subscribe;

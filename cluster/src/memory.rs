@@ -408,12 +408,22 @@ pub enum DataFrame {
         request: u64,
         result: Result<Fetched, FetchRefusal>,
     },
+    /// A member asks a replica of a replicated shard for committed records its record log
+    /// misses (`records.rs`, "Holes"); the key names the shard group.
+    RecordsFetch(Fetch),
+    /// The replica's answer, from its copy.
+    RecordsFetched {
+        request: u64,
+        result: Result<Fetched, FetchRefusal>,
+    },
 }
 
 const PUBLISH: u8 = 1;
 const PUBLISHED: u8 = 2;
 const FETCH: u8 = 3;
 const FETCHED: u8 = 4;
+const RECORDS_FETCH: u8 = 5;
+const RECORDS_FETCHED: u8 = 6;
 
 impl DataFrame {
     /// The frame's bytes (without the group id).
@@ -445,16 +455,27 @@ impl DataFrame {
                     None => out.put_u8(0),
                 }
             }
-            DataFrame::Fetch(fetch) => {
-                out.put_u8(FETCH);
+            DataFrame::Fetch(fetch) | DataFrame::RecordsFetch(fetch) => {
+                let kind = if matches!(self, DataFrame::Fetch(_)) {
+                    FETCH
+                } else {
+                    RECORDS_FETCH
+                };
+                out.put_u8(kind);
                 out.put_u64(fetch.request);
                 put_key(&mut out, fetch.key);
                 out.put_u64(fetch.from);
                 out.put_u32(fetch.max_records);
                 out.put_u32(fetch.max_bytes);
             }
-            DataFrame::Fetched { request, result } => {
-                out.put_u8(FETCHED);
+            DataFrame::Fetched { request, result }
+            | DataFrame::RecordsFetched { request, result } => {
+                let kind = if matches!(self, DataFrame::Fetched { .. }) {
+                    FETCHED
+                } else {
+                    RECORDS_FETCHED
+                };
+                out.put_u8(kind);
                 out.put_u64(*request);
                 match result {
                     Ok(fetched) => {
@@ -515,17 +536,22 @@ impl DataFrame {
                     first_offset,
                 }
             }
-            FETCH => {
+            FETCH | RECORDS_FETCH => {
                 need(&buf, 12 + 8 + 4 + 4, "fetch")?;
-                DataFrame::Fetch(Fetch {
+                let fetch = Fetch {
                     request,
                     key: (buf.get_u64(), buf.get_u32()),
                     from: buf.get_u64(),
                     max_records: buf.get_u32(),
                     max_bytes: buf.get_u32(),
-                })
+                };
+                if kind == FETCH {
+                    DataFrame::Fetch(fetch)
+                } else {
+                    DataFrame::RecordsFetch(fetch)
+                }
             }
-            FETCHED => {
+            FETCHED | RECORDS_FETCHED => {
                 need(&buf, 1, "outcome")?;
                 let result = match buf.get_u8() {
                     0 => {
@@ -548,7 +574,11 @@ impl DataFrame {
                     }
                     _ => Err(FetchRefusal::NotHere),
                 };
-                DataFrame::Fetched { request, result }
+                if kind == FETCHED {
+                    DataFrame::Fetched { request, result }
+                } else {
+                    DataFrame::RecordsFetched { request, result }
+                }
             }
             other => return Err(format!("unknown data frame kind {other}")),
         };
@@ -657,6 +687,25 @@ mod tests {
             DataFrame::Fetched {
                 request: 11,
                 result: Err(FetchRefusal::NotHere),
+            },
+            DataFrame::RecordsFetch(Fetch {
+                request: 12,
+                key: (3, 2),
+                from: 5,
+                max_records: 4096,
+                max_bytes: 1 << 20,
+            }),
+            DataFrame::RecordsFetched {
+                request: 12,
+                result: Ok(Fetched {
+                    oldest: 0,
+                    next: 9,
+                    records: vec![(5, record(5, 1))],
+                }),
+            },
+            DataFrame::RecordsFetched {
+                request: 13,
+                result: Err(FetchRefusal::TooOld { oldest: 4 }),
             },
         ];
         for frame in frames {

@@ -537,15 +537,35 @@ impl<S: LogStore, M: Machine> Node<S, M> {
     /// Compacts the log behind a snapshot once enough entries are applied (`advance` does it
     /// after its passes; a caller of [`Node::begin`] and [`Node::finish`] after its own).
     pub fn compact_if_due(&mut self) -> Result<(), NodeError> {
+        if self.compaction_due()? {
+            let applied = self.state.applied_index();
+            let data = self.state.snapshot();
+            self.compact_to(applied, data)?;
+        }
+        Ok(())
+    }
+
+    /// Whether enough entries (or entry bytes) are applied behind the snapshot for a
+    /// compaction ([`NodeConfig::compact_after`], [`NodeConfig::compact_after_bytes`]).
+    pub fn compaction_due(&self) -> Result<bool, NodeError> {
         let first = self.raw.store().first_index()?;
         let applied = self.state.applied_index();
         let due = (applied + 1).saturating_sub(first) > self.compact_after
             || self.raw.store().live_bytes() > self.compact_after_bytes;
-        if applied >= first && due {
-            let data = self.state.snapshot();
-            self.raw.mut_store().compact(applied, data)?;
-            self.state.compacted(applied);
+        Ok(applied >= first && due)
+    }
+
+    /// Compacts the log up to `index` behind `data`, the machine's [`Machine::snapshot`]
+    /// taken when `index` was its applied index (a caller that must wait before compacting,
+    /// as a replicated shard waits for its record log, takes the snapshot first and compacts
+    /// later). Does nothing when `index` is already compacted.
+    pub fn compact_to(&mut self, index: u64, data: Vec<u8>) -> Result<(), NodeError> {
+        let first = self.raw.store().first_index()?;
+        if index < first || index > self.state.applied_index() {
+            return Ok(());
         }
+        self.raw.mut_store().compact(index, data)?;
+        self.state.compacted(index);
         Ok(())
     }
 

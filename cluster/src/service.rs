@@ -27,6 +27,7 @@ use crate::node::{Node, NodeConfig, NodeError, NodeStatus, ProposeError};
 use crate::pki::NodeIdentity;
 use crate::publish::{PublishAnswer, PublishError};
 use crate::raft_log::RaftLog;
+use crate::records::RecordsConfig;
 use crate::shard::ShardRecord;
 use crate::subscribe::{SubscribeRequest, SubscriptionSink, Subscriptions, View};
 use crate::transport::{PeerCut, PeerTransport, TransportConfig};
@@ -57,9 +58,10 @@ pub struct ServiceConfig {
     pub ca_pem: String,
     /// The control plane's Raft log directory.
     pub dir: PathBuf,
-    /// How often the shard groups of `--fsync periodic` streams fdatasync
-    /// (FELIX_DURABLE_FSYNC_INTERVAL_MS).
-    pub fsync_interval: Duration,
+    /// How the replicated shards' record logs are kept (`records.rs`): their fdatasync
+    /// interval, also that of the shard groups of `--fsync periodic` streams
+    /// (FELIX_DURABLE_FSYNC_INTERVAL_MS), their retention, the Raft logs' compaction.
+    pub records: RecordsConfig,
     /// Whether [`Service::cut_peers`] may cut links (FELIX_CLUSTER_FAULT_INJECTION).
     pub fault_injection: bool,
 }
@@ -619,7 +621,8 @@ async fn serve(
         id,
         boot,
         config.dir.with_file_name("shards"),
-        config.fsync_interval,
+        config.dir.with_file_name("records"),
+        config.records,
     );
     let mut reconciled_at = 0u64;
     let (view, view_watched) = tokio::sync::watch::channel(Arc::new(ClusterView::new(
@@ -773,6 +776,7 @@ async fn serve(
             memory: &data.memory,
         };
         subscriptions.pump(&reading, tick_count, &mut data.out);
+        data.out.extend(groups.take_fetches());
         for (to, frame) in data.out.drain(..) {
             let mut bytes = DATA_GROUP.to_be_bytes().to_vec();
             bytes.extend_from_slice(&frame.encode());
@@ -943,6 +947,16 @@ impl Peers<'_> {
             }
             Ok(DataFrame::Fetched { request, result }) => {
                 self.subscriptions.fetched(request, result);
+            }
+            Ok(DataFrame::RecordsFetch(fetch)) => {
+                data.out
+                    .push((inbound.from, self.groups.answer_fetch(&fetch)));
+            }
+            Ok(DataFrame::RecordsFetched { request, result }) => {
+                // A failed record log fails the service at the end of this round.
+                if let Err(error) = self.groups.records_fetched(request, result) {
+                    tracing::error!(%error, "recording fetched records failed");
+                }
             }
             Err(error) => {
                 tracing::warn!(from = inbound.from, %error, "an undecodable data frame; dropped");

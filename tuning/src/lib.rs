@@ -222,6 +222,9 @@ pub struct Config {
     pub cluster_ca: Option<PathBuf>,
     pub cluster_cert: Option<PathBuf>,
     pub cluster_key: Option<PathBuf>,
+    /// FELIX_CLUSTER_RAFT_COMPACT_ENTRIES: applied entries a replicated shard's Raft log keeps
+    /// before it compacts. Default 10,000. Restart.
+    pub cluster_raft_compact_entries: u64,
     /// FELIX_CLUSTER_FAULT_INJECTION: `1` enables `POST /v1/cluster/faults` (tests cut peer
     /// links with it to make partitions). Default 0. Restart.
     pub cluster_fault_injection: bool,

@@ -535,7 +535,8 @@ settings! {
         default: Fixed("0"),
         restart: Restart::Broker,
         doc: "Per core: delete the oldest log segments while the core's log exceeds this \
-              many bytes (never the active segment). 0 keeps everything.",
+              many bytes (never the active segment); on a cluster member, per replicated \
+              shard's record log too. 0 keeps everything.",
     }
     durable_retention_seconds {
         env: "FELIX_DURABLE_RETENTION_SECONDS",
@@ -543,7 +544,8 @@ settings! {
         default: Fixed("0"),
         restart: Restart::Broker,
         doc: "Delete log segments whose newest record is older than this many seconds \
-              (never the active segment). 0 keeps everything.",
+              (never the active segment), replicated shards' record logs included. 0 keeps \
+              everything.",
     }
     host_profile {
         env: "FELIX_HOST_PROFILE",
@@ -748,6 +750,17 @@ settings! {
         default: Fixed(""),
         restart: Restart::Broker,
         doc: "PEM private key of FELIX_CLUSTER_CERT.",
+    }
+    cluster_raft_compact_entries {
+        env: "FELIX_CLUSTER_RAFT_COMPACT_ENTRIES",
+        kind: Kind::Count { min: 16, max: 1_000_000 },
+        default: Fixed("10000"),
+        restart: Restart::Broker,
+        doc: "Applied entries (publish batches) a replicated shard's Raft log keeps in memory \
+              before it compacts behind a snapshot (also after 64 MiB of entries). Records \
+              stay in the shard's record log either way (kept by FELIX_DURABLE_RETENTION_*); \
+              a member further behind than this catches up from a snapshot and fetches the \
+              records it missed from a peer.",
     }
     cluster_fault_injection {
         env: "FELIX_CLUSTER_FAULT_INJECTION",

@@ -64,7 +64,7 @@ impl Cluster {
                 identity: self.ca.issue_node(id, &[]).expect("cert"),
                 ca_pem: self.ca.cert_pem.clone(),
                 dir: dir.clone(),
-                fsync_interval: Duration::from_millis(250),
+                records: felix_cluster::records::RecordsConfig::default(),
                 fault_injection: false,
             }) {
                 Ok(service) => return service,

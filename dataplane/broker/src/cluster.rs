@@ -103,7 +103,14 @@ pub(crate) fn start(
         identity,
         ca_pem,
         dir: config.data_dir.join("cluster").join("raft"),
-        fsync_interval: std::time::Duration::from_millis(config.durable_fsync_interval_ms),
+        records: felix_cluster::records::RecordsConfig {
+            fsync_interval: std::time::Duration::from_millis(config.durable_fsync_interval_ms),
+            retention_bytes: (config.durable_retention_bytes > 0)
+                .then_some(config.durable_retention_bytes),
+            retention_age: (config.durable_retention_seconds > 0)
+                .then(|| std::time::Duration::from_secs(config.durable_retention_seconds)),
+            compact_after: config.cluster_raft_compact_entries,
+        },
         fault_injection: config.cluster_fault_injection,
     })
     .map_err(|error| BrokerError::Cluster(error.to_string()))?;

@@ -38,6 +38,11 @@ struct Cluster {
 
 impl Cluster {
     fn start(size: u64) -> Cluster {
+        Cluster::start_with(size, &[])
+    }
+
+    /// A cluster whose members all get `extra` in their environment too.
+    fn start_with(size: u64, extra: &[(&str, &str)]) -> Cluster {
         let certs = tempfile::tempdir().expect("temp dir");
         felix_ok(
             felix()
@@ -51,7 +56,15 @@ impl Cluster {
         let peers = peers.join(",");
         let mut brokers = BTreeMap::new();
         for id in 1..=size {
-            brokers.insert(id, start_member(certs.path(), id, &peers));
+            let mut env = member_env(certs.path(), id, &peers);
+            env.extend(
+                extra
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
+            );
+            let env: Vec<(&str, &str)> =
+                env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+            brokers.insert(id, BrokerProcess::start(&env));
         }
         Cluster {
             brokers,
@@ -187,12 +200,6 @@ fn member_env(certs: &Path, id: u64, peers: &str) -> Vec<(String, String)> {
             path(format!("node-{id}.key")),
         ),
     ]
-}
-
-fn start_member(certs: &Path, id: u64, peers: &str) -> BrokerProcess {
-    let env = member_env(certs, id, peers);
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    BrokerProcess::start(&env)
 }
 
 #[test]
@@ -1070,7 +1077,12 @@ fn randomized_faults_keep_acked_creations_once_and_in_real_time_order() {
         });
     eprintln!("nemesis seed {seed} (FELIX_CLUSTER_NEMESIS_SEED={seed} replays its schedule)");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let mut cluster = Cluster::start(3);
+    // Half the runs compact the shards' Raft logs every 16 batches: the audit then reads
+    // every record from the members' record logs, and a member that was down or cut off
+    // while the others compacted catches up from a snapshot and fetches what it missed.
+    let compact = if rng.random_bool(0.5) { "16" } else { "10000" };
+    eprintln!("nemesis raft logs compacted every {compact} batches");
+    let mut cluster = Cluster::start_with(3, &[("FELIX_CLUSTER_RAFT_COMPACT_ENTRIES", compact)]);
     cluster.settled(&[1, 2, 3]);
     // Both acknowledgement modes keep every acked record through kills, pauses and
     // partitions (none of them cuts power): the seed picks one.
@@ -1283,6 +1295,12 @@ fn randomized_faults_keep_acked_creations_once_and_in_real_time_order() {
         resumed.shards.iter().map(Vec::len).sum::<usize>(),
         resumed.moves
     );
+    let holes: usize = cluster
+        .brokers
+        .values()
+        .map(|b| b.stderr_text().matches("fetching them from a peer").count())
+        .sum();
+    eprintln!("nemesis: {holes} copies caught up from a snapshot and fetched what they missed");
 }
 
 /// The audit of the records published during the fault run (see the run's comment); returns
@@ -1797,4 +1815,174 @@ async fn publish_batches(
         }
     }
     (acked, refused)
+}
+
+/// Publishes `batches` batches of `per` records to `stream` through member `via`, each
+/// acknowledged before the next (a refused one is published again: the copies may then hold
+/// it twice, which the callers allow); returns every payload published.
+fn publish_acked(
+    cluster: &Cluster,
+    via: u64,
+    stream: &str,
+    tag: &str,
+    batches: usize,
+    per: usize,
+) -> Vec<Vec<u8>> {
+    let config = cluster.brokers[&via].naive_client_config();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let client = felix_client::Client::connect(config)
+            .await
+            .expect("the member takes client connections");
+        let mut payloads = Vec::new();
+        for batch in 0..batches {
+            let records: Vec<felix_wire::Record> = (0..per)
+                .map(|i| {
+                    felix_client::record(
+                        format!("{tag}-{batch}-{i}"),
+                        format!("{tag} batch {batch} record {i}"),
+                    )
+                })
+                .collect();
+            let deadline = Instant::now() + DEADLINE;
+            loop {
+                match tokio::time::timeout(DEADLINE, client.publish(stream, &records)).await {
+                    Ok(Ok(_)) => break,
+                    other => {
+                        assert!(Instant::now() < deadline, "{tag} batch {batch}: {other:?}");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+            payloads.extend(records.iter().map(|r| r.payload.to_vec()));
+        }
+        client.close().await;
+        payloads
+    })
+}
+
+#[test]
+fn records_outlive_raft_compaction_and_a_member_behind_it_fetches_what_it_missed() {
+    // Each shard group compacts its Raft log after 16 entries: its records must stay in the
+    // members' record logs, and a member that was down while the others compacted must catch
+    // up from a snapshot and fetch the records it missed from a peer.
+    let mut cluster = Cluster::start_with(
+        3,
+        &[
+            ("FELIX_CLUSTER_RAFT_COMPACT_ENTRIES", "16"),
+            ("FELIX_DURABLE_FSYNC_INTERVAL_MS", "20"),
+        ],
+    );
+    cluster.settled(&[1, 2, 3]);
+    let shards = 2;
+    cluster.create(1, "ledger", shards).expect("created");
+    wait_for(&cluster, &[1, 2, 3], "shards led as placed", |statuses| {
+        placed_and_in_sync(statuses, shards as usize)
+    });
+    let mut published = publish_acked(&cluster, 1, "ledger", "first", 60, 3);
+    let compacted = |statuses: &[ClusterStatus], past: u64| {
+        statuses.iter().all(|s| {
+            s.shards.len() == shards as usize
+                && s.shards
+                    .iter()
+                    .all(|sh| sh.snapshot_index > past && sh.pending == 0)
+        })
+    };
+    wait_for(&cluster, &[1, 2, 3], "every copy compacted", |statuses| {
+        compacted(statuses, 16)
+    });
+    let reference = read_copy(&cluster, 1, "ledger", shards);
+    for id in [2, 3] {
+        assert!(
+            read_copy(&cluster, id, "ledger", shards) == reference,
+            "member {id}'s copy differs from member 1's"
+        );
+    }
+    // Member 3 goes down; the others go on and compact past everything it has.
+    cluster.brokers.get_mut(&3).expect("member 3").kill();
+    wait_for(
+        &cluster,
+        &[1],
+        "no shard led by the killed member",
+        |statuses| {
+            statuses[0]
+                .shards
+                .iter()
+                .all(|sh| sh.leader.is_some_and(|leader| leader != 3))
+        },
+    );
+    let before = cluster.status(1).expect("status").shards;
+    published.extend(publish_acked(&cluster, 1, "ledger", "second", 60, 3));
+    wait_for(
+        &cluster,
+        &[1, 2],
+        "compacted past member 3's copy",
+        |statuses| {
+            statuses.iter().all(|s| {
+                s.shards.iter().all(|sh| {
+                    let then = before.iter().find(|b| b.shard == sh.shard).expect("shard");
+                    sh.snapshot_index > then.commit + 1
+                })
+            })
+        },
+    );
+    cluster.brokers.get_mut(&3).expect("member 3").restart();
+    wait_for(&cluster, &[1, 2, 3], "member 3 caught up", |statuses| {
+        let ends = |s: &ClusterStatus| {
+            let mut ends: Vec<(u32, u64, u64, Option<u64>)> = s
+                .shards
+                .iter()
+                .map(|sh| {
+                    (
+                        sh.shard,
+                        sh.next_offset,
+                        sh.recorded_offset,
+                        sh.fetching_from,
+                    )
+                })
+                .collect();
+            ends.sort_unstable();
+            ends
+        };
+        let first = ends(&statuses[0]);
+        first.len() == shards as usize
+            && first
+                .iter()
+                .all(|(_, next, recorded, fetching)| next == recorded && fetching.is_none())
+            && statuses.iter().all(|s| ends(s) == first)
+    });
+    assert!(
+        cluster.brokers[&3]
+            .stderr_text()
+            .contains("fetching them from a peer"),
+        "member 3 installed a snapshot and fetched the records it missed:\n{}",
+        cluster.stderr()
+    );
+    let reference = read_copy(&cluster, 1, "ledger", shards);
+    for id in [2, 3] {
+        assert!(
+            read_copy(&cluster, id, "ledger", shards) == reference,
+            "member {id}'s copy differs from member 1's"
+        );
+    }
+    // Every record published is there, from offset 0 on (read_copy checks the offsets).
+    let held: std::collections::HashSet<&Vec<u8>> = reference
+        .iter()
+        .flatten()
+        .map(|(_, payload)| payload)
+        .collect();
+    for payload in &published {
+        assert!(
+            held.contains(payload),
+            "a published record is missing: {payload:?}"
+        );
+    }
+    for status in (1..=3).filter_map(|id| cluster.status(id)) {
+        for shard in status.shards {
+            assert_eq!(shard.oldest_offset, 0, "nothing deleted: {shard:?}");
+        }
+    }
 }
