@@ -738,7 +738,8 @@ fn read_copy(
     }
 }
 
-/// Appends what the group applied to its record log, notes a hole to fetch, and writes.
+/// Appends what the group applied to its record log, notes a hole to fetch, and writes once
+/// a round is full (the tick writes the rest).
 fn record(id: u64, group: &mut Group, now: std::time::Instant) -> Result<(), NodeError> {
     let found = group
         .records
@@ -770,7 +771,7 @@ fn record(id: u64, group: &mut Group, now: std::time::Instant) -> Result<(), Nod
     }
     group
         .records
-        .drive(now)
+        .drive_if_full(now)
         .map_err(|error| records_failed(id, &error))
 }
 

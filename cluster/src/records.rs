@@ -13,7 +13,8 @@
 //!   the same at the same offsets on every member.
 //! - **Compaction waits for it**: the group compacts its Raft log only behind records this log
 //!   has fdatasynced ([`ShardRecords::synced`]), so no committed record is ever only in a
-//!   released Raft generation. The log itself fdatasyncs every FELIX_DURABLE_FSYNC_INTERVAL_MS
+//!   released Raft generation. The log writes full rounds as they fill and the rest at the
+//!   group's tick, and fdatasyncs every FELIX_DURABLE_FSYNC_INTERVAL_MS
 //!   (periodic: the records are durable in the Raft log until then, so publishes never wait
 //!   for this log).
 //! - **Restart**: the log recovers its records; the member re-applies its committed entries
@@ -61,6 +62,9 @@ pub struct RecordsConfig {
     /// Applied entries a shard group's Raft log keeps before it compacts behind a snapshot
     /// (FELIX_CLUSTER_RAFT_COMPACT_ENTRIES; `NodeConfig::compact_after`).
     pub compact_after: u64,
+    /// Segment size of each record log ([`RECORD_LOG_SEGMENT_BYTES`]; retention deletes whole
+    /// segments).
+    pub segment_bytes: u64,
 }
 
 impl Default for RecordsConfig {
@@ -70,6 +74,7 @@ impl Default for RecordsConfig {
             retention_bytes: None,
             retention_age: None,
             compact_after: 10_000,
+            segment_bytes: RECORD_LOG_SEGMENT_BYTES,
         }
     }
 }
@@ -124,8 +129,9 @@ fn now_unix_us() -> u64 {
 #[must_use]
 pub fn record_log_config(dir: &Path, config: &RecordsConfig) -> LogConfig {
     let mut log = LogConfig::new(dir);
-    log.segment_bytes = RECORD_LOG_SEGMENT_BYTES;
-    log.max_round_bytes = RECORD_LOG_ROUND_BYTES;
+    log.segment_bytes = config.segment_bytes;
+    log.max_round_bytes =
+        RECORD_LOG_ROUND_BYTES.min(usize::try_from(config.segment_bytes / 2).unwrap_or(usize::MAX));
     log.max_pending_bytes = RECORD_LOG_PENDING_BYTES;
     log.fsync = FsyncMode::Periodic {
         interval: config.fsync_interval.max(Duration::from_millis(1)),
@@ -335,6 +341,17 @@ impl ShardRecords {
     /// Asks for an fdatasync as soon as possible (a compaction waits for it).
     pub fn sync_now(&mut self) {
         self.log.sync_now();
+    }
+
+    /// [`Self::drive`] once a full write round is appended; otherwise the appends wait for
+    /// the next call of [`Self::drive`] (the group's tick, every 100 ms). Nothing waits for
+    /// these writes (the records are durable in the Raft log and read from it until written
+    /// here), so gathering them into full rounds saves the member a write per batch.
+    pub fn drive_if_full(&mut self, now: Instant) -> Result<(), StorageError> {
+        if self.log.pending_bytes() >= self.log.config().max_round_bytes {
+            self.drive(now)?;
+        }
+        Ok(())
     }
 
     /// Writes and fdatasyncs what is due (never blocks); a rejected round (disk full) is

@@ -2,7 +2,8 @@
 //! fdatasync: applied batches are recorded at the offsets the shard gave them, once across a
 //! restart; a Raft log compacted past the record log's end leaves a hole that records fetched
 //! from a peer fill; offsets the peers no longer hold start a new generation that a restart
-//! keeps.
+//! keeps; retention by bytes deletes the oldest segments and reads below them are refused with
+//! the oldest offset held.
 
 use std::time::Duration;
 
@@ -173,4 +174,53 @@ fn offsets_the_peers_no_longer_hold_start_a_new_generation() {
     let records = ShardRecords::open(dir.path(), &config).expect("reopen");
     assert_eq!((records.oldest(), records.next()), (10, 14));
     assert_eq!(all(&records), later);
+}
+
+#[test]
+fn retention_deletes_the_oldest_segments_and_reads_below_them_are_refused() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = RecordsConfig {
+        segment_bytes: 64 << 10,
+        retention_bytes: Some(192 << 10),
+        ..RecordsConfig::default()
+    };
+    // ~1 MiB of records: 16 segments of 64 KiB.
+    let batches: Vec<Batch> = (1..=40)
+        .map(|s| Batch {
+            producer: 9,
+            sequence: s,
+            records: (0..8)
+                .map(|i| ShardRecord {
+                    timestamp_us: s * 100 + i,
+                    key: Bytes::from(format!("k{s}-{i}")),
+                    payload: Bytes::from(vec![7u8; 3_000]),
+                })
+                .collect(),
+        })
+        .collect();
+    let (store, state) = applied(&batches);
+    let mut records = ShardRecords::open(dir.path(), &config).expect("open");
+    while records.next() < state.next_offset() {
+        records.catch_up(&state, &store).expect("catch up");
+        records.flush(FLUSH).expect("flush");
+    }
+    assert_eq!(records.oldest(), 0);
+    let before = records.disk_bytes();
+    records.apply_retention().expect("retention");
+    let oldest = records.oldest();
+    assert!(oldest > 0, "the oldest segments are deleted");
+    assert!(records.disk_bytes() < before);
+    assert!(records.disk_bytes() <= (192 << 10) + (64 << 10));
+    assert_eq!(
+        records.read(0, 10, usize::MAX),
+        Err(ReadError::Compacted { oldest })
+    );
+    let kept = all(&records);
+    let expected = state
+        .read(&store, oldest, 1_000, usize::MAX)
+        .expect("the raft log's copy");
+    assert_eq!(
+        kept, expected,
+        "the records from the oldest held on are intact"
+    );
 }

@@ -110,6 +110,10 @@ pub(crate) fn start(
             retention_age: (config.durable_retention_seconds > 0)
                 .then(|| std::time::Duration::from_secs(config.durable_retention_seconds)),
             compact_after: config.cluster_raft_compact_entries,
+            // Record logs are per replicated shard: 16 MiB segments, or the durable logs'
+            // smaller ones.
+            segment_bytes: felix_cluster::records::RECORD_LOG_SEGMENT_BYTES
+                .min(config.durable_segment_bytes),
         },
         fault_injection: config.cluster_fault_injection,
     })

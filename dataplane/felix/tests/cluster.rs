@@ -800,11 +800,13 @@ fn replicated_shards_elect_their_placed_leaders_and_fail_over() {
         },
     );
     for (id, broker) in &cluster.brokers {
-        let shards = broker.data_dir.path().join("cluster").join("shards");
-        let left: Vec<_> = std::fs::read_dir(&shards)
-            .map(|dir| dir.flatten().map(|entry| entry.file_name()).collect())
-            .unwrap_or_default();
-        assert!(left.is_empty(), "member {id} kept shard logs {left:?}");
+        for logs in ["shards", "records"] {
+            let dir = broker.data_dir.path().join("cluster").join(logs);
+            let left: Vec<_> = std::fs::read_dir(&dir)
+                .map(|dir| dir.flatten().map(|entry| entry.file_name()).collect())
+                .unwrap_or_default();
+            assert!(left.is_empty(), "member {id} kept {logs} logs {left:?}");
+        }
     }
     runtime.block_on(async {
         use futures::StreamExt as _;
