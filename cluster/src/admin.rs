@@ -401,6 +401,22 @@ pub fn render_metrics(status: &ClusterStatus) -> String {
         let _ = writeln!(out, "# HELP {name} {help}");
         let _ = writeln!(out, "# TYPE {name} gauge");
     };
+    // A gauge with a sample per replicated shard this member holds.
+    let shard_gauge = |out: &mut String,
+                       name: &str,
+                       help: &str,
+                       value: &dyn Fn(&crate::groups::ShardStatus) -> u64| {
+        gauge(out, name, help);
+        for held in &status.shards {
+            let _ = writeln!(
+                out,
+                "{name}{{stream=\"{}\",shard=\"{}\"}} {}",
+                label(&held.stream),
+                held.shard,
+                value(held)
+            );
+        }
+    };
     gauge(
         &mut out,
         "felix_cluster_leader",
@@ -459,79 +475,41 @@ pub fn render_metrics(status: &ClusterStatus) -> String {
             peer.id, peer.lag
         );
     }
-    gauge(
+    shard_gauge(
         &mut out,
         "felix_cluster_shard_raft_leader",
         "The member leading each replicated shard this member holds (0: none known).",
+        &|held| held.leader.unwrap_or(0),
     );
-    for held in &status.shards {
-        let _ = writeln!(
-            out,
-            "felix_cluster_shard_raft_leader{{stream=\"{}\",shard=\"{}\"}} {}",
-            label(&held.stream),
-            held.shard,
-            held.leader.unwrap_or(0)
-        );
-    }
-    gauge(
+    shard_gauge(
         &mut out,
         "felix_cluster_shard_pending_batches",
         "This member's publish batches into each replicated shard it holds, not applied yet.",
+        &|held| held.pending as u64,
     );
-    for held in &status.shards {
-        let _ = writeln!(
-            out,
-            "felix_cluster_shard_pending_batches{{stream=\"{}\",shard=\"{}\"}} {}",
-            label(&held.stream),
-            held.shard,
-            held.pending
-        );
-    }
-    gauge(
+    shard_gauge(
         &mut out,
         "felix_cluster_shard_record_log_bytes",
         "Bytes of this member's record log of each replicated shard it holds (records kept \
          by FELIX_DURABLE_RETENTION_*).",
+        &|held| held.record_log_bytes,
     );
-    for held in &status.shards {
-        let _ = writeln!(
-            out,
-            "felix_cluster_shard_record_log_bytes{{stream=\"{}\",shard=\"{}\"}} {}",
-            label(&held.stream),
-            held.shard,
-            held.record_log_bytes
-        );
-    }
-    gauge(
+    shard_gauge(
         &mut out,
         "felix_cluster_shard_oldest_offset",
         "The oldest offset of each replicated shard this member still holds.",
+        &|held| held.oldest_offset,
     );
-    for held in &status.shards {
-        let _ = writeln!(
-            out,
-            "felix_cluster_shard_oldest_offset{{stream=\"{}\",shard=\"{}\"}} {}",
-            label(&held.stream),
-            held.shard,
-            held.oldest_offset
-        );
-    }
-    gauge(
+    shard_gauge(
         &mut out,
         "felix_cluster_shard_missing_records",
         "Offsets of each replicated shard this member's record log misses and fetches from a \
          peer (it installed a snapshot after falling behind a compaction); 0 normally.",
-    );
-    for held in &status.shards {
-        let _ = writeln!(
-            out,
-            "felix_cluster_shard_missing_records{{stream=\"{}\",shard=\"{}\"}} {}",
-            label(&held.stream),
-            held.shard,
+        &|held| {
             held.fetching_from
                 .map_or(0, |from| held.next_offset.saturating_sub(from))
-        );
-    }
+        },
+    );
     // Each family's samples follow its own descriptors (OpenMetrics: a family is contiguous).
     let led = || {
         status

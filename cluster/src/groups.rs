@@ -168,9 +168,6 @@ pub struct Groups {
     /// This run of the member (start time in nanoseconds): its producers' ids.
     boot: u64,
     dir: PathBuf,
-    /// The periodic fdatasync interval of groups of `--fsync periodic` streams
-    /// (FELIX_DURABLE_FSYNC_INTERVAL_MS).
-    fsync_interval: std::time::Duration,
     groups: BTreeMap<u64, Group>,
     ticks: u64,
     /// `(group, to, snapshot, sent)` of the sends a group must hear about after a pass.
@@ -209,7 +206,6 @@ impl Groups {
             id,
             boot,
             dir,
-            fsync_interval: records.fsync_interval,
             groups: BTreeMap::new(),
             ticks: 0,
             reports: Vec::new(),
@@ -270,7 +266,7 @@ impl Groups {
             log_config.max_round_bytes = SHARD_LOG_ROUND_BYTES;
             if fsync == Fsync::Periodic {
                 log_config.fsync = felix_storage::FsyncMode::Periodic {
-                    interval: self.fsync_interval,
+                    interval: self.records_config.fsync_interval,
                 };
             }
             let backend = felix_storage::SystemBackend::open(
@@ -419,15 +415,14 @@ impl Groups {
     }
 
     /// After the passes: records what the groups applied in their record logs, compacts
-    /// the groups due (behind what their record logs fdatasynced), asks peers for records a
-    /// record log misses, and tells the groups how their sends went.
+    /// the groups due (behind what their record logs fdatasynced; a record log's misses are
+    /// asked of peers by [`Groups::take_fetches`]), and tells the groups how their sends went.
     pub fn end_advance(&mut self) -> Result<(), NodeError> {
         let now = std::time::Instant::now();
         for (id, group) in &mut self.groups {
             record(*id, group, now)?;
             compact(group)?;
         }
-        self.ask_for_holes();
         for (group, to, snapshot, sent) in std::mem::take(&mut self.reports) {
             if snapshot {
                 self.report_snapshot(group, to, sent);

@@ -218,7 +218,8 @@ fn generation_of(shard: u32) -> u32 {
     shard / SHARDS_PER_GENERATION
 }
 
-fn now_unix_us() -> u64 {
+/// Microseconds since the Unix epoch (record timestamps and retention ages).
+pub(crate) fn now_unix_us() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))

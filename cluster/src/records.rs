@@ -34,13 +34,14 @@
 //! broker's `felix-cluster` thread), plus the threads the Felix log's backend spawns.
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use felix_storage::{
     BackendChoice, FsyncMode, Log, LogConfig, LogEvent, StorageError, SystemBackend,
 };
 
-use crate::shard::{Batch, ReadError, ShardRecord, ShardState};
+use crate::raft_log::now_unix_us;
+use crate::shard::{ReadError, ShardRecord, ShardState};
 
 /// Segment size of a record log (retention deletes whole segments, never the active one).
 pub const RECORD_LOG_SEGMENT_BYTES: u64 = 16 << 20;
@@ -117,12 +118,6 @@ impl std::fmt::Debug for ShardRecords {
             .field("next", &self.next())
             .finish_non_exhaustive()
     }
-}
-
-fn now_unix_us() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
 }
 
 /// The Felix log configuration of a record log in `dir`.
@@ -225,21 +220,7 @@ impl ShardRecords {
             let Some((span, within)) = state.locate(next) else {
                 return Ok(CatchUp::Hole { from: next });
             };
-            let entries = store
-                .entries(
-                    span.index,
-                    span.index + 1,
-                    None,
-                    raft::GetEntriesContext::empty(false),
-                )
-                .map_err(|error| RecordsError::Entry {
-                    index: span.index,
-                    error: error.to_string(),
-                })?;
-            let Some(entry) = entries.first() else {
-                return Ok(CatchUp::Hole { from: next });
-            };
-            let batch = Batch::decode(&entry.data).map_err(|error| RecordsError::Entry {
+            let batch = span.batch(store).map_err(|error| RecordsError::Entry {
                 index: span.index,
                 error,
             })?;

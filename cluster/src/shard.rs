@@ -135,6 +135,24 @@ pub struct Span {
     pub index: u64,
 }
 
+impl Span {
+    /// The batch of this span's entry, read out of the group's log store `store`.
+    pub fn batch<S: raft::Storage>(&self, store: &S) -> Result<Batch, String> {
+        let entries = store
+            .entries(
+                self.index,
+                self.index + 1,
+                None,
+                raft::GetEntriesContext::empty(false),
+            )
+            .map_err(|error| format!("entry {}: {error}", self.index))?;
+        let entry = entries
+            .first()
+            .ok_or_else(|| format!("entry {} is missing", self.index))?;
+        Batch::decode(&entry.data)
+    }
+}
+
 /// Why records could not be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ReadError {
@@ -211,18 +229,7 @@ impl ShardState {
                     oldest: self.oldest_offset(),
                 });
             };
-            let entries = store
-                .entries(
-                    span.index,
-                    span.index + 1,
-                    None,
-                    raft::GetEntriesContext::empty(false),
-                )
-                .map_err(|error| ReadError::Failed(format!("entry {}: {error}", span.index)))?;
-            let entry = entries
-                .first()
-                .ok_or_else(|| ReadError::Failed(format!("entry {} is missing", span.index)))?;
-            let batch = Batch::decode(&entry.data).map_err(ReadError::Failed)?;
+            let batch = span.batch(store).map_err(ReadError::Failed)?;
             for (position, record) in batch.records.into_iter().enumerate().skip(within) {
                 if out.len() == max_records || (bytes >= max_bytes && !out.is_empty()) {
                     return Ok(out);
