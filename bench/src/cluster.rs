@@ -31,9 +31,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use felix_client::{Client, ClientConfig, ClusterClient};
-use felix_cluster::admin::NewStream;
-use felix_cluster::control::Fsync;
-use felix_wire::{Record, StreamKind};
+use felix_wire::{FsyncMode, Record, StreamKind};
 
 use crate::BenchError;
 use crate::broker::SpawnedBroker;
@@ -163,18 +161,21 @@ pub fn run(bench: &ClusterBench) -> Result<Vec<ArmResult>, BenchError> {
         )?;
         members.insert(id, broker);
     }
-    let admin = members[&1].endpoint().metrics_addr;
+    let admin = client_config(members[&1].endpoint().quic_addr, &members[&1].endpoint().ca);
     let deadline = Instant::now() + DEADLINE;
     for (name, shards, fsync) in [
-        (STREAM, 1, Fsync::OnCommit),
-        (PERIODIC, 1, Fsync::Periodic),
-        (SPREAD, 3, Fsync::OnCommit),
+        (STREAM, 1, FsyncMode::OnCommit),
+        (PERIODIC, 1, FsyncMode::Periodic),
+        (SPREAD, 3, FsyncMode::OnCommit),
     ] {
-        let spec = NewStream {
-            fsync,
-            ..NewStream::durable(name, shards, 3)
-        };
-        while let Err(error) = felix_cluster::admin::create_stream(admin, &spec, DEADLINE) {
+        // Asked again until the control plane has a leader and every member registered.
+        while let Err(error) = runtime.block_on(async {
+            connect(admin.clone())
+                .await?
+                .create_cluster_stream(name, shards, StreamKind::Durable, 3, fsync)
+                .await
+                .map_err(|e| BenchError::Broker(e.to_string()))
+        }) {
             if Instant::now() > deadline {
                 return Err(BenchError::Broker(format!(
                     "create the cluster stream {name}: {error}"

@@ -21,7 +21,10 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use felix_wire::{ClusterMap, ErrorCode, Frame, Record, ShardAck};
+use felix_wire::{
+    ClusterMap, CreateClusterStream, DeliveredRecord, ErrorCode, Frame, FsyncMode, ReadShard,
+    Record, ShardAck, StreamKind,
+};
 
 use crate::{Client, ClientConfig, ClientError, PendingAck};
 
@@ -329,6 +332,78 @@ impl Client {
         {
             Frame::ClusterMap(map) => Ok(map),
             other => Err(crate::unexpected("ClusterMap", &other)),
+        }
+    }
+
+    /// Creates a stream through the cluster's control plane (`CreateClusterStream`): its shards
+    /// are placed over the members, `replicas` copies each (an in-memory stream keeps one).
+    /// Returns once the creation is applied on the member this client is connected to. Needs
+    /// `admin` on the name where the broker has rules (docs/security.md).
+    pub async fn create_cluster_stream(
+        &self,
+        name: &str,
+        shard_count: u32,
+        kind: StreamKind,
+        replicas: u8,
+        fsync: FsyncMode,
+    ) -> Result<(), ClientError> {
+        let name = name.to_owned();
+        self.request_done(move |request_id| {
+            Frame::CreateClusterStream(CreateClusterStream {
+                request_id,
+                name,
+                shard_count,
+                kind,
+                replicas,
+                fsync,
+            })
+        })
+        .await
+    }
+
+    /// Deletes a cluster stream through the control plane (`DeleteClusterStream`): every
+    /// member stops serving it and removes its logs. Returns once applied on this member.
+    /// Needs `admin` on the name where the broker has rules.
+    pub async fn delete_cluster_stream(&self, name: &str) -> Result<(), ClientError> {
+        let name = name.to_owned();
+        self.request_done(move |request_id| Frame::DeleteClusterStream { request_id, name })
+            .await
+    }
+
+    /// Up to `max_records` committed records of shard `shard` of cluster stream `stream` from
+    /// offset `from`, out of the connected member's own copy (`ReadShard`), in offset order;
+    /// empty at the end of the copy. The member may answer fewer (one frame's worth): ask
+    /// again from the offset after the last. Needs `subscribe` on the stream where the broker
+    /// has rules.
+    pub async fn read_shard(
+        &self,
+        stream: &str,
+        shard: u32,
+        from: u64,
+        max_records: u32,
+    ) -> Result<Vec<DeliveredRecord>, ClientError> {
+        let stream = stream.to_owned();
+        match self
+            .request(move |request_id| {
+                Frame::ReadShard(ReadShard {
+                    request_id,
+                    stream,
+                    shard,
+                    from,
+                    max_records,
+                })
+            })
+            .await?
+        {
+            Frame::Records(records) => Ok(records.records),
+            other => Err(crate::unexpected("Records", &other)),
+        }
+    }
+
+    async fn request_done(&self, frame: impl FnOnce(u64) -> Frame) -> Result<(), ClientError> {
+        match self.request(frame).await? {
+            Frame::Done { .. } => Ok(()),
+            other => Err(crate::unexpected("Done", &other)),
         }
     }
 }

@@ -1420,6 +1420,7 @@ fn route(shared: &Shared, frame: Frame) -> Result<(), Failure> {
         Frame::StreamInfo(info) => info.request_id,
         Frame::StreamList { request_id, .. } | Frame::Done { request_id } => *request_id,
         Frame::ClusterMap(map) => map.request_id,
+        Frame::Records(records) => records.request_id,
         Frame::Ack(ack) => ack.request_id,
         Frame::Error(error) if error.request_id == 0 => {
             return Err(Failure::Server {

@@ -1,8 +1,10 @@
-//! The cluster's admin requests as a client makes them: plain HTTP/1.0 to a broker's metrics
-//! endpoint (`GET /v1/cluster/status`, `POST` and `DELETE /v1/cluster/streams`,
-//! `POST /v1/cluster/read`),
-//! used by `felix cluster status`, `create-stream` and `read` and by the cluster tests; and
-//! the status as a table for people.
+//! The cluster's read-only status as a client asks for it: plain HTTP/1.0 to a member's
+//! metrics endpoint (`GET /v1/cluster/status`), used by `felix cluster status` and the cluster
+//! tests, and the status as a table for people and as Prometheus gauges. Creating, deleting
+//! and reading streams is not served there: those are QUIC requests under the broker's
+//! authentication and rules (`CreateClusterStream`, `DeleteClusterStream`, `ReadShard` in
+//! docs/wire-protocol.md; `felix_client::Client`). The one other request, the fault tests'
+//! `POST /v1/cluster/faults` ([`cut_peers`]), is off unless FELIX_CLUSTER_FAULT_INJECTION=1.
 
 use std::fmt::Write as _;
 use std::io::{Read, Write};
@@ -98,65 +100,6 @@ pub fn status(addr: SocketAddr, timeout: Duration) -> Result<ClusterStatus, Admi
     })
 }
 
-/// A stream to create ([`create_stream`]).
-#[derive(Debug, Clone, Copy)]
-pub struct NewStream<'a> {
-    pub name: &'a str,
-    pub kind: StreamKind,
-    pub shards: u32,
-    /// Copies of each shard (in-memory streams keep one).
-    pub replicas: u8,
-    /// When a durable stream's publishes are acknowledged.
-    pub fsync: Fsync,
-}
-
-impl<'a> NewStream<'a> {
-    /// A durable stream acknowledged on_commit.
-    #[must_use]
-    pub fn durable(name: &'a str, shards: u32, replicas: u8) -> NewStream<'a> {
-        NewStream {
-            name,
-            kind: StreamKind::Durable,
-            shards,
-            replicas,
-            fsync: Fsync::OnCommit,
-        }
-    }
-
-    /// An in-memory stream (one copy per shard).
-    #[must_use]
-    pub fn in_memory(name: &'a str, shards: u32) -> NewStream<'a> {
-        NewStream {
-            name,
-            kind: StreamKind::InMemory,
-            shards,
-            replicas: 1,
-            fsync: Fsync::OnCommit,
-        }
-    }
-}
-
-/// Creates a stream through the control plane (any member; it waits until applied).
-pub fn create_stream(
-    addr: SocketAddr,
-    stream: &NewStream<'_>,
-    timeout: Duration,
-) -> Result<(), AdminError> {
-    let body = serde_json::json!({
-        "name": stream.name,
-        "kind": stream.kind,
-        "shards": stream.shards,
-        "replicas": stream.replicas,
-        "fsync": stream.fsync,
-    })
-    .to_string();
-    let (status, answer) = request(addr, "POST", "/v1/cluster/streams", Some(&body), timeout)?;
-    if status != 200 {
-        return Err(refused(status, &answer));
-    }
-    Ok(())
-}
-
 /// Cuts member `addr`'s links to exactly `peers` (`[]` heals them): frames both ways are
 /// dropped, as in a network partition (`POST /v1/cluster/faults`; the member must run with
 /// FELIX_CLUSTER_FAULT_INJECTION=1). A partition needs the cut on both sides of each link.
@@ -185,18 +128,7 @@ pub fn cut_peers(
         })
 }
 
-/// Deletes a stream through the control plane (any member; it waits until applied): every
-/// member stops its shard groups and removes their logs; subscribers hear `stream_not_found`.
-pub fn delete_stream(addr: SocketAddr, name: &str, timeout: Duration) -> Result<(), AdminError> {
-    let body = serde_json::json!({ "name": name }).to_string();
-    let (status, answer) = request(addr, "DELETE", "/v1/cluster/streams", Some(&body), timeout)?;
-    if status != 200 {
-        return Err(refused(status, &answer));
-    }
-    Ok(())
-}
-
-/// A committed record of a replicated shard, as `POST /v1/cluster/read` answers it (key and
+/// A committed record of a replicated shard as `felix cluster read --json` prints it (key and
 /// payload in hex).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ReadRecord {
@@ -206,38 +138,6 @@ pub struct ReadRecord {
     pub key: Vec<u8>,
     #[serde(with = "hex_bytes")]
     pub payload: Vec<u8>,
-}
-
-/// `POST /v1/cluster/read`'s body.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct ReadRequest {
-    pub stream: String,
-    pub shard: u32,
-    pub from: u64,
-    pub max: usize,
-}
-
-/// Most records one read answers.
-pub const READ_RECORDS_MAX: usize = 10_000;
-
-/// Reads up to `max` committed records of shard `shard` of the replicated stream `stream`
-/// from offset `from`, out of the copy of the member whose metrics endpoint is `addr`.
-pub fn read(
-    addr: SocketAddr,
-    wanted: &ReadRequest,
-    timeout: Duration,
-) -> Result<Vec<ReadRecord>, AdminError> {
-    let body = serde_json::to_string(wanted).expect("a request always serializes");
-    let (status, answer) = request(addr, "POST", "/v1/cluster/read", Some(&body), timeout)?;
-    if status != 200 {
-        return Err(refused(status, &answer));
-    }
-    serde_json::from_str(&answer).map_err(|error| AdminError::Http {
-        method: "POST",
-        addr,
-        path: "/v1/cluster/read",
-        detail: format!("unreadable records: {error}"),
-    })
 }
 
 mod hex_bytes {

@@ -116,7 +116,25 @@ pub struct Proposal {
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum Outcome {
     Done,
-    Rejected { reason: String },
+    Rejected {
+        reason: String,
+        /// What kind of refusal (absent in answers of brokers before it: `invalid`).
+        #[serde(default)]
+        kind: Rejection,
+    },
+}
+
+/// Why a command was rejected, for the error code a client hears.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Rejection {
+    /// A create of a name that is taken.
+    Exists,
+    /// A delete of a name that is not there.
+    NotFound,
+    /// A bad argument (name, shard or replica count, kind and fsync mode together).
+    #[default]
+    Invalid,
 }
 
 /// The replicated state.
@@ -193,7 +211,7 @@ impl ControlState {
                 if self.streams.remove(name).is_some() {
                     Outcome::Done
                 } else {
-                    rejected(format!("no stream named {name:?}"))
+                    rejected_as(Rejection::NotFound, format!("no stream named {name:?}"))
                 }
             }
         }
@@ -209,7 +227,7 @@ impl ControlState {
         fsync: Fsync,
     ) -> Outcome {
         if self.streams.contains_key(name) {
-            return rejected(format!("stream {name:?} exists"));
+            return rejected_as(Rejection::Exists, format!("stream {name:?} exists"));
         }
         if name.is_empty() || name.len() > 255 {
             return rejected("a stream name has 1 to 255 bytes".to_owned());
@@ -260,7 +278,11 @@ impl ControlState {
 }
 
 fn rejected(reason: String) -> Outcome {
-    Outcome::Rejected { reason }
+    rejected_as(Rejection::Invalid, reason)
+}
+
+fn rejected_as(kind: Rejection, reason: String) -> Outcome {
+    Outcome::Rejected { reason, kind }
 }
 
 /// Encodes a proposal as an entry's data.

@@ -102,20 +102,60 @@ pub struct ClusterStatus {
 /// Ticks a proposal may take before it is proposed again.
 const PROPOSE_AGAIN_TICKS: u64 = 10;
 
+/// Called exactly once with a request's outcome, on the cluster thread (it must not block):
+/// the answer to a proposal ([`Service::propose_then`]) or a read ([`Service::read_then`]).
+/// An answer dropped without being called (a request still queued when the service stops)
+/// answers [`ServiceError::Stopped`], so no caller waits forever.
+pub struct Answer<T>(Option<AnswerFn<T>>);
+
+type AnswerFn<T> = Box<dyn FnOnce(Result<T, ServiceError>) + Send>;
+
+impl<T> Answer<T> {
+    pub fn new(answer: impl FnOnce(Result<T, ServiceError>) + Send + 'static) -> Self {
+        Answer(Some(Box::new(answer)))
+    }
+
+    /// Answers the caller.
+    pub fn answer(mut self, result: Result<T, ServiceError>) {
+        if let Some(answer) = self.0.take() {
+            answer(result);
+        }
+    }
+}
+
+impl<T> Drop for Answer<T> {
+    fn drop(&mut self) {
+        if let Some(answer) = self.0.take() {
+            answer(Err(ServiceError::Stopped));
+        }
+    }
+}
+
+impl<T> std::fmt::Debug for Answer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Answer(waiting)"
+        } else {
+            "Answer(answered)"
+        })
+    }
+}
+
 /// A proposal a caller waits for.
 struct Waiting {
     command: Command,
-    answer: std::sync::mpsc::Sender<Result<Outcome, ServiceError>>,
-    /// When the caller stops waiting.
+    answer: Answer<Outcome>,
+    /// When the caller stops waiting (it is then answered [`ServiceError::Timeout`]).
     deadline: std::time::Instant,
+    timeout: Duration,
     proposed_at: u64,
 }
 
 enum Request {
     Propose {
         command: Command,
-        answer: std::sync::mpsc::Sender<Result<Outcome, ServiceError>>,
-        deadline: std::time::Instant,
+        answer: Answer<Outcome>,
+        timeout: Duration,
     },
     Publish {
         stream: String,
@@ -130,7 +170,7 @@ enum Request {
         shard: u32,
         from: u64,
         max_records: usize,
-        answer: std::sync::mpsc::Sender<Result<Vec<(u64, ShardRecord)>, String>>,
+        answer: Answer<Vec<(u64, ShardRecord)>>,
     },
 }
 
@@ -369,23 +409,40 @@ impl Service {
             .clone()
     }
 
-    /// Proposes `command` and waits until it is applied on this broker (any broker may
-    /// propose: a follower forwards to the leader), or `timeout`. Blocking: call it from a
-    /// thread that may wait (an admin request), never from a data-plane core.
+    /// Proposes `command`; `answer` is called once, on the cluster thread, when it is applied
+    /// on this broker (any broker may propose: a follower forwards to the leader), or with
+    /// [`ServiceError::Timeout`] once `timeout` passed (the proposal may still commit). Never
+    /// blocks: a data-plane core's admin request comes this way.
+    pub fn propose_then(&self, command: Command, timeout: Duration, answer: Answer<Outcome>) {
+        self.send_request(Request::Propose {
+            command,
+            answer,
+            timeout,
+        });
+    }
+
+    /// Proposes `command` and waits for [`Service::propose_then`]'s answer. Blocking: for tools
+    /// and tests, never for a data-plane core.
     pub fn propose(&self, command: Command, timeout: Duration) -> Result<Outcome, ServiceError> {
         let (answer, answered) = std::sync::mpsc::channel();
-        let deadline = std::time::Instant::now() + timeout;
-        self.requests
-            .try_send(Request::Propose {
-                command,
-                answer,
-                deadline,
-            })
-            .map_err(|_| ServiceError::Stopped)?;
-        match answered.recv_timeout(timeout) {
-            Ok(result) => result,
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(ServiceError::Timeout(timeout)),
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(ServiceError::Stopped),
+        self.propose_then(
+            command,
+            timeout,
+            Answer::new(move |result| {
+                let _ = answer.send(result);
+            }),
+        );
+        answered
+            .recv_timeout(timeout + Duration::from_secs(5))
+            .unwrap_or(Err(ServiceError::Stopped))
+    }
+
+    /// Queues `request` for the thread; a full queue or a stopped service answers it at once
+    /// (dropping its answer answers [`ServiceError::Stopped`]).
+    fn send_request(&self, request: Request) {
+        if let Err(error) = self.requests.try_send(request) {
+            tracing::warn!("cluster request refused: the service's queue is full or it stopped");
+            drop(error);
         }
     }
 
@@ -455,8 +512,27 @@ impl Service {
     }
 
     /// Reads up to `max_records` committed records of shard `shard` of `stream` from offset
-    /// `from`, out of this member's copy: `(offset, record)` in offset order, empty at the
-    /// end. Blocking (at most `timeout`).
+    /// `from`, out of this member's copy: `answer` hears `(offset, record)` in offset order,
+    /// empty at the end, or [`ServiceError::Read`] (no such replicated shard here, or `from`
+    /// no longer held). Never blocks.
+    pub fn read_then(
+        &self,
+        stream: &str,
+        shard: u32,
+        from: u64,
+        max_records: usize,
+        answer: Answer<Vec<(u64, ShardRecord)>>,
+    ) {
+        self.send_request(Request::Read {
+            stream: stream.to_owned(),
+            shard,
+            from,
+            max_records,
+            answer,
+        });
+    }
+
+    /// [`Service::read_then`], waiting for the answer (at most `timeout`): for tools and tests.
     pub fn read(
         &self,
         stream: &str,
@@ -466,17 +542,17 @@ impl Service {
         timeout: Duration,
     ) -> Result<Vec<(u64, ShardRecord)>, ServiceError> {
         let (answer, answered) = std::sync::mpsc::channel();
-        self.requests
-            .try_send(Request::Read {
-                stream: stream.to_owned(),
-                shard,
-                from,
-                max_records,
-                answer,
-            })
-            .map_err(|_| ServiceError::Stopped)?;
+        self.read_then(
+            stream,
+            shard,
+            from,
+            max_records,
+            Answer::new(move |result| {
+                let _ = answer.send(result);
+            }),
+        );
         match answered.recv_timeout(timeout) {
-            Ok(result) => result.map_err(ServiceError::Read),
+            Ok(result) => result,
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(ServiceError::Timeout(timeout)),
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(ServiceError::Stopped),
         }
@@ -666,7 +742,16 @@ async fn serve(
                 // not come back within a second are proposed again (a forward lost on the way
                 // to the leader, or dropped by a leader change: raft-rs never retries them).
                 // The control plane applies each once (`ControlState::apply_proposal`).
-                waiting.retain(|_, waiting| waiting.deadline > now);
+                let expired: Vec<u64> = waiting
+                    .iter()
+                    .filter(|(_, waiting)| waiting.deadline <= now)
+                    .map(|(sequence, _)| *sequence)
+                    .collect();
+                for sequence in expired {
+                    if let Some(gone) = waiting.remove(&sequence) {
+                        gone.answer.answer(Err(ServiceError::Timeout(gone.timeout)));
+                    }
+                }
                 for (sequence, waiting) in &mut waiting {
                     if tick_count - waiting.proposed_at >= PROPOSE_AGAIN_TICKS
                         && node.propose_again(*sequence, waiting.command.clone()).is_ok()
@@ -813,7 +898,7 @@ async fn serve(
                 continue;
             }
             if let Some(waiting) = waiting.remove(&applied.proposal.sequence) {
-                let _ = waiting.answer.send(Ok(applied.outcome));
+                waiting.answer.answer(Ok(applied.outcome));
             } else if Some(applied.proposal.sequence) == registered_sequence {
                 tracing::info!(id, "registered with the cluster");
             }
@@ -990,7 +1075,7 @@ impl Serving<'_> {
             Request::Propose {
                 command,
                 answer,
-                deadline,
+                timeout,
             } => match node.propose(command.clone()) {
                 Ok(sequence) => {
                     waiting.insert(
@@ -998,14 +1083,13 @@ impl Serving<'_> {
                         Waiting {
                             command,
                             answer,
-                            deadline,
+                            deadline: std::time::Instant::now() + timeout,
+                            timeout,
                             proposed_at: *tick_count,
                         },
                     );
                 }
-                Err(error) => {
-                    let _ = answer.send(Err(error.into()));
-                }
+                Err(error) => answer.answer(Err(error.into())),
             },
             Request::Publish {
                 stream,
@@ -1057,7 +1141,7 @@ impl Serving<'_> {
                 let read = shard_group(node.state(), &stream, shard)
                     .map_err(|error| error.to_string())
                     .and_then(|group| groups.read(group, from, max_records));
-                let _ = answer.send(read);
+                answer.answer(read.map_err(ServiceError::Read));
             }
         }
     }

@@ -44,9 +44,10 @@ use felix_core::{
 use felix_engine::EngineConfig;
 use felix_storage::{BackendChoice, FaultBackend, FaultHandle, FsyncMode, SEGMENT_BYTES_MIN};
 use felix_wire::{
-    Ack, AckMode, CreateStream, DeliveredRecord, Delivery, ErrorCode, ErrorFrame, Frame, HashKind,
-    Hello, HelloOk, Limits, PROTOCOL_VERSION, Publish, Record, ShardAck, ShardInfo, ShardSelection,
-    StartPosition, StreamInfo, StreamKind, StreamRoute, StreamSummary, Subscribe, Subscribed,
+    Ack, AckMode, CreateClusterStream, CreateStream, DeliveredRecord, Delivery, ErrorCode,
+    ErrorFrame, Frame, HashKind, Hello, HelloOk, Limits, PROTOCOL_VERSION, Publish, ReadShard,
+    Record, ShardAck, ShardInfo, ShardSelection, StartPosition, StreamInfo, StreamKind,
+    StreamRoute, StreamSummary, Subscribe, Subscribed,
 };
 
 use crate::input::Input;
@@ -1258,8 +1259,28 @@ impl World {
                     ),
                 },
             }),
-            // Without another input byte, so the inputs found before keep their meaning.
+            // Without another input byte, so the inputs found before keep their meaning (but
+            // for the cluster admin requests, which take odd ids DescribeCluster had).
             14 if request_id % 2 == 0 => Frame::Done { request_id },
+            14 if request_id % 8 == 3 => Frame::CreateClusterStream(CreateClusterStream {
+                request_id,
+                name: NAMES[(request_id / 8) as usize % NAMES.len()].to_owned(),
+                shard_count: 1 + (request_id / 64) as u32 % 8,
+                kind: StreamKind::Durable,
+                replicas: 3,
+                fsync: felix_wire::FsyncMode::OnCommit,
+            }),
+            14 if request_id % 8 == 5 => Frame::DeleteClusterStream {
+                request_id,
+                name: NAMES[(request_id / 8) as usize % NAMES.len()].to_owned(),
+            },
+            14 if request_id % 8 == 7 => Frame::ReadShard(ReadShard {
+                request_id,
+                stream: NAMES[(request_id / 8) as usize % NAMES.len()].to_owned(),
+                shard: (request_id / 64) as u32 % 8,
+                from: request_id / 512,
+                max_records: (request_id / 16) as u32 % 3,
+            }),
             14 => Frame::DescribeCluster { request_id },
             _ => server_frame(input, request_id),
         }
@@ -1391,6 +1412,7 @@ fn check_server_frame(frame: &Frame) {
                 | Frame::StreamList { .. }
                 | Frame::Done { .. }
                 | Frame::ClusterMap(_)
+                | Frame::Records(_)
                 | Frame::Ack(_)
                 | Frame::Subscribed(_)
                 | Frame::Delivery(_)

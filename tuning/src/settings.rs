@@ -767,7 +767,8 @@ settings! {
         kind: Kind::Bool,
         default: Fixed("0"),
         restart: Restart::Broker,
-        doc: "`1` lets `POST /v1/cluster/faults` on the metrics endpoint cut this member's \
+        doc: "`1` lets `POST /v1/cluster/faults` on the metrics endpoint, from a loopback \
+              address only, cut this member's \
               links to chosen peers (frames both ways dropped, as in a network partition): \
               for fault tests only, never in production.",
     }

@@ -15,14 +15,18 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use felix_cluster::control::Member;
+use felix_cluster::control::{Command, Outcome, Rejection};
 use felix_cluster::pki::NodeIdentity;
 use felix_cluster::publish::PublishError;
-use felix_cluster::service::{ClusterView, Service, ServiceConfig, parse_members};
+use felix_cluster::service::{ClusterView, Service, ServiceConfig, ServiceError, parse_members};
 use felix_cluster::shard::ShardRecord;
 use felix_cluster::subscribe::{
     Start, SubscribeError, SubscribeRequest, SubscriptionEvent, SubscriptionSink,
 };
-use felix_core::{ClusterPublish, ClusterRefusal, ClusterRequest, ClusterStart, ClusterSubscribe};
+use felix_core::{
+    ClusterAdmin, ClusterAdminAnswer, ClusterPublish, ClusterRefusal, ClusterRequest, ClusterStart,
+    ClusterSubscribe,
+};
 use felix_tuning::Config;
 use felix_wire::{DeliveredRecord, ErrorCode, ShardAck};
 
@@ -126,6 +130,10 @@ pub(crate) fn start(
     Ok(Some(Arc::new(service)))
 }
 
+/// How long a cluster create or delete may wait to be applied before its client hears
+/// `unavailable` (it may still be applied: `felix cluster status` tells).
+pub(crate) const CLUSTER_ADMIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// How long a publish to a replicated shard may take to commit before its publisher hears
 /// `unavailable` (the records may still commit).
 pub(crate) const CLUSTER_COMMIT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
@@ -134,6 +142,7 @@ pub(crate) const CLUSTER_COMMIT_TIMEOUT: std::time::Duration = std::time::Durati
 /// events of its subscriptions, each named by the core's token.
 #[derive(Debug)]
 pub(crate) enum LinkEvent {
+    Admin(u64, Result<ClusterAdminAnswer, ClusterRefusal>),
     Part(u64, Result<ShardAck, ClusterRefusal>),
     Subscribed(u64, Result<Vec<(u32, u64)>, ClusterRefusal>),
     Delivery(u64, Vec<DeliveredRecord>),
@@ -179,6 +188,7 @@ impl CoreLink {
     /// Hands a request to the service.
     pub(crate) fn send(&self, request: ClusterRequest) {
         match request {
+            ClusterRequest::Admin { token, admin } => self.admin(token, admin),
             ClusterRequest::Publish(part) => self.publish(part),
             ClusterRequest::Subscribe(subscribe) => self.subscribe(subscribe),
             ClusterRequest::Credit { token } => {
@@ -188,6 +198,94 @@ impl CoreLink {
                 self.service.unsubscribe(self.subscription_id(token));
             }
         }
+    }
+
+    /// A client's create, delete or read, authorized by the core: proposed to the control
+    /// plane (answered once applied here) or read from this member's copy.
+    fn admin(&self, token: u64, admin: ClusterAdmin) {
+        let events = self.events.clone();
+        let answer = move |result: Result<ClusterAdminAnswer, ClusterRefusal>| {
+            let _ = events.send(LinkEvent::Admin(token, result));
+        };
+        let command = match admin {
+            ClusterAdmin::Read {
+                stream,
+                shard,
+                from,
+                max_records,
+            } => {
+                self.service.read_then(
+                    &stream,
+                    shard,
+                    from,
+                    max_records as usize,
+                    felix_cluster::service::Answer::new(
+                        move |result: Result<Vec<(u64, ShardRecord)>, ServiceError>| {
+                            answer(
+                                result
+                                    .map(|records| {
+                                        ClusterAdminAnswer::Records(
+                                            records
+                                                .into_iter()
+                                                .map(|(offset, record)| DeliveredRecord {
+                                                    shard,
+                                                    offset,
+                                                    timestamp_us: record.timestamp_us,
+                                                    key: record.key,
+                                                    payload: record.payload,
+                                                })
+                                                .collect(),
+                                        )
+                                    })
+                                    .map_err(|error| service_refusal(&error)),
+                            );
+                        },
+                    ),
+                );
+                return;
+            }
+            ClusterAdmin::Create {
+                name,
+                kind,
+                shard_count,
+                replicas,
+                fsync,
+            } => Command::CreateStream {
+                name,
+                kind: match kind {
+                    felix_wire::StreamKind::Durable => felix_cluster::control::StreamKind::Durable,
+                    felix_wire::StreamKind::InMemory => {
+                        felix_cluster::control::StreamKind::InMemory
+                    }
+                },
+                shards: shard_count,
+                replicas,
+                fsync: match fsync {
+                    felix_wire::FsyncMode::OnCommit => felix_cluster::control::Fsync::OnCommit,
+                    felix_wire::FsyncMode::Periodic => felix_cluster::control::Fsync::Periodic,
+                },
+            },
+            ClusterAdmin::Delete { name } => Command::DeleteStream { name },
+        };
+        self.service.propose_then(
+            command,
+            CLUSTER_ADMIN_TIMEOUT,
+            felix_cluster::service::Answer::new(move |result| {
+                answer(match result {
+                    Ok(Outcome::Done) => Ok(ClusterAdminAnswer::Done),
+                    Ok(Outcome::Rejected { reason, kind }) => Err(ClusterRefusal {
+                        code: match kind {
+                            Rejection::Exists => ErrorCode::StreamExists,
+                            Rejection::NotFound => ErrorCode::StreamNotFound,
+                            Rejection::Invalid => ErrorCode::InvalidArgument,
+                        },
+                        detail: 0,
+                        message: reason,
+                    }),
+                    Err(error) => Err(service_refusal(&error)),
+                });
+            }),
+        );
     }
 
     fn publish(&self, part: ClusterPublish) {
@@ -307,6 +405,21 @@ pub(crate) fn subscribe_refusal(error: &SubscribeError) -> ClusterRefusal {
     }
 }
 
+/// A service error as an admin client hears it: a read of a shard not here (or no longer
+/// held) is `stream_not_found` / `too_old` territory the service words itself; everything
+/// else (no leader, no answer in time, stopped) is `unavailable`: ask again.
+fn service_refusal(error: &ServiceError) -> ClusterRefusal {
+    let code = match error {
+        ServiceError::Read(_) => ErrorCode::InvalidArgument,
+        _ => ErrorCode::Unavailable,
+    };
+    ClusterRefusal {
+        code,
+        detail: 0,
+        message: error.to_string(),
+    }
+}
+
 /// A cluster refusal as the publisher hears it.
 pub(crate) fn refusal(error: &PublishError) -> ClusterRefusal {
     let code = match error {
@@ -384,6 +497,9 @@ pub(crate) async fn core_task(
                 shell.input(|core, now| {
                     for event in batch.drain(..) {
                         match event {
+                            LinkEvent::Admin(token, result) => {
+                                core.handle_cluster_admin(token, result);
+                            }
                             LinkEvent::Part(token, result) => {
                                 core.handle_cluster_answer(now, token, result);
                             }

@@ -1028,9 +1028,6 @@ impl Drop for MetricsServer {
 /// Where the metrics thread finds the cluster service, set once the broker started it.
 pub type ClusterSlot = Arc<std::sync::OnceLock<Arc<felix_cluster::service::Service>>>;
 
-/// Longest a `POST /v1/cluster/streams` waits for its command to be applied.
-const CLUSTER_PROPOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
-
 /// Largest admin request body read.
 const ADMIN_BODY_MAX: u64 = 64 * 1024;
 
@@ -1060,114 +1057,21 @@ fn json_body<T: serde::de::DeserializeOwned>(
         .map_err(|error| error_json(400, &format!("bad request body: {error}")))
 }
 
-/// `POST /v1/cluster/streams`: `{"name", "kind": "durable"|"in_memory", "shards",
-/// "replicas", "fsync": "on_commit"|"periodic" (optional, on_commit)}`; 200 once applied,
-/// 409 when the control plane rejected it, 503 without a leader or an answer in time.
-fn create_stream(
-    service: &felix_cluster::service::Service,
-    request: &mut tiny_http::Request,
-) -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
-    #[derive(serde::Deserialize)]
-    struct Create {
-        name: String,
-        kind: felix_cluster::control::StreamKind,
-        shards: u32,
-        replicas: u8,
-        #[serde(default)]
-        fsync: felix_cluster::control::Fsync,
-    }
-    let create: Create = match json_body(request) {
-        Ok(create) => create,
-        Err(refused) => return refused,
-    };
-    let command = felix_cluster::control::Command::CreateStream {
-        name: create.name,
-        kind: create.kind,
-        shards: create.shards,
-        replicas: create.replicas,
-        fsync: create.fsync,
-    };
-    propose(service, command)
-}
-
-/// `DELETE /v1/cluster/streams`: `{"name"}`; 200 once applied, 409 when the control plane
-/// rejected it (no such stream), 503 without a leader or an answer in time.
-fn delete_stream(
-    service: &felix_cluster::service::Service,
-    request: &mut tiny_http::Request,
-) -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
-    #[derive(serde::Deserialize)]
-    struct Delete {
-        name: String,
-    }
-    let delete: Delete = match json_body(request) {
-        Ok(delete) => delete,
-        Err(refused) => return refused,
-    };
-    propose(
-        service,
-        felix_cluster::control::Command::DeleteStream { name: delete.name },
-    )
-}
-
-/// Proposes `command` and answers: 200 once applied, 409 when the control plane rejected it,
-/// 503 without a leader or an answer in time.
-fn propose(
-    service: &felix_cluster::service::Service,
-    command: felix_cluster::control::Command,
-) -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
-    match service.propose(command, CLUSTER_PROPOSE_TIMEOUT) {
-        Ok(felix_cluster::control::Outcome::Done) => {
-            json_response(200, serde_json::json!({ "outcome": "done" }).to_string())
-        }
-        Ok(felix_cluster::control::Outcome::Rejected { reason }) => error_json(409, &reason),
-        Err(error) => error_json(503, &error.to_string()),
-    }
-}
-
-/// `POST /v1/cluster/read`: `{"stream", "shard", "from", "max"}`; the committed records of
-/// this member's copy of the shard (at most `felix_cluster::admin::READ_RECORDS_MAX`), 404
-/// when the stream or shard is not replicated here or `from` was compacted away.
-fn read_records(
-    service: &felix_cluster::service::Service,
-    request: &mut tiny_http::Request,
-) -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
-    let read: felix_cluster::admin::ReadRequest = match json_body(request) {
-        Ok(read) => read,
-        Err(refused) => return refused,
-    };
-    let max = read.max.min(felix_cluster::admin::READ_RECORDS_MAX);
-    match service.read(
-        &read.stream,
-        read.shard,
-        read.from,
-        max,
-        CLUSTER_PROPOSE_TIMEOUT,
-    ) {
-        Ok(records) => {
-            let records: Vec<felix_cluster::admin::ReadRecord> = records
-                .into_iter()
-                .map(|(offset, record)| felix_cluster::admin::ReadRecord {
-                    offset,
-                    timestamp_us: record.timestamp_us,
-                    key: record.key.to_vec(),
-                    payload: record.payload.to_vec(),
-                })
-                .collect();
-            json_response(200, serde_json::to_string(&records).unwrap_or_default())
-        }
-        Err(felix_cluster::service::ServiceError::Read(reason)) => error_json(404, &reason),
-        Err(error) => error_json(503, &error.to_string()),
-    }
-}
-
 /// `POST /v1/cluster/faults`: `{"cut": [member ids]}` cuts this member's links to exactly
 /// those peers (`[]` heals them); 200 with the peers cut, 403 unless the broker runs with
-/// FELIX_CLUSTER_FAULT_INJECTION=1. For fault tests (docs/cluster.md, Tests).
+/// FELIX_CLUSTER_FAULT_INJECTION=1 and the request comes from a loopback address. A test
+/// hook (docs/cluster.md, Tests), off by default: the endpoint's only request that changes
+/// anything.
 fn cut_peers(
     service: &felix_cluster::service::Service,
     request: &mut tiny_http::Request,
 ) -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
+    if !request
+        .remote_addr()
+        .is_some_and(|peer| peer.ip().is_loopback())
+    {
+        return error_json(403, "fault injection is only taken from a loopback address");
+    }
     #[derive(serde::Deserialize)]
     struct Faults {
         cut: std::collections::BTreeSet<u64>,
@@ -1204,19 +1108,19 @@ fn serve(server: &tiny_http::Server, metrics: &Metrics, cluster: &ClusterSlot) {
                 }
                 response
             }
-            (
-                _,
-                "/v1/cluster/status"
-                | "/v1/cluster/streams"
-                | "/v1/cluster/read"
-                | "/v1/cluster/faults",
-            ) if cluster.get().is_none() => error_json(
+            (_, "/v1/cluster/streams" | "/v1/cluster/read") => error_json(
                 404,
-                "this broker is not a cluster member (FELIX_CLUSTER_NODE_ID=0)",
+                "the metrics endpoint serves metrics and read-only status only: create, delete \
+                 and read cluster streams over QUIC (`felix cluster create-stream`, \
+                 `delete-stream`, `read`), under the broker's authentication and rules",
             ),
-            (_, "/v1/cluster/status" | "/v1/cluster/streams" | "/v1/cluster/read")
-                if cluster.get().is_some_and(|service| service.failed()) =>
-            {
+            (_, "/v1/cluster/status" | "/v1/cluster/faults") if cluster.get().is_none() => {
+                error_json(
+                    404,
+                    "this broker is not a cluster member (FELIX_CLUSTER_NODE_ID=0)",
+                )
+            }
+            (_, "/v1/cluster/status") if cluster.get().is_some_and(|service| service.failed()) => {
                 error_json(
                     500,
                     "the cluster service stopped on a fatal error (see the broker's log)",
@@ -1227,18 +1131,6 @@ fn serve(server: &tiny_http::Server, metrics: &Metrics, cluster: &ClusterSlot) {
                     200,
                     serde_json::to_string(&service.status()).unwrap_or_default(),
                 ),
-                None => error_json(404, "not a cluster member"),
-            },
-            (tiny_http::Method::Post, "/v1/cluster/streams") => match cluster.get() {
-                Some(service) => create_stream(service, &mut request),
-                None => error_json(404, "not a cluster member"),
-            },
-            (tiny_http::Method::Delete, "/v1/cluster/streams") => match cluster.get() {
-                Some(service) => delete_stream(service, &mut request),
-                None => error_json(404, "not a cluster member"),
-            },
-            (tiny_http::Method::Post, "/v1/cluster/read") => match cluster.get() {
-                Some(service) => read_records(service, &mut request),
                 None => error_json(404, "not a cluster member"),
             },
             (tiny_http::Method::Post, "/v1/cluster/faults") => match cluster.get() {

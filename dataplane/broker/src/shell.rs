@@ -182,6 +182,9 @@ impl Shell {
                             message: "this broker is not a cluster member".to_owned(),
                         };
                         match request {
+                            felix_core::ClusterRequest::Admin { token, .. } => {
+                                core.handle_cluster_admin(token, Err(refusal));
+                            }
                             felix_core::ClusterRequest::Publish(part) => {
                                 core.handle_cluster_answer(now, part.token, Err(refusal));
                             }

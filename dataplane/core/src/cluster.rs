@@ -22,14 +22,16 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use felix_auth::Operation;
 use felix_engine::EngineError;
 use felix_wire::{
-    ClusterMap, ClusterMember, ClusterRoute, ErrorCode, Frame, HashKind, Publish, Record, ShardAck,
-    ShardInfo, StreamInfo, StreamKind, StreamSummary,
+    ClusterMap, ClusterMember, ClusterRoute, DeliveredRecord, ErrorCode, ErrorFrame, Frame,
+    FsyncMode, HashKind, Publish, Record, Records, ShardAck, ShardInfo, StreamInfo, StreamKind,
+    StreamSummary,
 };
 
 use crate::config::{Now, StreamId};
-use crate::core::{Core, Request};
+use crate::core::{Core, Flow, Parked, Request};
 use crate::publish::PendingPublish;
 
 /// A shard's part of a publish to a replicated stream, for the cluster service.
@@ -105,9 +107,46 @@ pub struct ClusterSubscribe {
     pub max_bytes: usize,
 }
 
+/// A cluster admin request of a client, already authorized by the core: a change through the
+/// control plane, or a read of this member's copy of a replicated shard.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClusterAdmin {
+    Create {
+        name: String,
+        kind: StreamKind,
+        shard_count: u32,
+        replicas: u8,
+        fsync: FsyncMode,
+    },
+    Delete {
+        name: String,
+    },
+    Read {
+        stream: String,
+        shard: u32,
+        from: u64,
+        /// At most this many records (already capped by the core).
+        max_records: u32,
+    },
+}
+
+/// The cluster's answer to a [`ClusterAdmin`] request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClusterAdminAnswer {
+    /// A create or delete was applied on this member.
+    Done,
+    /// A read's committed records, in offset order (none at the end of the copy).
+    Records(Vec<DeliveredRecord>),
+}
+
 /// What a core asks of the cluster service, in the order it asked.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ClusterRequest {
+    /// Answered by [`Core::handle_cluster_admin`].
+    Admin {
+        token: u64,
+        admin: ClusterAdmin,
+    },
     Publish(ClusterPublish),
     Subscribe(ClusterSubscribe),
     /// The subscription's stream took one of its batches: send one more.
@@ -226,6 +265,92 @@ impl Core {
             streams,
         };
         self.write(stream, &Frame::ClusterMap(map));
+    }
+
+    /// A cluster admin request (`CreateClusterStream`, `DeleteClusterStream`, `ReadShard`):
+    /// authorized here by the same rules as this broker's own admin (`admin` on the name to
+    /// create or delete, `subscribe` to read), then handed to the cluster service; the stream
+    /// waits for the answer ([`Core::handle_cluster_admin`]).
+    pub(crate) fn request_cluster_admin(
+        &mut self,
+        stream: StreamId,
+        request_id: u64,
+        admin: ClusterAdmin,
+    ) -> Flow {
+        let (operation, name) = match &admin {
+            ClusterAdmin::Create { name, .. } => (Operation::Create, name),
+            ClusterAdmin::Delete { name } => (Operation::Delete, name),
+            ClusterAdmin::Read { stream, .. } => (Operation::Subscribe, stream),
+        };
+        if let Err(denied) = self.authorize(stream, operation, name) {
+            self.write_error(stream, denied.to_frame(request_id));
+            return Flow::Continue;
+        }
+        if self.cluster.member == 0 {
+            self.write_error(
+                stream,
+                ErrorFrame {
+                    request_id,
+                    code: ErrorCode::InvalidArgument,
+                    detail: 0,
+                    message: "this broker is not a cluster member (FELIX_CLUSTER_NODE_ID is 0)"
+                        .to_owned(),
+                },
+            );
+            return Flow::Continue;
+        }
+        let token = self.token();
+        self.requests
+            .insert(token, Request::ClusterAdmin { stream, request_id });
+        self.cluster_out
+            .push_back(ClusterRequest::Admin { token, admin });
+        self.stream_mut(stream).parked = Some(Parked::Remote);
+        Flow::Blocked
+    }
+
+    /// The cluster's answer to admin request `token`: `Done`, the records read (as many as
+    /// fit one frame of this broker's limits), or the refusal. Unknown tokens are ignored.
+    pub fn handle_cluster_admin(
+        &mut self,
+        token: u64,
+        result: Result<ClusterAdminAnswer, ClusterRefusal>,
+    ) {
+        let Some(Request::ClusterAdmin { stream, request_id }) = self.requests.remove(&token)
+        else {
+            return;
+        };
+        let frame = match result {
+            Ok(ClusterAdminAnswer::Done) => Frame::Done { request_id },
+            Ok(ClusterAdminAnswer::Records(mut records)) => {
+                self.fit_records(&mut records);
+                Frame::Records(Records {
+                    request_id,
+                    records,
+                })
+            }
+            Err(refusal) => Frame::Error(refusal.into_error().to_frame(request_id)),
+        };
+        self.write(stream, &frame);
+        self.unpark(stream);
+    }
+
+    /// Drops the records past what one `Records` frame may carry under this broker's limits
+    /// (its record count and frame size): the reader asks again from the next offset.
+    fn fit_records(&self, records: &mut Vec<DeliveredRecord>) {
+        /// `Records`' fixed part: request id and record count.
+        const RECORDS_FIXED_BYTES: usize = 8 + 4;
+        /// One delivered record's fixed part: shard, offset, timestamp, key and payload lengths.
+        const RECORD_FIXED_BYTES: usize = 4 + 8 + 8 + 2 + 4;
+        let mut body = RECORDS_FIXED_BYTES;
+        let fit = records
+            .iter()
+            .take(self.limits.max_batch_records as usize)
+            .take_while(|record| {
+                body += RECORD_FIXED_BYTES + record.key.len() + record.payload.len();
+                body <= self.limits.max_frame_bytes as usize
+            })
+            .count();
+        records.truncate(fit);
     }
 
     /// The next request for the cluster service, oldest first.

@@ -28,6 +28,7 @@ use rustc_hash::FxHashMap as HashMap;
 use crate::admin::{AdminOp, PendingDescribe};
 use crate::admission::{Admission, AdmissionEvent, Ticket};
 use crate::catalog::CatalogChange;
+use crate::cluster::ClusterAdmin;
 use crate::config::{
     ACCESS_CACHE_ENTRIES_MAX, ConnectionId, CoreConfig, HELLO_SHARD_MAP_FRAME_SHARE,
     IngressSettings, Now, StreamId,
@@ -214,6 +215,9 @@ pub(crate) enum Request {
     /// A part of publish `publish` handed to the cluster (`cluster.rs`; answered by
     /// `Core::handle_cluster_answer`).
     ClusterPart { publish: u64 },
+    /// A cluster admin request of stream `stream` (`cluster.rs`; answered by
+    /// `Core::handle_cluster_admin`).
+    ClusterAdmin { stream: StreamId, request_id: u64 },
 }
 
 /// The state machine of one data-plane core: publish routing and splitting, ingress
@@ -1237,6 +1241,45 @@ impl Core {
             Frame::DescribeCluster { request_id } => {
                 self.describe_cluster(stream, request_id);
                 Flow::Continue
+            }
+            Frame::CreateClusterStream(create) => self.request_cluster_admin(
+                stream,
+                create.request_id,
+                ClusterAdmin::Create {
+                    name: create.name,
+                    kind: create.kind,
+                    shard_count: create.shard_count,
+                    replicas: create.replicas,
+                    fsync: create.fsync,
+                },
+            ),
+            Frame::DeleteClusterStream { request_id, name } => {
+                self.request_cluster_admin(stream, request_id, ClusterAdmin::Delete { name })
+            }
+            Frame::ReadShard(read) => {
+                if read.max_records == 0 {
+                    self.write_error(
+                        stream,
+                        ErrorFrame {
+                            request_id: read.request_id,
+                            code: ErrorCode::InvalidArgument,
+                            detail: 0,
+                            message: "read_shard asks for 0 records".to_owned(),
+                        },
+                    );
+                    return Flow::Continue;
+                }
+                let max_records = read.max_records.min(self.limits.max_batch_records);
+                self.request_cluster_admin(
+                    stream,
+                    read.request_id,
+                    ClusterAdmin::Read {
+                        stream: read.stream,
+                        shard: read.shard,
+                        from: read.from,
+                        max_records,
+                    },
+                )
             }
             Frame::ListStreams { request_id } => {
                 let streams = self

@@ -35,8 +35,8 @@ mod subscribe;
 pub use crate::admission::{Admission, AdmissionEvent, Decision, Policy, Ticket};
 pub use crate::catalog::{CATALOG_FILE, Catalog, CatalogChange, CatalogEntry, CatalogError};
 pub use crate::cluster::{
-    ClusterPublish, ClusterRefusal, ClusterRequest, ClusterShard, ClusterStart, ClusterStream,
-    ClusterSubscribe, ClusterView,
+    ClusterAdmin, ClusterAdminAnswer, ClusterPublish, ClusterRefusal, ClusterRequest, ClusterShard,
+    ClusterStart, ClusterStream, ClusterSubscribe, ClusterView,
 };
 pub use crate::config::{
     ACCESS_CACHE_ENTRIES_MAX, ConnectionId, CoreConfig, DELIVERY_BYTES_MAX, DELIVERY_RECORDS_MAX,

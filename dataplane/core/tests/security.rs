@@ -506,3 +506,152 @@ fn stream_and_shard_limits_refuse_creates() {
         1
     );
 }
+
+#[test]
+fn cluster_admin_requests_need_the_same_rules_as_the_brokers_own() {
+    // Proves the cluster's admin requests are checked by the connection's rules before they
+    // reach the cluster service (create and delete need `admin` on the name, a read needs
+    // `subscribe`), an allowed one parks its stream until the service answers (`Done`, or the
+    // records read, cut to one frame's worth), and a broker outside any cluster refuses them.
+    use felix_core::{ClusterAdmin, ClusterAdminAnswer, ClusterRefusal, ClusterRequest};
+    use felix_wire::{CreateClusterStream, DeliveredRecord, FsyncMode, ReadShard};
+
+    let policy = rules("ops admin *; reader subscribe *");
+    let mut broker = Broker::with_security(
+        1,
+        ingress(),
+        Security::new(false, policy, ConnectionLimits::DEFAULT),
+    );
+    broker.cores[0].set_cluster_view(std::sync::Arc::new(felix_core::ClusterView {
+        member: 1,
+        ..felix_core::ClusterView::default()
+    }));
+    let create_cluster = |request_id: u64| {
+        Frame::CreateClusterStream(CreateClusterStream {
+            request_id,
+            name: "orders".to_owned(),
+            shard_count: 3,
+            kind: StreamKind::Durable,
+            replicas: 3,
+            fsync: FsyncMode::OnCommit,
+        })
+    };
+    let read = |request_id: u64| {
+        Frame::ReadShard(ReadShard {
+            request_id,
+            stream: "orders".to_owned(),
+            shard: 1,
+            from: 5,
+            max_records: 1_000_000,
+        })
+    };
+    let delete = |request_id: u64| Frame::DeleteClusterStream {
+        request_id,
+        name: "orders".to_owned(),
+    };
+    let handed = |broker: &mut Broker| -> Vec<ClusterRequest> {
+        std::iter::from_fn(|| broker.cores[0].poll_cluster()).collect()
+    };
+    // Denied before anything reaches the service.
+    let reader = connect_as(&mut broker, 0, "reader");
+    for (id, frame, operation) in [(1, create_cluster(1), "create"), (2, delete(2), "delete")] {
+        let (request_id, code, message) = error_of(&request(&mut broker, &reader, frame));
+        assert_eq!((request_id, code), (id, ErrorCode::PermissionDenied));
+        assert_eq!(
+            message,
+            format!("reader may not {operation} stream \"orders\"")
+        );
+    }
+    let ops = connect_as(&mut broker, 0, "ops");
+    let (_, code, _) = error_of(&request(&mut broker, &ops, read(3)));
+    assert_eq!(code, ErrorCode::PermissionDenied, "ops has no subscribe");
+    assert!(
+        handed(&mut broker).is_empty(),
+        "nothing denied was handed on"
+    );
+    // Allowed: handed to the service, the stream waits for the answer.
+    assert!(request(&mut broker, &ops, create_cluster(4)).is_empty());
+    let [ClusterRequest::Admin { token, admin }] = &handed(&mut broker)[..] else {
+        panic!("one admin request")
+    };
+    assert_eq!(
+        admin,
+        &ClusterAdmin::Create {
+            name: "orders".to_owned(),
+            kind: StreamKind::Durable,
+            shard_count: 3,
+            replicas: 3,
+            fsync: FsyncMode::OnCommit,
+        }
+    );
+    broker.cores[0].handle_cluster_admin(*token, Ok(ClusterAdminAnswer::Done));
+    broker.cores[0].handle_cluster_admin(*token, Ok(ClusterAdminAnswer::Done));
+    broker.settle();
+    let frames = broker.read(0, ops.requests);
+    assert!(
+        matches!(frames.as_slice(), [Frame::Done { request_id: 4 }]),
+        "one Done, a second answer ignored: {frames:?}"
+    );
+    // A read, capped at the broker's batch limit, answered with what fits one frame.
+    assert!(request(&mut broker, &reader, read(5)).is_empty());
+    let [ClusterRequest::Admin { token, admin }] = &handed(&mut broker)[..] else {
+        panic!("one admin request")
+    };
+    let ClusterAdmin::Read { max_records, .. } = admin else {
+        panic!("a read: {admin:?}")
+    };
+    assert_eq!(*max_records, felix_wire::Limits::DEFAULT.max_batch_records);
+    let big = Bytes::from(vec![7u8; 4 << 20]);
+    let records: Vec<DeliveredRecord> = (5..15)
+        .map(|offset| DeliveredRecord {
+            shard: 1,
+            offset,
+            timestamp_us: 1,
+            key: Bytes::from_static(b"k"),
+            payload: big.clone(),
+        })
+        .collect();
+    broker.cores[0].handle_cluster_admin(*token, Ok(ClusterAdminAnswer::Records(records)));
+    broker.settle();
+    let frames = broker.read(0, reader.requests);
+    let [Frame::Records(answer)] = frames.as_slice() else {
+        panic!("one Records: {frames:?}")
+    };
+    assert_eq!(answer.request_id, 5);
+    let offsets: Vec<u64> = answer.records.iter().map(|r| r.offset).collect();
+    assert_eq!(
+        offsets,
+        vec![5, 6, 7],
+        "as many 4 MiB records as fit 16 MiB"
+    );
+    // A refusal from the service reaches the client with its code.
+    assert!(request(&mut broker, &ops, delete(6)).is_empty());
+    let [ClusterRequest::Admin { token, .. }] = &handed(&mut broker)[..] else {
+        panic!("one admin request")
+    };
+    broker.cores[0].handle_cluster_admin(
+        *token,
+        Err(ClusterRefusal {
+            code: ErrorCode::StreamNotFound,
+            detail: 0,
+            message: "no stream named \"orders\"".to_owned(),
+        }),
+    );
+    broker.settle();
+    let (request_id, code, _) = error_of(&broker.read(0, ops.requests));
+    assert_eq!((request_id, code), (6, ErrorCode::StreamNotFound));
+
+    // A broker outside any cluster refuses them at once.
+    let mut single = Broker::new(1, ingress());
+    let conn = single.connect(0);
+    for frame in [create_cluster(7), delete(8), read(9)] {
+        let (_, code, message) = error_of(&request(&mut single, &conn, frame));
+        assert_eq!(code, ErrorCode::InvalidArgument);
+        assert!(message.contains("not a cluster member"), "{message}");
+    }
+    assert!(
+        std::iter::from_fn(|| single.cores[0].poll_cluster())
+            .next()
+            .is_none()
+    );
+}

@@ -124,7 +124,7 @@ fn client_config(config: &Config) -> ClientConfig {
     client
 }
 
-async fn connect(config: &Config) -> anyhow::Result<Client> {
+pub(crate) async fn connect(config: &Config) -> anyhow::Result<Client> {
     Ok(Client::connect(client_config(config)).await?)
 }
 

@@ -1,6 +1,8 @@
-//! `felix cluster`: the cluster's status, streams and a replicated shard's records through a
-//! member's metrics endpoint (`GET /v1/cluster/status`, `POST /v1/cluster/streams`,
-//! `POST /v1/cluster/read`), and a development set of peer certificates. docs/cluster.md walks through a three-broker cluster with them.
+//! `felix cluster`: the cluster's status from a member's metrics endpoint (`GET
+//! /v1/cluster/status`, read-only), its streams and a replicated shard's records over QUIC
+//! (`CreateClusterStream`, `DeleteClusterStream`, `ReadShard`: the client options, the
+//! broker's authentication and rules, as every other client command), and a development set
+//! of peer certificates. docs/cluster.md walks through a three-broker cluster with them.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -8,8 +10,11 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Args, Subcommand, ValueEnum};
-use felix_cluster::control::{Fsync, StreamKind};
+use felix_client::Client;
 use felix_tuning::Config;
+use felix_wire::{DeliveredRecord, FsyncMode, StreamKind};
+
+use crate::client_commands;
 
 /// How long an admin request may take (a stream creation waits for the control plane).
 const ADMIN_TIMEOUT: Duration = Duration::from_secs(15);
@@ -50,8 +55,6 @@ pub enum ClusterCommand {
     },
     /// Create a stream through the control plane; its shards are placed over the members.
     CreateStream {
-        #[command(flatten)]
-        admin: AdminArgs,
         name: String,
         /// Number of shards.
         #[arg(long, default_value_t = 1)]
@@ -69,16 +72,10 @@ pub enum ClusterCommand {
     },
     /// Delete a stream through the control plane: every member stops serving it and removes
     /// its replicated shards' logs; its subscribers are ended (`stream_not_found`).
-    DeleteStream {
-        #[command(flatten)]
-        admin: AdminArgs,
-        name: String,
-    },
+    DeleteStream { name: String },
     /// Print committed records of a replicated shard from one member's copy (an audit tool:
     /// every member must print the same records at the same offsets).
     Read {
-        #[command(flatten)]
-        admin: AdminArgs,
         stream: String,
         #[arg(long, default_value_t = 0)]
         shard: u32,
@@ -87,7 +84,7 @@ pub enum ClusterCommand {
         from: u64,
         /// Most records to print.
         #[arg(long, default_value_t = 100)]
-        max: usize,
+        max: u64,
         /// Print JSON (key and payload in hex).
         #[arg(long)]
         json: bool,
@@ -127,62 +124,68 @@ pub fn run(config: &Config, command: ClusterCommand) -> anyhow::Result<()> {
             Ok(())
         }
         ClusterCommand::CreateStream {
-            admin,
             name,
             shards,
             replicas,
             kind,
             fsync,
         } => {
-            let addr = admin_addr(config, &admin)?;
-            let kind = match kind {
-                KindArg::Durable => StreamKind::Durable,
-                KindArg::InMemory => StreamKind::InMemory,
+            let (kind, kind_name) = match kind {
+                KindArg::Durable => (StreamKind::Durable, "durable"),
+                KindArg::InMemory => (StreamKind::InMemory, "in-memory"),
             };
-            let fsync = match fsync {
-                FsyncArg::OnCommit => Fsync::OnCommit,
-                FsyncArg::Periodic => Fsync::Periodic,
+            let (fsync, fsync_name) = match fsync {
+                FsyncArg::OnCommit => (FsyncMode::OnCommit, "on_commit"),
+                FsyncArg::Periodic => (FsyncMode::Periodic, "periodic"),
             };
-            let spec = felix_cluster::admin::NewStream {
-                name: &name,
-                kind,
-                shards,
-                replicas,
-                fsync,
-            };
-            felix_cluster::admin::create_stream(addr, &spec, ADMIN_TIMEOUT)
-                .with_context(|| format!("cannot create stream {name:?}"))?;
-            println!(
-                "created stream {name} ({shards} shards, {replicas} replicas, fsync {})",
-                fsync.name()
-            );
-            Ok(())
+            client_commands::block_on(async {
+                let client = client_commands::connect(config).await?;
+                client
+                    .create_cluster_stream(&name, shards, kind, replicas, fsync)
+                    .await
+                    .with_context(|| format!("cannot create stream {name:?}"))?;
+                println!(
+                    "created stream {name} ({kind_name}, {shards} shards, {replicas} replicas, \
+                     fsync {fsync_name})"
+                );
+                Ok(())
+            })
         }
-        ClusterCommand::DeleteStream { admin, name } => {
-            let addr = admin_addr(config, &admin)?;
-            felix_cluster::admin::delete_stream(addr, &name, ADMIN_TIMEOUT)
+        ClusterCommand::DeleteStream { name } => client_commands::block_on(async {
+            let client = client_commands::connect(config).await?;
+            client
+                .delete_cluster_stream(&name)
+                .await
                 .with_context(|| format!("cannot delete stream {name:?}"))?;
             println!("deleted stream {name}");
             Ok(())
-        }
+        }),
         ClusterCommand::Read {
-            admin,
             stream,
             shard,
             from,
             max,
             json,
-        } => {
-            let addr = admin_addr(config, &admin)?;
-            let request = felix_cluster::admin::ReadRequest {
-                stream: stream.clone(),
-                shard,
-                from,
-                max,
-            };
-            let records = felix_cluster::admin::read(addr, &request, ADMIN_TIMEOUT)
-                .with_context(|| format!("cannot read shard {shard} of {stream:?} from {addr}"))?;
+        } => client_commands::block_on(async {
+            let client = client_commands::connect(config).await?;
+            let records = read_records(&client, &stream, shard, from, max)
+                .await
+                .with_context(|| {
+                    format!(
+                        "cannot read shard {shard} of {stream:?} from {}",
+                        config.addr
+                    )
+                })?;
             if json {
+                let records: Vec<felix_cluster::admin::ReadRecord> = records
+                    .into_iter()
+                    .map(|record| felix_cluster::admin::ReadRecord {
+                        offset: record.offset,
+                        timestamp_us: record.timestamp_us,
+                        key: record.key.to_vec(),
+                        payload: record.payload.to_vec(),
+                    })
+                    .collect();
                 println!("{}", serde_json::to_string_pretty(&records)?);
             } else {
                 for record in &records {
@@ -196,7 +199,7 @@ pub fn run(config: &Config, command: ClusterCommand) -> anyhow::Result<()> {
                 }
             }
             Ok(())
-        }
+        }),
         ClusterCommand::DevCerts { out, nodes, names } => {
             let nodes = if nodes.is_empty() {
                 vec![1, 2, 3]
@@ -219,4 +222,26 @@ pub fn run(config: &Config, command: ClusterCommand) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// Up to `max` records of the shard's copy on the connected member from `from`, asking again
+/// while each answer (at most one frame's worth) leaves some to read.
+async fn read_records(
+    client: &Client,
+    stream: &str,
+    shard: u32,
+    from: u64,
+    max: u64,
+) -> anyhow::Result<Vec<DeliveredRecord>> {
+    let mut records = Vec::new();
+    let mut next = from;
+    // Each pass reads at least one record or stops, so this ends after at most `max` passes.
+    while (records.len() as u64) < max {
+        let want = u32::try_from(max - records.len() as u64).unwrap_or(u32::MAX);
+        let read = client.read_shard(stream, shard, next, want).await?;
+        let Some(last) = read.last() else { break };
+        next = last.offset + 1;
+        records.extend(read);
+    }
+    Ok(records)
 }

@@ -226,11 +226,12 @@ enum Command {
         #[command(subcommand)]
         command: TokenCommand,
     },
-    /// A cluster's status and streams (through a member's metrics endpoint), and development
-    /// peer certificates (docs/cluster.md).
+    /// A cluster's status (a member's metrics endpoint), its streams (over QUIC, under the
+    /// broker's authentication and rules), and development peer certificates
+    /// (docs/cluster.md).
     Cluster {
         #[command(flatten)]
-        common: CommonArgs,
+        client: ClientArgs,
         #[command(subcommand)]
         command: cluster_commands::ClusterCommand,
     },
@@ -330,8 +331,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Stream { client, .. }
         | Command::Pub { client, .. }
-        | Command::Sub { client, .. } => flags.client(client),
-        Command::Token { common, .. } | Command::Cluster { common, .. } => flags.common(common),
+        | Command::Sub { client, .. }
+        | Command::Cluster { client, .. } => flags.client(client),
+        Command::Token { common, .. } => flags.common(common),
         Command::Log {
             common, data_dir, ..
         } => {

@@ -15,7 +15,6 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use felix_cluster::admin::NewStream;
 use felix_cluster::control::Fsync;
 use felix_cluster::node::Role;
 use felix_cluster::service::ClusterStatus;
@@ -159,13 +158,39 @@ impl Cluster {
     }
 
     fn create_fsync(&self, via: u64, name: &str, shards: u32, fsync: Fsync) -> Result<(), String> {
-        let spec = NewStream {
-            fsync,
-            ..NewStream::durable(name, shards, 3)
+        let fsync = match fsync {
+            Fsync::OnCommit => felix_wire::FsyncMode::OnCommit,
+            Fsync::Periodic => felix_wire::FsyncMode::Periodic,
         };
-        felix_cluster::admin::create_stream(self.brokers[&via].metrics_addr, &spec, ADMIN_TIMEOUT)
-            .map_err(|error| error.to_string())
+        with_client(self.brokers[&via].client_config(), async |client| {
+            client
+                .create_cluster_stream(name, shards, felix_wire::StreamKind::Durable, 3, fsync)
+                .await
+        })
     }
+}
+
+/// Runs one admin `request` with a client of `config`, on a runtime of its own (the cluster
+/// tests' helpers are synchronous), within [`ADMIN_TIMEOUT`] and a little.
+fn with_client<T>(
+    config: felix_client::ClientConfig,
+    request: impl AsyncFnOnce(&felix_client::Client) -> Result<T, felix_client::ClientError>,
+) -> Result<T, String> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let answered = tokio::time::timeout(ADMIN_TIMEOUT * 2, async {
+            let client = felix_client::Client::connect(config).await?;
+            request(&client).await
+        })
+        .await;
+        match answered {
+            Ok(result) => result.map_err(|error| error.to_string()),
+            Err(_) => Err(format!("no answer within {:?}", ADMIN_TIMEOUT * 2)),
+        }
+    })
 }
 
 /// Runs a `felix` command that must succeed; returns its standard output.
@@ -200,6 +225,218 @@ fn member_env(certs: &Path, id: u64, peers: &str) -> Vec<(String, String)> {
             path(format!("node-{id}.key")),
         ),
     ]
+}
+
+/// One plain HTTP/1.0 request to `addr`: the status code and the body.
+fn http(addr: std::net::SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
+    use std::io::{Read as _, Write as _};
+    let mut stream = std::net::TcpStream::connect_timeout(&addr, ADMIN_TIMEOUT).expect("connects");
+    stream
+        .set_read_timeout(Some(ADMIN_TIMEOUT))
+        .expect("timeout set");
+    write!(
+        stream,
+        "{method} {path} HTTP/1.0\r\nHost: felix\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("request written");
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).expect("answer read");
+    let status = answer
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {answer:?}"));
+    let body = answer
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
+/// `addr`'s port on 127.0.0.1: the tests reach brokers bound to every address over loopback.
+fn on_loopback(addr: std::net::SocketAddr) -> std::net::SocketAddr {
+    std::net::SocketAddr::from(([127, 0, 0, 1], addr.port()))
+}
+
+// Proves the cluster's admin plane is closed: with FELIX_AUTH=required and rules, on members
+// bound to every address (QUIC and metrics on 0.0.0.0, not only loopback), creating, deleting
+// and reading a cluster stream is refused without a credential (`unauthenticated`: the QUIC
+// handshake) and without the rule (`permission_denied`), through the library and the CLI on
+// every member, while the metrics endpoint serves metrics and the read-only status only
+// (POST/DELETE /v1/cluster/streams and POST /v1/cluster/read change and reveal nothing).
+#[test]
+fn cluster_admin_needs_a_credential_and_a_rule_on_every_path() {
+    let tokens = tempfile::tempdir().expect("temp dir");
+    let tokens_file = tokens.path().join("tokens");
+    let token = |principal: &str| -> String {
+        felix_ok(
+            felix()
+                .env("FELIX_TOKENS_FILE", &tokens_file)
+                .args(["token", "add", principal]),
+        )
+        .trim()
+        .to_owned()
+    };
+    let ops = token("ops");
+    let reader = token("reader");
+    let tokens_path = tokens_file.display().to_string();
+    let mut cluster = Cluster::start_with(
+        3,
+        &[
+            ("FELIX_AUTH", "required"),
+            ("FELIX_TOKENS_FILE", &tokens_path),
+            ("FELIX_RULES", "ops all *; reader subscribe *"),
+            ("FELIX_BIND", "0.0.0.0:0"),
+            ("FELIX_METRICS_BIND", "0.0.0.0:0"),
+        ],
+    );
+    for broker in cluster.brokers.values_mut() {
+        assert!(
+            broker.quic_addr.ip().is_unspecified(),
+            "bound to every address"
+        );
+        assert!(broker.metrics_addr.ip().is_unspecified());
+        broker.quic_addr = on_loopback(broker.quic_addr);
+        broker.metrics_addr = on_loopback(broker.metrics_addr);
+    }
+    cluster.settled(&[1, 2, 3]);
+    let config = |id: u64, token: Option<&str>| {
+        let mut config = cluster.brokers[&id].client_config();
+        config.token = token.map(str::to_owned);
+        config
+    };
+    let create = |config: felix_client::ClientConfig, name: &str| {
+        with_client(config, async |client| {
+            client
+                .create_cluster_stream(
+                    name,
+                    2,
+                    felix_wire::StreamKind::Durable,
+                    3,
+                    felix_wire::FsyncMode::OnCommit,
+                )
+                .await
+        })
+    };
+    let delete = |config: felix_client::ClientConfig, name: &str| {
+        with_client(config, async |client| {
+            client.delete_cluster_stream(name).await
+        })
+    };
+    let read = |config: felix_client::ClientConfig, name: &str| {
+        with_client(config, async |client| {
+            client.read_shard(name, 0, 0, 10).await
+        })
+    };
+    let streams = |cluster: &Cluster| -> Vec<String> {
+        cluster
+            .status(1)
+            .expect("status")
+            .state
+            .streams
+            .keys()
+            .cloned()
+            .collect()
+    };
+    // No credential: the handshake itself is refused, on every member.
+    for id in 1..=3 {
+        for (what, refused) in [
+            ("create", create(config(id, None), "orders")),
+            ("delete", delete(config(id, None), "orders")),
+            ("read", read(config(id, None), "orders").map(|_| ())),
+        ] {
+            let error = refused.expect_err("no credential, no request");
+            assert!(
+                error.contains("unauthenticated"),
+                "member {id} {what}: {error}"
+            );
+        }
+    }
+    // A principal without `admin`: create and delete refused whoever leads.
+    for id in 1..=3 {
+        let error = create(config(id, Some(&reader)), "orders").expect_err("reader creates");
+        assert!(error.contains("permission_denied"), "member {id}: {error}");
+    }
+    assert!(streams(&cluster).is_empty(), "nothing was created");
+    // The one allowed: ops creates; the reader may read (subscribe), not delete.
+    create(config(2, Some(&ops)), "orders").expect("ops creates");
+    wait_for(&cluster, &[1, 2, 3], "the stream placed", |statuses| {
+        placed_and_in_sync(statuses, 2)
+    });
+    let records = read(config(3, Some(&reader)), "orders").expect("reader reads");
+    assert!(records.is_empty(), "nothing published yet: {records:?}");
+    for id in 1..=3 {
+        let error = delete(config(id, Some(&reader)), "orders").expect_err("reader deletes");
+        assert!(error.contains("permission_denied"), "member {id}: {error}");
+    }
+    // The CLI takes the same paths: refused without the token, served with it.
+    let cli = |id: u64, token: Option<&str>, args: &[&str]| {
+        let mut command = cluster.brokers[&id].cli();
+        command.arg("cluster").args(args);
+        if let Some(token) = token {
+            command.env("FELIX_TOKEN", token);
+        }
+        command.output().expect("felix cluster runs")
+    };
+    for args in [
+        &["create-stream", "other", "--shards", "1"][..],
+        &["delete-stream", "orders"][..],
+        &["read", "orders"][..],
+    ] {
+        let output = cli(1, None, args);
+        let said = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            !output.status.success() && said.contains("unauthenticated"),
+            "{args:?}: {said}"
+        );
+    }
+    let output = cli(1, Some(&reader), &["delete-stream", "orders"]);
+    let said = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        !output.status.success() && said.contains("permission_denied"),
+        "{said}"
+    );
+    // The metrics endpoint of every member: metrics and the status, nothing that changes or
+    // reads a stream.
+    for (id, broker) in &cluster.brokers {
+        let addr = broker.metrics_addr;
+        for (method, path, body) in [
+            (
+                "POST",
+                "/v1/cluster/streams",
+                r#"{"name":"sneaky","kind":"durable","shards":1,"replicas":3}"#,
+            ),
+            ("DELETE", "/v1/cluster/streams", r#"{"name":"orders"}"#),
+            (
+                "POST",
+                "/v1/cluster/read",
+                r#"{"stream":"orders","shard":0,"from":0,"max":10}"#,
+            ),
+        ] {
+            let (status, answer) = http(addr, method, path, body);
+            assert_eq!(status, 404, "member {id}: {method} {path}: {answer}");
+            assert!(answer.contains("read-only status only"), "{answer}");
+        }
+        assert_eq!(http(addr, "GET", "/v1/cluster/status", "").0, 200);
+        assert_eq!(http(addr, "GET", "/metrics", "").0, 200);
+    }
+    assert_eq!(
+        streams(&cluster),
+        ["orders"],
+        "nothing created or deleted over HTTP"
+    );
+    // And ops deletes it, through the CLI.
+    let output = cli(3, Some(&ops), &["delete-stream", "orders"]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    wait_for(&cluster, &[1, 2, 3], "the stream gone", |statuses| {
+        statuses.iter().all(|s| s.state.streams.is_empty())
+    });
 }
 
 #[test]
@@ -287,10 +524,10 @@ fn three_brokers_elect_register_and_spread_each_streams_leaders() {
     // An in-memory cluster stream: one copy of each shard on its owner; published through
     // member 2 (forwarded to the owners), read by a subscriber on member 3 (fetched from them).
     felix_ok(
-        felix()
+        cluster.brokers[&1]
+            .cli()
             .args(["cluster", "create-stream", "ticks", "--kind", "in-memory"])
-            .args(["--shards", "3", "--replicas", "1", "--admin"])
-            .arg(cluster.brokers[&1].metrics_addr.to_string()),
+            .args(["--shards", "3", "--replicas", "1"]),
     );
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -785,9 +1022,9 @@ fn replicated_shards_elect_their_placed_leaders_and_fail_over() {
         (client, subscription)
     });
     felix_ok(
-        felix()
-            .args(["cluster", "delete-stream", "orders", "--admin"])
-            .arg(cluster.brokers[&3].metrics_addr.to_string()),
+        cluster.brokers[&3]
+            .cli()
+            .args(["cluster", "delete-stream", "orders"]),
     );
     wait_for(
         &cluster,
@@ -842,9 +1079,9 @@ fn replicated_shards_elect_their_placed_leaders_and_fail_over() {
             "{refused:?}"
         );
     });
-    let again = felix()
-        .args(["cluster", "delete-stream", "orders", "--admin"])
-        .arg(cluster.brokers[&1].metrics_addr.to_string())
+    let again = cluster.brokers[&1]
+        .cli()
+        .args(["cluster", "delete-stream", "orders"])
         .output()
         .expect("felix cluster delete-stream runs");
     let said = String::from_utf8_lossy(&again.stderr);
@@ -1111,42 +1348,40 @@ fn randomized_faults_keep_acked_creations_once_and_in_real_time_order() {
                 .map(|(id, b)| (*id, Some(b.naive_client_config())))
                 .collect(),
         ));
-    let admin: Arc<Mutex<BTreeMap<u64, Option<std::net::SocketAddr>>>> = Arc::new(Mutex::new(
-        cluster
-            .brokers
-            .iter()
-            .map(|(id, b)| (*id, Some(b.metrics_addr)))
-            .collect(),
-    ));
     let stop = Arc::new(AtomicBool::new(false));
     let client = {
-        let admin = Arc::clone(&admin);
+        let admin = Arc::clone(&configs);
         let stop = Arc::clone(&stop);
         std::thread::spawn(move || {
             let mut history = Vec::new();
             let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5eed);
             let mut next = 0u64;
             while !stop.load(Ordering::Relaxed) {
-                let up: Vec<std::net::SocketAddr> = admin
+                let up: Vec<felix_client::ClientConfig> = admin
                     .lock()
                     .expect("lock")
                     .values()
                     .flatten()
-                    .copied()
+                    .cloned()
                     .collect();
-                let Some(addr) = up.get(rng.random_range(0..up.len().max(1))).copied() else {
+                let Some(config) = up.get(rng.random_range(0..up.len().max(1))).cloned() else {
                     std::thread::sleep(Duration::from_millis(20));
                     continue;
                 };
                 let name = format!("n{next}");
                 next += 1;
                 let invoked = Instant::now();
-                let outcome = felix_cluster::admin::create_stream(
-                    addr,
-                    &NewStream::in_memory(&name, 1),
-                    Duration::from_secs(5),
-                )
-                .map_err(|error| error.to_string());
+                let outcome = with_client(config, async |client| {
+                    client
+                        .create_cluster_stream(
+                            &name,
+                            1,
+                            felix_wire::StreamKind::InMemory,
+                            1,
+                            felix_wire::FsyncMode::OnCommit,
+                        )
+                        .await
+                });
                 history.push(Operation {
                     name,
                     invoked,
@@ -1176,14 +1411,11 @@ fn randomized_faults_keep_acked_creations_once_and_in_real_time_order() {
         match rng.random_range(0..4) {
             0 => {
                 faults.push(format!("kill {victim}"));
-                admin.lock().expect("lock").insert(victim, None);
                 configs.lock().expect("lock").insert(victim, None);
                 let broker = cluster.brokers.get_mut(&victim).expect("member");
                 broker.kill();
                 std::thread::sleep(Duration::from_millis(rng.random_range(200..2_000)));
                 broker.restart();
-                let addr = broker.metrics_addr;
-                admin.lock().expect("lock").insert(victim, Some(addr));
                 let config = broker.naive_client_config();
                 configs.lock().expect("lock").insert(victim, Some(config));
             }
@@ -1396,25 +1628,25 @@ struct AckedBatch {
 
 /// Every record of every shard of `stream` in member `id`'s copy, by shard.
 fn read_copy(cluster: &Cluster, id: u64, stream: &str, shards: u32) -> Vec<Vec<(String, Vec<u8>)>> {
-    let addr = cluster.brokers[&id].metrics_addr;
+    let config = cluster.brokers[&id].client_config();
     (0..shards)
         .map(|shard| {
             let mut records = Vec::new();
             loop {
-                let request = felix_cluster::admin::ReadRequest {
-                    stream: stream.to_owned(),
-                    shard,
-                    from: records.len() as u64,
-                    max: 1_000,
-                };
-                let read = felix_cluster::admin::read(addr, &request, ADMIN_TIMEOUT)
-                    .unwrap_or_else(|error| panic!("member {id} reads shard {shard}: {error}"));
+                let from = records.len() as u64;
+                let read = with_client(config.clone(), async |client| {
+                    client.read_shard(stream, shard, from, 1_000).await
+                })
+                .unwrap_or_else(|error| panic!("member {id} reads shard {shard}: {error}"));
                 if read.is_empty() {
                     break;
                 }
                 for record in read {
                     assert_eq!(record.offset, records.len() as u64, "dense offsets");
-                    records.push((String::from_utf8(record.key).expect("utf8"), record.payload));
+                    records.push((
+                        String::from_utf8(record.key.to_vec()).expect("utf8"),
+                        record.payload.to_vec(),
+                    ));
                 }
             }
             records

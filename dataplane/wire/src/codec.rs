@@ -10,11 +10,11 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 use crate::{
     Ack, AckMode, CLIENT_NAME_BYTES_MAX, CLUSTER_ADDRESS_BYTES_MAX, CLUSTER_MEMBERS_MAX, CORES_MAX,
-    ClusterMap, ClusterMember, ClusterRoute, CreateStream, DeliveredRecord, Delivery,
-    ERROR_MESSAGE_BYTES_MAX, ErrorCode, ErrorFrame, FEATURE_TOKEN, FRAME_HEADER_LEN, Frame,
-    FrameType, HashKind, Hello, HelloOk, LISTED_STREAMS_MAX, Limits, Publish, Record, ShardAck,
-    ShardInfo, ShardSelection, StartPosition, StreamInfo, StreamKind, StreamRoute, StreamSummary,
-    Subscribe, Subscribed, TOKEN_BYTES_MAX, WireError,
+    ClusterMap, ClusterMember, ClusterRoute, CreateClusterStream, CreateStream, DeliveredRecord,
+    Delivery, ERROR_MESSAGE_BYTES_MAX, ErrorCode, ErrorFrame, FEATURE_TOKEN, FRAME_HEADER_LEN,
+    Frame, FrameType, FsyncMode, HashKind, Hello, HelloOk, LISTED_STREAMS_MAX, Limits, Publish,
+    ReadShard, Record, Records, ShardAck, ShardInfo, ShardSelection, StartPosition, StreamInfo,
+    StreamKind, StreamRoute, StreamSummary, Subscribe, Subscribed, TOKEN_BYTES_MAX, WireError,
 };
 
 // Field sizes of the layout (bytes).
@@ -298,6 +298,33 @@ fn put_body(frame: &Frame, buf: &mut BytesMut) {
                 }
             }
         }
+        Frame::CreateClusterStream(create) => {
+            buf.put_u64_le(create.request_id);
+            put_str(buf, &create.name);
+            buf.put_u32_le(create.shard_count);
+            buf.put_u8(create.kind as u8);
+            buf.put_u8(create.replicas);
+            buf.put_u8(create.fsync as u8);
+        }
+        Frame::DeleteClusterStream { request_id, name } => {
+            buf.put_u64_le(*request_id);
+            put_str(buf, name);
+        }
+        Frame::ReadShard(read) => {
+            buf.put_u64_le(read.request_id);
+            put_str(buf, &read.stream);
+            buf.put_u32_le(read.shard);
+            buf.put_u64_le(read.from);
+            buf.put_u32_le(read.max_records);
+        }
+        Frame::Records(records) => {
+            buf.put_u64_le(records.request_id);
+            put_count(buf, records.records.len());
+            for record in &records.records {
+                put_delivered_head(buf, record);
+                put_payload(buf, &record.payload);
+            }
+        }
         Frame::StreamInfo(info) => {
             buf.put_u64_le(info.request_id);
             put_str(buf, &info.name);
@@ -430,6 +457,14 @@ fn body_len(frame: &Frame) -> usize {
                 .sum();
             REQUEST_ID_LEN + 2 + LONG_LEN_LEN + members + LONG_LEN_LEN + routes
         }
+        Frame::CreateClusterStream(create) => {
+            REQUEST_ID_LEN + str_len(&create.name) + 4 + 1 + 1 + 1
+        }
+        Frame::DeleteClusterStream { name, .. } => REQUEST_ID_LEN + str_len(name),
+        Frame::ReadShard(read) => REQUEST_ID_LEN + str_len(&read.stream) + 4 + 8 + 4,
+        Frame::Records(records) => {
+            REQUEST_ID_LEN + LONG_LEN_LEN + delivered_records_len(&records.records)
+        }
         Frame::StreamInfo(info) => {
             REQUEST_ID_LEN
                 + str_len(&info.name)
@@ -465,18 +500,19 @@ fn body_len(frame: &Frame) -> usize {
         Frame::Subscribed(subscribed) => {
             REQUEST_ID_LEN + LONG_LEN_LEN + SHARD_OFFSET_LEN * subscribed.shards.len()
         }
-        Frame::Delivery(delivery) => {
-            let records: usize = delivery
-                .records
-                .iter()
-                .map(|r| DELIVERED_RECORD_OVERHEAD + r.key.len() + r.payload.len())
-                .sum();
-            LONG_LEN_LEN + records
-        }
+        Frame::Delivery(delivery) => LONG_LEN_LEN + delivered_records_len(&delivery.records),
         Frame::Error(error) => {
             REQUEST_ID_LEN + 2 + 8 + str_len(truncate_utf8(&error.message, ERROR_MESSAGE_BYTES_MAX))
         }
     }
+}
+
+/// The encoded length of delivered records (`Delivery`, `Records`).
+fn delivered_records_len(records: &[DeliveredRecord]) -> usize {
+    records
+        .iter()
+        .map(|r| DELIVERED_RECORD_OVERHEAD + r.key.len() + r.payload.len())
+        .sum()
 }
 
 fn str_len(s: &str) -> usize {
@@ -628,7 +664,13 @@ pub fn validate(frame: &Frame, limits: &Limits) -> Result<(), WireError> {
         }
         Frame::CreateStream(CreateStream { name, .. })
         | Frame::DescribeStream { name, .. }
-        | Frame::DeleteStream { name, .. } => check_len("stream name length", name.len(), name_max),
+        | Frame::DeleteStream { name, .. }
+        | Frame::CreateClusterStream(CreateClusterStream { name, .. })
+        | Frame::DeleteClusterStream { name, .. }
+        | Frame::ReadShard(ReadShard { stream: name, .. }) => {
+            check_len("stream name length", name.len(), name_max)
+        }
+        Frame::Records(Records { records, .. }) => check_delivered(limits, records),
         Frame::StreamInfo(info) => {
             check_len("stream name length", info.name.len(), name_max)?;
             check_count("shard count", info.shards.len(), limits.max_shards)
@@ -666,18 +708,17 @@ pub fn validate(frame: &Frame, limits: &Limits) -> Result<(), WireError> {
         Frame::Subscribed(subscribed) => {
             check_count("shard count", subscribed.shards.len(), limits.max_shards)
         }
-        Frame::Delivery(delivery) => {
-            check_count(
-                "record count",
-                delivery.records.len(),
-                limits.max_batch_records,
-            )?;
-            for record in &delivery.records {
-                check_record(limits, record.key.len(), record.payload.len())?;
-            }
-            Ok(())
-        }
+        Frame::Delivery(delivery) => check_delivered(limits, &delivery.records),
     }
+}
+
+/// The checks of a list of delivered records (`Delivery`, `Records`).
+fn check_delivered(limits: &Limits, records: &[DeliveredRecord]) -> Result<(), WireError> {
+    check_count("record count", records.len(), limits.max_batch_records)?;
+    for record in records {
+        check_record(limits, record.key.len(), record.payload.len())?;
+    }
+    Ok(())
 }
 
 fn check_len(what: &'static str, len: usize, max: usize) -> Result<(), WireError> {
@@ -932,6 +973,29 @@ impl<B: Body> Reader<'_, B> {
                 request_id: r.u64("request_id")?,
             },
             FrameType::ClusterMap => Frame::ClusterMap(r.cluster_map()?),
+            FrameType::CreateClusterStream => Frame::CreateClusterStream(CreateClusterStream {
+                request_id: r.u64("request_id")?,
+                name: r.name()?,
+                shard_count: r.u32("shard_count")?,
+                kind: r.stream_kind()?,
+                replicas: r.u8("replicas")?,
+                fsync: r.fsync_mode()?,
+            }),
+            FrameType::DeleteClusterStream => Frame::DeleteClusterStream {
+                request_id: r.u64("request_id")?,
+                name: r.name()?,
+            },
+            FrameType::ReadShard => Frame::ReadShard(ReadShard {
+                request_id: r.u64("request_id")?,
+                stream: r.name()?,
+                shard: r.u32("shard")?,
+                from: r.u64("from")?,
+                max_records: r.u32("max_records")?,
+            }),
+            FrameType::Records => Frame::Records(Records {
+                request_id: r.u64("request_id")?,
+                records: r.delivered_records()?,
+            }),
             FrameType::Publish => Frame::Publish(r.publish()?),
             FrameType::Ack => Frame::Ack(r.ack()?),
             FrameType::Subscribe => Frame::Subscribe(r.subscribe()?),
@@ -1209,6 +1273,11 @@ impl<B: Body> Reader<'_, B> {
             .ok_or_else(|| self.malformed(format!("unknown stream kind {code}")))
     }
 
+    fn fsync_mode(&mut self) -> Result<FsyncMode, WireError> {
+        let code = self.u8("fsync mode")?;
+        FsyncMode::from_u8(code).ok_or_else(|| self.malformed(format!("unknown fsync mode {code}")))
+    }
+
     fn hash_kind(&mut self) -> Result<HashKind, WireError> {
         let code = self.u8("hash kind")?;
         HashKind::from_u8(code).ok_or_else(|| self.malformed(format!("unknown hash kind {code}")))
@@ -1417,6 +1486,12 @@ impl<B: Body> Reader<'_, B> {
     }
 
     fn delivery(&mut self) -> Result<Delivery, WireError> {
+        Ok(Delivery {
+            records: self.delivered_records()?,
+        })
+    }
+
+    fn delivered_records(&mut self) -> Result<Vec<DeliveredRecord>, WireError> {
         let count = self.count(
             "record count",
             self.limits.max_batch_records,
@@ -1432,7 +1507,7 @@ impl<B: Body> Reader<'_, B> {
                 payload: self.payload()?,
             });
         }
-        Ok(Delivery { records })
+        Ok(records)
     }
 
     fn error(&mut self) -> Result<ErrorFrame, WireError> {

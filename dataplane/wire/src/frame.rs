@@ -20,6 +20,10 @@ pub enum FrameType {
     Done = 0x16,
     DescribeCluster = 0x17,
     ClusterMap = 0x18,
+    CreateClusterStream = 0x19,
+    DeleteClusterStream = 0x1a,
+    ReadShard = 0x1b,
+    Records = 0x1c,
     Publish = 0x20,
     Ack = 0x21,
     Subscribe = 0x30,
@@ -30,7 +34,7 @@ pub enum FrameType {
 
 impl FrameType {
     /// Every frame type of protocol v1, in code order.
-    pub const ALL: [FrameType; 17] = [
+    pub const ALL: [FrameType; 21] = [
         FrameType::Hello,
         FrameType::HelloOk,
         FrameType::CreateStream,
@@ -42,6 +46,10 @@ impl FrameType {
         FrameType::Done,
         FrameType::DescribeCluster,
         FrameType::ClusterMap,
+        FrameType::CreateClusterStream,
+        FrameType::DeleteClusterStream,
+        FrameType::ReadShard,
+        FrameType::Records,
         FrameType::Publish,
         FrameType::Ack,
         FrameType::Subscribe,
@@ -65,6 +73,10 @@ impl FrameType {
             0x16 => FrameType::Done,
             0x17 => FrameType::DescribeCluster,
             0x18 => FrameType::ClusterMap,
+            0x19 => FrameType::CreateClusterStream,
+            0x1a => FrameType::DeleteClusterStream,
+            0x1b => FrameType::ReadShard,
+            0x1c => FrameType::Records,
             0x20 => FrameType::Publish,
             0x21 => FrameType::Ack,
             0x30 => FrameType::Subscribe,
@@ -90,6 +102,10 @@ impl FrameType {
             FrameType::Done => "done",
             FrameType::DescribeCluster => "describe_cluster",
             FrameType::ClusterMap => "cluster_map",
+            FrameType::CreateClusterStream => "create_cluster_stream",
+            FrameType::DeleteClusterStream => "delete_cluster_stream",
+            FrameType::ReadShard => "read_shard",
+            FrameType::Records => "records",
             FrameType::Publish => "publish",
             FrameType::Ack => "ack",
             FrameType::Subscribe => "subscribe",
@@ -278,6 +294,61 @@ pub struct ShardInfo {
     pub next_offset: u64,
 }
 
+/// When a replicated stream's publishes are acknowledged (`CreateClusterStream`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum FsyncMode {
+    /// Once a majority including the leader fdatasynced the records.
+    OnCommit = 0,
+    /// Once a majority including the leader wrote them; each member fdatasyncs periodically.
+    Periodic = 1,
+}
+
+impl FsyncMode {
+    /// The mode with wire code `value`, or `None` for an unknown code.
+    #[must_use]
+    pub fn from_u8(value: u8) -> Option<FsyncMode> {
+        match value {
+            0 => Some(FsyncMode::OnCommit),
+            1 => Some(FsyncMode::Periodic),
+            _ => None,
+        }
+    }
+}
+
+/// Creates a stream through the cluster's control plane: its shards are placed over the
+/// members, `replicas` copies each (docs/cluster.md). Answered by `Done` once applied on the
+/// answering member.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CreateClusterStream {
+    pub request_id: u64,
+    pub name: String,
+    pub shard_count: u32,
+    pub kind: StreamKind,
+    /// Copies of each shard (an in-memory stream keeps one).
+    pub replicas: u8,
+    pub fsync: FsyncMode,
+}
+
+/// Reads committed records of one replicated shard from the answering member's own copy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadShard {
+    pub request_id: u64,
+    pub stream: String,
+    pub shard: u32,
+    /// The first offset to read.
+    pub from: u64,
+    /// At most this many records (the server may answer fewer).
+    pub max_records: u32,
+}
+
+/// The answer to `ReadShard`: records in offset order, none at the end of the copy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Records {
+    pub request_id: u64,
+    pub records: Vec<DeliveredRecord>,
+}
+
 /// Answer to `CreateStream` and `DescribeStream`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StreamInfo {
@@ -450,6 +521,13 @@ pub enum Frame {
         request_id: u64,
     },
     ClusterMap(ClusterMap),
+    CreateClusterStream(CreateClusterStream),
+    DeleteClusterStream {
+        request_id: u64,
+        name: String,
+    },
+    ReadShard(ReadShard),
+    Records(Records),
     Publish(Publish),
     Ack(Ack),
     Subscribe(Subscribe),
@@ -474,6 +552,10 @@ impl Frame {
             Frame::Done { .. } => FrameType::Done,
             Frame::DescribeCluster { .. } => FrameType::DescribeCluster,
             Frame::ClusterMap(_) => FrameType::ClusterMap,
+            Frame::CreateClusterStream(_) => FrameType::CreateClusterStream,
+            Frame::DeleteClusterStream { .. } => FrameType::DeleteClusterStream,
+            Frame::ReadShard(_) => FrameType::ReadShard,
+            Frame::Records(_) => FrameType::Records,
             Frame::Publish(_) => FrameType::Publish,
             Frame::Ack(_) => FrameType::Ack,
             Frame::Subscribe(_) => FrameType::Subscribe,
@@ -495,8 +577,12 @@ impl Frame {
             | Frame::DeleteStream { request_id, .. }
             | Frame::StreamList { request_id, .. }
             | Frame::Done { request_id }
-            | Frame::DescribeCluster { request_id } => Some(*request_id),
+            | Frame::DescribeCluster { request_id }
+            | Frame::DeleteClusterStream { request_id, .. } => Some(*request_id),
             Frame::ClusterMap(f) => Some(f.request_id),
+            Frame::CreateClusterStream(f) => Some(f.request_id),
+            Frame::ReadShard(f) => Some(f.request_id),
+            Frame::Records(f) => Some(f.request_id),
             Frame::StreamInfo(f) => Some(f.request_id),
             Frame::Publish(f) => Some(f.request_id),
             Frame::Ack(f) => Some(f.request_id),

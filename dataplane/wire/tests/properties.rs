@@ -5,11 +5,11 @@
 use bytes::{Bytes, BytesMut};
 use felix_wire::{
     Ack, AckMode, CreateStream, Decoder, DeliveredRecord, Delivery, ErrorCode, ErrorFrame,
-    FRAME_HEADER_LEN, Frame, FrameType, HashKind, Hello, HelloOk, Limits, Publish, Record,
-    ShardAck, ShardInfo, ShardSelection, StartPosition, StreamInfo, StreamKind, StreamRoute,
-    StreamSummary, Subscribe, Subscribed, encode, encode_delivery_vectored, encode_publish_header,
-    encode_record, encode_record_head, encoded_len, encoded_publish_len, encoded_record_len,
-    validate,
+    FRAME_HEADER_LEN, Frame, FrameType, FsyncMode, HashKind, Hello, HelloOk, Limits, Publish,
+    Record, ShardAck, ShardInfo, ShardSelection, StartPosition, StreamInfo, StreamKind,
+    StreamRoute, StreamSummary, Subscribe, Subscribed, encode, encode_delivery_vectored,
+    encode_publish_header, encode_record, encode_record_head, encoded_len, encoded_publish_len,
+    encoded_record_len, validate,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -251,6 +251,53 @@ fn frame_of(t: FrameType, sz: Sizes) -> BoxedStrategy<Frame> {
                 })
                 .boxed()
         }
+        FrameType::CreateClusterStream => (
+            any::<u64>(),
+            name(),
+            any::<u32>(),
+            stream_kind(),
+            any::<u8>(),
+            select(vec![FsyncMode::OnCommit, FsyncMode::Periodic]),
+        )
+            .prop_map(|(request_id, name, shard_count, kind, replicas, fsync)| {
+                Frame::CreateClusterStream(felix_wire::CreateClusterStream {
+                    request_id,
+                    name,
+                    shard_count,
+                    kind,
+                    replicas,
+                    fsync,
+                })
+            })
+            .boxed(),
+        FrameType::DeleteClusterStream => (any::<u64>(), name())
+            .prop_map(|(request_id, name)| Frame::DeleteClusterStream { request_id, name })
+            .boxed(),
+        FrameType::ReadShard => (
+            any::<u64>(),
+            name(),
+            any::<u32>(),
+            any::<u64>(),
+            any::<u32>(),
+        )
+            .prop_map(|(request_id, stream, shard, from, max_records)| {
+                Frame::ReadShard(felix_wire::ReadShard {
+                    request_id,
+                    stream,
+                    shard,
+                    from,
+                    max_records,
+                })
+            })
+            .boxed(),
+        FrameType::Records => (any::<u64>(), vec(delivered_record(sz), 0..=sz.records))
+            .prop_map(|(request_id, records)| {
+                Frame::Records(felix_wire::Records {
+                    request_id,
+                    records,
+                })
+            })
+            .boxed(),
         FrameType::Publish => publish(sz).prop_map(Frame::Publish).boxed(),
         FrameType::Ack => {
             let shard = (any::<u32>(), any::<u64>(), any::<u32>()).prop_map(
@@ -288,27 +335,9 @@ fn frame_of(t: FrameType, sz: Sizes) -> BoxedStrategy<Frame> {
         FrameType::Subscribed => (any::<u64>(), shard_offsets(sz.shards))
             .prop_map(|(request_id, shards)| Frame::Subscribed(Subscribed { request_id, shards }))
             .boxed(),
-        FrameType::Delivery => {
-            let record = (
-                any::<u32>(),
-                any::<u64>(),
-                any::<u64>(),
-                bytes(sz.key_bytes),
-                bytes(sz.payload_bytes),
-            )
-                .prop_map(|(shard, offset, timestamp_us, key, payload)| {
-                    DeliveredRecord {
-                        shard,
-                        offset,
-                        timestamp_us,
-                        key,
-                        payload,
-                    }
-                });
-            vec(record, 0..=sz.records)
-                .prop_map(|records| Frame::Delivery(Delivery { records }))
-                .boxed()
-        }
+        FrameType::Delivery => vec(delivered_record(sz), 0..=sz.records)
+            .prop_map(|records| Frame::Delivery(Delivery { records }))
+            .boxed(),
         FrameType::Error => (
             any::<u64>(),
             select(ErrorCode::ALL.to_vec()),
@@ -325,6 +354,25 @@ fn frame_of(t: FrameType, sz: Sizes) -> BoxedStrategy<Frame> {
             })
             .boxed(),
     }
+}
+
+fn delivered_record(sz: Sizes) -> impl Strategy<Value = DeliveredRecord> {
+    (
+        any::<u32>(),
+        any::<u64>(),
+        any::<u64>(),
+        bytes(sz.key_bytes),
+        bytes(sz.payload_bytes),
+    )
+        .prop_map(
+            |(shard, offset, timestamp_us, key, payload)| DeliveredRecord {
+                shard,
+                offset,
+                timestamp_us,
+                key,
+                payload,
+            },
+        )
 }
 
 fn publish(sz: Sizes) -> impl Strategy<Value = Publish> {
