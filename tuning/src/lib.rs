@@ -655,6 +655,14 @@ pub fn reference_markdown() -> String {
     out
 }
 
+/// A byte size written as the size settings accept it (`67108864`, `64MiB`, `64 MiB`), in bytes;
+/// `None` for anything else. Public so that text written in that syntax elsewhere (the docs'
+/// stated defaults, checked by tests/doc_defaults.rs) is read by the same parser.
+#[must_use]
+pub fn parse_byte_size(text: &str) -> Option<u64> {
+    values::parse_size(text)
+}
+
 /// The setting whose variable is `name`.
 fn setting_named(name: &str) -> Option<&'static Setting> {
     SETTINGS.iter().find(|setting| setting.env == name)
