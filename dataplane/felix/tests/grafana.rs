@@ -20,9 +20,6 @@ const DASHBOARD: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/grafana
 /// into any Grafana whatever its Prometheus is called.
 const DATASOURCE_UID: &str = "${DS_PROMETHEUS}";
 
-/// Admin requests on a loaded machine (a creation waits for the control plane).
-const ADMIN_TIMEOUT: Duration = Duration::from_secs(15);
-
 fn dashboard() -> serde_json::Value {
     let text = std::fs::read_to_string(DASHBOARD).expect("read docs/grafana/felix.json");
     serde_json::from_str(&text).expect("docs/grafana/felix.json is JSON")
@@ -279,20 +276,28 @@ fn start_cluster(certs: &Path) -> Vec<BrokerProcess> {
         .collect()
 }
 
-/// Creates the replicated durable stream through member 0, asking again while the control
-/// plane has no leader yet (the members just started).
-fn create_replicated(member: &BrokerProcess, name: &str) {
-    let spec = felix_cluster::admin::NewStream::durable(name, 2, 3);
+/// Creates the replicated durable stream through `member` (a QUIC admin request), asking
+/// again while the control plane has no leader yet (the members just started).
+async fn create_replicated(member: &BrokerProcess, name: &str) {
     let deadline = Instant::now() + DEADLINE * 2;
-    while let Err(error) =
-        felix_cluster::admin::create_stream(member.metrics_addr, &spec, ADMIN_TIMEOUT)
-    {
+    loop {
+        let client = member.client().await;
+        let created = within(client.create_cluster_stream(
+            name,
+            2,
+            StreamKind::Durable,
+            3,
+            felix_wire::FsyncMode::OnCommit,
+        ))
+        .await;
+        client.close().await;
+        let Err(error) = created else { return };
         assert!(
             Instant::now() < deadline,
             "the replicated stream was not created: {error}\n{}",
             member.stderr_text()
         );
-        std::thread::sleep(Duration::from_millis(100));
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
@@ -315,10 +320,9 @@ fn every_metric_the_dashboard_queries_is_exported() {
     let certs = tempfile::tempdir().expect("temp dir");
     let members = start_cluster(certs.path());
     let member = &members[0];
-    create_replicated(member, "replicated");
-
     let runtime = tokio::runtime::Runtime::new().expect("runtime");
     runtime.block_on(async {
+        create_replicated(member, "replicated").await;
         let client = member.client().await;
         within(client.create_stream("local", 2, StreamKind::Durable))
             .await
