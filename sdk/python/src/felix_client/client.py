@@ -407,6 +407,7 @@ class _SubscriptionPart:
         self.buffer = bytearray()
         self.records: deque[DeliveredRecord] = deque()
         self.ended = False
+        self.stopped = False
         self.error: FelixError | None = None
         self.start: dict[int, int] = {}
         # The window must hold one whole frame of the largest size the broker sends.
@@ -498,8 +499,10 @@ class _SubscriptionPart:
         return (self.ended or self.error is not None) and not self.records
 
     def stop(self) -> None:
-        if not self.ended:
-            self.ended = True
+        """Ends the stream both ways (the broker then forgets the subscription)."""
+        self.ended = True
+        if not self.stopped:
+            self.stopped = True
             self.conn.abort_stream(self.stream_id, _STOP_CODE)
 
     # StreamHandler: called by the connection's protocol.
@@ -622,6 +625,8 @@ class Subscription(AsyncIterator[DeliveredRecord]):
         for part in self._parts:
             part.stop()
         self._client._subscriptions.discard(self)
+        # Wakes an iteration waiting for records: it ends.
+        self._notify.set()
 
     async def __aenter__(self) -> Subscription:
         return self
