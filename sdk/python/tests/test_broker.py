@@ -234,29 +234,35 @@ def test_deleting_a_stream_ends_its_subscription(start_broker: StartBroker) -> N
 
 # A subscriber backlog at its 64 KiB minimum, and frames small enough that the client's
 # flow-control window (one frame) is far below what is published: a subscriber that does not
-# read is stalled by QUIC and ended by the broker as lagged.
+# read stalls the broker's stream, and the broker ends it as lagged once its QUIC send buffers
+# and the backlog are full. The ring keeps every record published, for the resume.
 LAG_ENV = {
     "FELIX_SUBSCRIBER_QUEUE_MAX_BYTES": "64KiB",
     "FELIX_MAX_FRAME_BYTES": "64KiB",
     "FELIX_MAX_PAYLOAD_BYTES": "16KiB",
+    "FELIX_REPLAY_RING_MAX_RECORDS": "4096",
     **TWO_CORES,
 }
-LAG_RECORDS = 400
-LAG_PAYLOAD = 4096
+LAG_PAYLOAD = 16_000
+LAG_BATCH = 8
+# Far more than the broker buffers for a stalled subscriber (about 6 MiB per core here), and
+# well within the ring (4096 records per shard).
+LAG_RECORDS_MAX = 4000
 
 
-async def lag(client: Client, broker: Broker, subscription: Subscription) -> list[bytes]:
-    """Publishes LAG_RECORDS records while `subscription` does not read, until the broker has
+async def lag(client: Client, broker: Broker) -> list[bytes]:
+    """Publishes while the stream's one subscription does not read, until the broker has
     ended it (no subscriber left); returns the payloads published."""
     sent: list[bytes] = []
-    for batch in range(LAG_RECORDS // 8):
-        records = [
-            (f"key-{index}", f"{batch * 8 + index:06d}".encode().ljust(LAG_PAYLOAD, b"."))
-            for index in range(8)
-        ]
-        await client.publish("lagging", records)
-        sent.extend(payload for _, payload in records)
-    await wait_for_metric(broker, "felix_subscribers", 0)
+    while await asyncio.to_thread(broker.metric_sum, "felix_subscribers") != 0:
+        assert len(sent) < LAG_RECORDS_MAX, "the broker never ended the stalled subscriber"
+        for _ in range(8):
+            records = [
+                (f"key-{index}", f"{len(sent) + index:06d}".encode().ljust(LAG_PAYLOAD, b"."))
+                for index in range(LAG_BATCH)
+            ]
+            await client.publish("lagging", records)
+            sent.extend(payload for _, payload in records)
     return sent
 
 
@@ -279,7 +285,7 @@ def test_resume_on_lag(start_broker: StartBroker) -> None:
             subscription = await client.subscribe(
                 "lagging", start=Start.LATEST, resume_on_lag=True
             )
-            sent = await lag(client, broker, subscription)
+            sent = await lag(client, broker)
             records = await take(subscription, len(sent))
             assert subscription.resumes >= 1
             check_exactly_once(records, sent)
@@ -298,7 +304,7 @@ def test_lagged_error_exposes_resume_positions(start_broker: StartBroker) -> Non
         async with await Client.connect(config) as client:
             await client.create_stream("lagging", 4)
             subscription = await client.subscribe("lagging")
-            sent = await lag(client, broker, subscription)
+            sent = await lag(client, broker)
             received: list[DeliveredRecord] = []
             with pytest.raises(felix_client.SubscriberLaggedError) as lagged:
                 async with asyncio.timeout(DEADLINE):

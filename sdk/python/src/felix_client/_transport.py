@@ -20,6 +20,7 @@ from aioquic.quic import events
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.packet import QuicFrameType
+from aioquic._buffer import Buffer
 from aioquic.quic.packet_builder import QuicPacketBuilder
 
 from . import wire
@@ -150,6 +151,29 @@ class _FlowControlledConnection(QuicConnection):
     def __init__(self, *, configuration: QuicConfiguration) -> None:
         super().__init__(configuration=configuration)
         self.windows: dict[int, tuple[int, int]] = {}
+        # Subscription streams whose reset may announce more than the credit granted (below).
+        self.lenient_resets: set[int] = set()
+
+    def _handle_reset_stream_frame(self, context: Any, frame_type: int, buf: Buffer) -> None:
+        # The broker's QUIC stack (s2n-quic) counts the bytes it buffered for a stalled stream
+        # in the final size of its RESET_STREAM, beyond the credit this side granted; aioquic
+        # rightly calls that a flow-control violation and closes the whole connection. A
+        # subscription stream is being discarded anyway: raise its limits to the final size so
+        # that the reset ends only that stream (and its error code, e.g. subscriber_lagged,
+        # reaches the subscription).
+        start = buf.tell()
+        stream_id = buf.pull_uint_var()
+        buf.pull_uint_var()
+        final_size = buf.pull_uint_var()
+        buf.seek(start)
+        stream = self._streams.get(stream_id)
+        if stream is not None and stream_id in self.lenient_resets:
+            self.lenient_resets.discard(stream_id)
+            stream.max_stream_data_local = max(stream.max_stream_data_local, final_size)
+            newly_received = max(0, final_size - stream.receiver.highest_offset)
+            connection = self._local_max_data
+            connection.value = max(connection.value, connection.used + newly_received)
+        super()._handle_reset_stream_frame(context, frame_type, buf)
 
     def _write_stream_limits(
         self, builder: QuicPacketBuilder, space: Any, stream: Any

@@ -416,6 +416,7 @@ class _SubscriptionPart:
         self.granted = 0
         self.stream_id = conn.open_stream(lambda _: self)
         conn.quic.windows[self.stream_id] = (0, self.window)
+        conn.quic.lenient_resets.add(self.stream_id)
         self.conn.quic.send_stream_data(self.stream_id, wire.encode(frame))
         conn.protocol.schedule_transmit()
 
@@ -512,6 +513,7 @@ class _SubscriptionPart:
         if end:
             self.ended = True
             self.conn.quic.windows.pop(self.stream_id, None)
+            self.conn.quic.lenient_resets.discard(self.stream_id)
         self.notify.set()
 
     def on_reset(self, code: int) -> None:
