@@ -228,3 +228,27 @@ def test_lag_message_positions() -> None:
     )
     assert truncated.announced_positions() == ({0: 120, 1: 97}, False)
     assert errors.SubscriberLaggedError("reset").announced_positions() == ({}, False)
+
+
+def test_hostile_bytes_raise_only_typed_errors() -> None:
+    """Mutated and truncated frames never make the decoder raise anything but a FelixError
+    with a wire code (a seeded, bounded search)."""
+    import random
+
+    rng = random.Random(30)
+    decoder = wire.Decoder(wire.Limits(max_frame_bytes=4096, max_shards=16))
+    originals = [wire.encode(frame) for frame in EVERY_FRAME]
+    for _ in range(5000):
+        data = bytearray(rng.choice(originals))
+        for _ in range(rng.randint(1, 4)):
+            position = rng.randrange(len(data))
+            data[position] = rng.randrange(256)
+        if rng.random() < 0.3:
+            data = data[: rng.randrange(len(data) + 1)]
+        try:
+            # Bounded: each decode takes a frame off or stops.
+            for _ in range(len(data)):
+                if decoder.decode(data) is None:
+                    break
+        except errors.FelixError as error:
+            assert error.code in (1, 3, 4, 6)

@@ -399,9 +399,12 @@ class Connection:
         family, _, _, _, addr = infos[0]
         quic = _FlowControlledConnection(configuration=configuration)
         local = ("::", 0) if family == socket.AF_INET6 else ("0.0.0.0", 0)
-        transport, protocol = await loop.create_datagram_endpoint(
-            lambda: _Protocol(quic), local_addr=local, family=family
-        )
+        try:
+            transport, protocol = await loop.create_datagram_endpoint(
+                lambda: _Protocol(quic), local_addr=local, family=family
+            )
+        except OSError as error:
+            raise FelixConnectionError(f"cannot connect to {host}:{port}: {error}") from None
         conn = cls(protocol, quic, transport, config)
         try:
             async with asyncio.timeout(config.connect_timeout):
@@ -411,6 +414,9 @@ class Connection:
             raise FelixConnectionError(
                 f"cannot connect to {host}:{port}: no answer within {config.connect_timeout} s"
             ) from None
+        except OSError as error:
+            conn.abort()
+            raise FelixConnectionError(f"cannot connect to {host}:{port}: {error}") from None
         except BaseException:
             conn.abort()
             raise
