@@ -7,6 +7,7 @@ certificate), create a stream, subscribe, publish, read the records back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 
 import felix_client
@@ -16,10 +17,9 @@ from felix_client import Client, ClientConfig, Start
 async def main(host: str, port: int) -> None:
     config = ClientConfig(host=host, port=port, ca=felix_client.dev_cert_path())
     async with await Client.connect(config) as client:
-        try:
+        # A second run reuses the stream.
+        with contextlib.suppress(felix_client.StreamExistsError):
             await client.create_stream("quickstart", 4)
-        except felix_client.StreamExistsError:
-            pass  # a second run reuses it
         async with await client.subscribe("quickstart", start=Start.LATEST) as subscription:
             acks = await client.publish(
                 "quickstart", [("customer-7", "hello"), ("customer-8", "world")]
@@ -28,7 +28,8 @@ async def main(host: str, port: int) -> None:
                 print(f"acked: shard {ack.shard} offsets {ack.first_offset}..+{ack.count}")
             received = 0
             async for record in subscription:
-                print(f"{record.shard}:{record.offset} {record.key.decode()} {record.payload.decode()}")
+                key, payload = record.key.decode(), record.payload.decode()
+                print(f"{record.shard}:{record.offset} {key} {payload}")
                 received += 1
                 if received == 2:
                     break

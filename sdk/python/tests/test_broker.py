@@ -7,10 +7,10 @@ import asyncio
 from collections.abc import Iterable
 
 import pytest
-
-import felix_client
 from broker import DEADLINE, Broker
 from conftest import StartBroker, run
+
+import felix_client
 from felix_client import (
     Client,
     DeliveredRecord,
@@ -170,8 +170,12 @@ def test_batches_pipelining_and_fire_and_forget(start_broker: StartBroker) -> No
         for key_index in range(7):
             key = f"key-{key_index}".encode()
             seen = [item.payload.decode() for item in records if item.key == key]
-            expected = [f"{p}-{i}" for p in "abc" for i in range(100 if p == "a" else 50)
-                        if i % 7 == key_index]
+            expected = [
+                f"{p}-{i}"
+                for p in "abc"
+                for i in range(100 if p == "a" else 50)
+                if i % 7 == key_index
+            ]
             if key_index == 0:
                 expected.append("last")
             assert seen == expected
@@ -282,9 +286,7 @@ def test_resume_on_lag(start_broker: StartBroker) -> None:
         config = broker.config(subscription_window_bytes=1)
         async with await Client.connect(config) as client:
             await client.create_stream("lagging", 4)
-            subscription = await client.subscribe(
-                "lagging", start=Start.LATEST, resume_on_lag=True
-            )
+            subscription = await client.subscribe("lagging", start=Start.LATEST, resume_on_lag=True)
             sent = await lag(client, broker)
             records = await take(subscription, len(sent))
             assert subscription.resumes >= 1

@@ -14,8 +14,8 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
 
 
 def test_quickstart_example(start_broker: StartBroker, tmp_path: Path) -> None:
-    """examples/quickstart.py finds the development certificate where `felix broker` writes it
-    by default, publishes two records and reads them back (twice: a second run reuses the stream)."""
+    """examples/quickstart.py trusts the dev certificate where the broker writes it by default,
+    publishes two records and reads them back (twice: a second run reuses the stream)."""
     broker = start_broker()
     # The example trusts $XDG_DATA_HOME/felix/tls/dev-cert.pem, the broker's default location.
     data_home = tmp_path / "data-home"

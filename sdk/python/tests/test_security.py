@@ -7,14 +7,14 @@ import datetime
 from pathlib import Path
 
 import pytest
+from broker import run_cli
+from conftest import StartBroker, run
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 import felix_client
-from broker import run_cli
-from conftest import StartBroker, run
 from felix_client import Client
 
 
@@ -82,9 +82,7 @@ def test_mutual_tls(start_broker: StartBroker, tmp_path: Path) -> None:
         with pytest.raises(felix_client.UnauthenticatedError):
             await Client.connect(broker.config())
         with pytest.raises(felix_client.FelixConnectionError):
-            await Client.connect(
-                broker.config(client_cert=rogue_cert, client_key=rogue_client_key)
-            )
+            await Client.connect(broker.config(client_cert=rogue_cert, client_key=rogue_client_key))
 
     run(scenario())
 
@@ -116,7 +114,7 @@ def _name(common_name: str) -> x509.Name:
 
 
 def _validity(builder: x509.CertificateBuilder) -> x509.CertificateBuilder:
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     return builder.not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(
         now + datetime.timedelta(days=1)
     )
@@ -134,9 +132,15 @@ def make_ca(directory: Path, name: str) -> tuple[Path, Path]:
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .add_extension(
             x509.KeyUsage(
-                digital_signature=True, content_commitment=False, key_encipherment=False,
-                data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                crl_sign=True, encipher_only=False, decipher_only=False,
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
             ),
             critical=True,
         )

@@ -79,7 +79,10 @@ EVERY_FRAME: list[wire.Frame] = [
     wire.ListStreams(3),
     wire.DeleteStream(4, "orders"),
     wire.StreamInfo(
-        5, "orders", wire.StreamKind.IN_MEMORY, wire.HashKind.FNV1A_64,
+        5,
+        "orders",
+        wire.StreamKind.IN_MEMORY,
+        wire.HashKind.FNV1A_64,
         (wire.ShardInfo(0, 0, 3, 9), wire.ShardInfo(1, 1, 0, 0)),
     ),
     wire.StreamList(6, (wire.StreamSummary("a", wire.StreamKind.IN_MEMORY, 1),)),
@@ -151,9 +154,17 @@ def test_decoding_rules() -> None:
         # A name over the limit: LimitExceeded, even though its bytes are missing.
         (request + struct.pack("<H", 5), wire.FrameType.DESCRIBE_STREAM, errors.LimitExceededError),
         # A name within the limit whose bytes are missing: Malformed.
-        (request + struct.pack("<H", 3) + b"ab", wire.FrameType.DESCRIBE_STREAM, errors.MalformedError),
+        (
+            request + struct.pack("<H", 3) + b"ab",
+            wire.FrameType.DESCRIBE_STREAM,
+            errors.MalformedError,
+        ),
         # Invalid UTF-8.
-        (request + struct.pack("<H", 2) + b"\xff\xfe", wire.FrameType.DESCRIBE_STREAM, errors.MalformedError),
+        (
+            request + struct.pack("<H", 2) + b"\xff\xfe",
+            wire.FrameType.DESCRIBE_STREAM,
+            errors.MalformedError,
+        ),
         # Trailing bytes.
         (request + b"\x00", wire.FrameType.DONE, errors.MalformedError),
         # A body shorter than a fixed field.
@@ -162,8 +173,11 @@ def test_decoding_rules() -> None:
         (request + struct.pack("<I", 9), wire.FrameType.ACK, errors.LimitExceededError),
         (request + struct.pack("<I", 2) + bytes(16), wire.FrameType.ACK, errors.MalformedError),
         # An unknown enum value and an unknown error code.
-        (request + struct.pack("<H", 1) + b"s" + struct.pack("<I", 1) + b"\x07",
-         wire.FrameType.CREATE_STREAM, errors.MalformedError),
+        (
+            request + struct.pack("<H", 1) + b"s" + struct.pack("<I", 1) + b"\x07",
+            wire.FrameType.CREATE_STREAM,
+            errors.MalformedError,
+        ),
         (request + struct.pack("<HQH", 999, 0, 0), wire.FrameType.ERROR, errors.MalformedError),
         # A TOKEN bit without the token bytes.
         (struct.pack("<HHQH", 1, 1, 1, 0), wire.FrameType.HELLO, errors.MalformedError),
@@ -182,7 +196,7 @@ def test_route_core_count_must_match_shard_count() -> None:
 
 
 def test_long_texts_are_truncated_on_a_character_boundary() -> None:
-    """A client name over 255 bytes is cut at a UTF-8 character boundary, as the Rust encoder does."""
+    """A client name over 255 bytes is cut on a UTF-8 character boundary, like the Rust encoder."""
     frame = wire.Hello(1, 1, 0, "é" * 200)
     decoded = wire.Decoder().decode(bytearray(wire.encode(frame)))
     assert isinstance(decoded, wire.Hello)
@@ -218,7 +232,7 @@ def test_every_code_has_its_exception() -> None:
 
 
 def test_lag_message_positions() -> None:
-    """The subscriber_lagged message's shard:next_offset list parses, and a truncated one says so."""
+    """The subscriber_lagged message's shard:next_offset list parses; a truncated one says so."""
     lagged = errors.SubscriberLaggedError(
         "subscriber fell behind live delivery; resume from shard:next_offset 0:120 1:97"
     )

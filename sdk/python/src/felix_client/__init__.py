@@ -8,7 +8,16 @@
 ...         print(await client.publish("orders", [("customer-7", "hello")]))
 """
 
-from .client import EARLIEST, LATEST, Client, PendingAck, RecordLike, StartLike, Subscription, record
+from .client import (
+    EARLIEST,
+    LATEST,
+    Client,
+    PendingAck,
+    RecordLike,
+    StartLike,
+    Subscription,
+    record,
+)
 from .config import ClientConfig, dev_cert_path
 from .errors import (
     ErrorCode,

@@ -15,12 +15,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from aioquic._buffer import Buffer
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.quic import events
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.packet import QuicFrameType
-from aioquic._buffer import Buffer
 from aioquic.quic.packet_builder import QuicPacketBuilder
 
 from . import wire
@@ -175,9 +175,7 @@ class _FlowControlledConnection(QuicConnection):
             connection.value = max(connection.value, connection.used + newly_received)
         super()._handle_reset_stream_frame(context, frame_type, buf)
 
-    def _write_stream_limits(
-        self, builder: QuicPacketBuilder, space: Any, stream: Any
-    ) -> None:
+    def _write_stream_limits(self, builder: QuicPacketBuilder, space: Any, stream: Any) -> None:
         window = self.windows.get(stream.stream_id)
         if window is None:
             super()._write_stream_limits(builder, space, stream)
@@ -558,4 +556,3 @@ def _quic_configuration(config: ClientConfig) -> QuicConfiguration:
     except (OSError, ValueError) as error:
         raise FelixConnectionError(f"unusable TLS files: {error}") from None
     return configuration
-

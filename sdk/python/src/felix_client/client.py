@@ -12,7 +12,7 @@ from types import TracebackType
 from typing import Final, TypeAlias, TypeVar
 
 from . import wire
-from ._transport import Budget, Connection, RequestStream, error_from_code, error_from_frame
+from ._transport import Budget, Connection, error_from_code, error_from_frame
 from .config import ClientConfig
 from .errors import (
     FelixConnectionError,
@@ -164,7 +164,9 @@ class Client:
     ) -> StreamInfo:
         """Creates a stream of `shard_count` shards."""
         request_id = self._next_request_id()
-        answer = await self._admin(wire.CreateStream(request_id, name, shard_count, kind), request_id)
+        answer = await self._admin(
+            wire.CreateStream(request_id, name, shard_count, kind), request_id
+        )
         return self._remember(_expect(answer, wire.StreamInfo))
 
     async def describe_stream(self, name: str) -> StreamInfo:
@@ -204,7 +206,9 @@ class Client:
     def _check_batch(self, stream: str, records: Sequence[Record]) -> None:
         if not records:
             raise InvalidArgumentError("a publish needs at least one record")
-        wire.check_outgoing(wire.Publish(0, wire.AckMode.ACKED, stream, tuple(records)), self.limits)
+        wire.check_outgoing(
+            wire.Publish(0, wire.AckMode.ACKED, stream, tuple(records)), self.limits
+        )
 
     async def _parts(
         self, stream: str, records: Sequence[Record]
@@ -231,9 +235,7 @@ class Client:
             )
         return wire.encode_publish(request_id, ack, stream, records)
 
-    async def publish_pipelined(
-        self, stream: str, records: Iterable[RecordLike]
-    ) -> PendingAck:
+    async def publish_pipelined(self, stream: str, records: Iterable[RecordLike]) -> PendingAck:
         """Sends an acked publish and returns once it is sent; await the result for the acks.
         Keep several in flight for throughput: the in-flight byte budget
         (``publish_inflight_bytes``) makes this wait when too much is outstanding."""
@@ -341,7 +343,9 @@ class Client:
                 frame = wire.Subscribe(self._next_request_id(), stream, listed, part_start)
                 wire.check_outgoing(frame, self.limits)
                 conn = await self._conn(core)
-                part = _SubscriptionPart(conn, frame, self._config.subscription_window_bytes, notify)
+                part = _SubscriptionPart(
+                    conn, frame, self._config.subscription_window_bytes, notify
+                )
                 parts.append(part)
                 await part.subscribed()
         except BaseException:
@@ -367,7 +371,6 @@ def _expect(frame: wire.Frame, kind: type[_F]) -> _F:
     if not isinstance(frame, kind):
         raise ProtocolViolationError(f"expected {kind.__name__}, got {type(frame).__name__}")
     return frame
-
 
 
 class PendingAck(Awaitable[list[ShardAck]]):

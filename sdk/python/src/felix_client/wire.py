@@ -535,9 +535,7 @@ def encode(frame: Frame) -> bytes:
     return _HEADER.pack(len(body), frame_type, 0) + body
 
 
-def encode_publish(
-    request_id: int, ack: AckMode, stream: str, records: Sequence[Record]
-) -> bytes:
+def encode_publish(request_id: int, ack: AckMode, stream: str, records: Sequence[Record]) -> bytes:
     """A ``Publish`` frame straight from `records` (no intermediate frame object)."""
     return encode(Publish(request_id, ack, stream, tuple(records)))
 
@@ -751,9 +749,7 @@ def _decode_stream_info(r: _Reader) -> StreamInfo:
     hash_kind = r.hash_kind()
     count = r.count("shard count", r.limits.max_shards, _SHARD_INFO_LEN)
     shards = tuple(
-        ShardInfo(
-            r.u32("shard"), r.u16("core"), r.u64("oldest_offset"), r.u64("next_offset")
-        )
+        ShardInfo(r.u32("shard"), r.u16("core"), r.u64("oldest_offset"), r.u64("next_offset"))
         for _ in range(count)
     )
     return StreamInfo(request_id, name, kind, hash_kind, shards)
