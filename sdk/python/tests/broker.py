@@ -84,7 +84,8 @@ class Broker:
         )
         lines: queue.Queue[str | None] = queue.Queue()
         # Drains the pipe for the broker's whole life, so it never blocks on a full pipe.
-        threading.Thread(target=self._drain, args=(lines,), daemon=True).start()
+        self._drainer = threading.Thread(target=self._drain, args=(lines,), daemon=True)
+        self._drainer.start()
         self.quic_port = 0
         self.metrics_addr = ""
         self.core_ports: list[int] = []
@@ -146,3 +147,7 @@ class Broker:
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait(timeout=DEADLINE)
+        # The pipe ends with the process; the drainer then stops and the pipe can be closed.
+        self._drainer.join(timeout=DEADLINE)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
