@@ -254,11 +254,14 @@ class _Protocol(QuicConnectionProtocol):
             if not pending:
                 del self.releases[stream_id]
 
+    def release_stream(self, stream_id: int) -> None:
+        """Gives back the budget held for a stream that will send nothing more."""
+        for _, budget, amount in self.releases.pop(stream_id, ()):
+            budget.release(amount)
+
     def _release_all(self) -> None:
-        for pending in self.releases.values():
-            for _, budget, amount in pending:
-                budget.release(amount)
-        self.releases.clear()
+        for stream_id in list(self.releases):
+            self.release_stream(stream_id)
 
 
 class RequestStream:
@@ -306,6 +309,7 @@ class RequestStream:
         if self.failed is None:
             self.failed = error
         self.conn.protocol.handlers.pop(self.stream_id, None)
+        self.conn.protocol.release_stream(self.stream_id)
         waiting = list(self.pending.values())
         if self.handshake is not None:
             waiting.append(self.handshake)

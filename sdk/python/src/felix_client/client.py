@@ -132,8 +132,11 @@ class Client:
         if core is None or not self._config.core_aware or core >= len(ports):
             return self._primary
         conn = self._cores.get(core)
-        if conn is not None and conn.protocol.terminated is None:
-            return conn
+        if conn is not None:
+            if conn.protocol.terminated is None:
+                return conn
+            # Lost (e.g. idle timeout): its socket goes, a new connection replaces it.
+            conn.abort()
         # One opening per core even when many callers want it at once.
         opening = self._core_opening.get(core)
         if opening is None:
@@ -246,11 +249,12 @@ class Client:
             request_id = self._next_request_id()
             data = self._encode(request_id, wire.AckMode.ACKED, stream, part)
             held = await self._budget.acquire(len(data))
+            publish = conn.publish_stream()
             try:
-                publish = conn.publish_stream()
                 answer = publish.expect(request_id)
                 publish.send(data)
             except BaseException:
+                publish.pending.pop(request_id, None)
                 self._budget.release(held)
                 raise
             answer.add_done_callback(functools.partial(self._release_on_answer, held))
