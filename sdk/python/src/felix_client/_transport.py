@@ -475,7 +475,11 @@ class Connection:
         return FelixConnectionError(fallback)
 
     def request_stream(self) -> RequestStream:
+        """The admin request stream: the hello stream, or a new stream once a broken answer
+        or a broker error about the stream itself has ended the previous one."""
         assert self.admin is not None, "used only after the handshake"
+        if self.admin.failed is not None and self.protocol.terminated is None:
+            self.admin = self.open_request_stream()
         return self.admin
 
     def publish_stream(self) -> RequestStream:

@@ -89,6 +89,8 @@ class Client:
         self._request_ids = itertools.count(1)
         self._subscriptions: set[Subscription] = set()
         self._closed = False
+        # Routing needs the cores' own ports; a broker that announces none is one endpoint.
+        self._core_aware = config.core_aware and bool(hello.core_ports)
 
     @classmethod
     async def connect(cls, config: ClientConfig | None = None) -> Client:
@@ -129,7 +131,7 @@ class Client:
     async def _conn(self, core: int | None) -> Connection:
         """The primary connection, or `core`'s own-port connection (opened on first use)."""
         ports = self._hello.core_ports
-        if core is None or not self._config.core_aware or core >= len(ports):
+        if core is None or not self._core_aware or core >= len(ports):
             return self._primary
         conn = self._cores.get(core)
         if conn is not None:
@@ -218,7 +220,7 @@ class Client:
     ) -> list[tuple[int | None, list[Record]]]:
         """The batch split by owning core, batch order kept within each part."""
         self._check_batch(stream, records)
-        route = await self._route(stream) if self._config.core_aware else None
+        route = await self._route(stream) if self._core_aware else None
         if not route:
             return [(None, list(records))]
         parts: dict[int, list[Record]] = {}
@@ -317,7 +319,7 @@ class Client:
     async def _subscribe_parts(
         self, stream: str, shards: tuple[int, ...] | None, start: StartLike, notify: asyncio.Event
     ) -> list[_SubscriptionPart]:
-        route = await self._route(stream) if self._config.core_aware else None
+        route = await self._route(stream) if self._core_aware else None
         offsets = {} if isinstance(start, Start) else dict(start)
         if not route or (shards is not None and not shards):
             # Not core-aware, or a stream/selection the broker will refuse: one subscription
@@ -614,12 +616,23 @@ class Subscription(AsyncIterator[DeliveredRecord]):
         if not isinstance(error, SubscriberLaggedError):
             self._closed = True
             raise error
-        # Resume exactly after what this subscription yielded: the broker's list (complete)
-        # says the same for the lagged part; the other parts' unread records come again.
+        # Resume exactly after what this subscription yielded; the other parts' unread
+        # records come again. For the lagged part the broker's list (when complete) says the
+        # same, and is what the protocol promises: it wins if they ever differ.
         positions = dict(self.positions)
         announced, complete = error.announced_positions()
         if complete:
-            positions.update(announced)
+            for shard, offset in announced.items():
+                if shard not in positions:
+                    continue
+                if positions[shard] != offset:
+                    _log.warning(
+                        "lagged shard %d: the broker says resume from %d, the client counted %d",
+                        shard,
+                        offset,
+                        positions[shard],
+                    )
+                positions[shard] = offset
         error.resume_positions = positions
         if not self.resume_on_lag:
             self._closed = True
