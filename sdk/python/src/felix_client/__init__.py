@@ -18,7 +18,7 @@ from .client import (
     Subscription,
     record,
 )
-from .config import ClientConfig, dev_cert_path
+from .config import ClientConfig, data_dir, dev_cert_path
 from .errors import (
     ErrorCode,
     FelixConnectionError,
@@ -101,6 +101,7 @@ __all__ = [
     "UnknownFrameTypeError",
     "UnsupportedVersionError",
     "__version__",
+    "data_dir",
     "dev_cert_path",
     "fnv1a_64",
     "record",
