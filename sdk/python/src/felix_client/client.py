@@ -238,7 +238,7 @@ class Client:
                 f"a publish of {body_len} bytes exceeds the broker's frame limit of "
                 f"{self.limits.max_frame_bytes}; send smaller batches"
             )
-        return wire.encode_publish(request_id, ack, stream, records)
+        return wire.encode(wire.Publish(request_id, ack, stream, tuple(records)))
 
     async def publish_pipelined(self, stream: str, records: Iterable[RecordLike]) -> PendingAck:
         """Sends an acked publish and returns once it is sent; await the result for the acks.

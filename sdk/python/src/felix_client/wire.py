@@ -535,11 +535,6 @@ def encode(frame: Frame) -> bytes:
     return _HEADER.pack(len(body), frame_type, 0) + body
 
 
-def encode_publish(request_id: int, ack: AckMode, stream: str, records: Sequence[Record]) -> bytes:
-    """A ``Publish`` frame straight from `records` (no intermediate frame object)."""
-    return encode(Publish(request_id, ack, stream, tuple(records)))
-
-
 # ---------------------------------------------------------------------------------------------
 # Outgoing checks: what the broker's decoder would refuse, refused before sending.
 
