@@ -213,6 +213,8 @@ def test_subscribe_latest_offsets_and_too_old(start_broker: StartBroker) -> None
             assert too_old.value.oldest_offset == 6 == too_old.value.detail
             with pytest.raises(felix_client.InvalidArgumentError):
                 await client.subscribe("positions", shards=[5])
+            with pytest.raises(felix_client.InvalidArgumentError):
+                await client.subscribe("positions", shards=[0], start={1: 0})
             with pytest.raises(felix_client.StreamNotFoundError):
                 await client.subscribe("nowhere")
 

@@ -326,8 +326,16 @@ class Client:
             # on the primary connection, whose answer says why.
             targets: list[tuple[int | None, tuple[int, ...] | None]] = [(None, shards)]
         else:
+            selected = range(len(route)) if shards is None else shards
+            # Split by core, an offset for a shard outside the selection would silently go
+            # nowhere: refuse it as the broker would.
+            stray = sorted(set(offsets) - set(selected))
+            if stray:
+                raise InvalidArgumentError(
+                    f"a start offset for shard {stray[0]}, which the subscription does not select"
+                )
             by_core: dict[int, list[int]] = {}
-            for shard in range(len(route)) if shards is None else shards:
+            for shard in selected:
                 # An out-of-range shard goes to core 0, whose answer names the problem.
                 owner = route[shard] if 0 <= shard < len(route) else 0
                 by_core.setdefault(owner, []).append(shard)
