@@ -16,7 +16,14 @@ build: deps
 # Everything CI checks: formatting, lints (warnings are errors), then every test.
 test: deps lint
 	$(CARGO) test --workspace --all-targets --no-fail-fast
+	$(MAKE) sdk-test
 	$(MAKE) package-test
+
+# The Python SDK (sdk/python): a venv under target/, mypy --strict, pytest against real brokers
+# (the debug build cargo test made, or FELIX_BIN).
+.PHONY: sdk-test
+sdk-test:
+	sdk/python/test.sh
 
 # The seeded simulation of the per-core state machines (dataplane/sim, docs/design/simulation.md):
 # SEEDS seeds from FIRST, STEPS steps each (200 x 1500 by default: well under a minute here);
