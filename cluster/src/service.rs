@@ -79,6 +79,8 @@ pub enum ServiceError {
     Timeout(Duration),
     #[error("the cluster service stopped")]
     Stopped,
+    #[error("the cluster service has {pending} requests queued: ask again")]
+    Busy { pending: usize },
     #[error("read: {0}")]
     Read(String),
     #[error("fault injection is off on this member (FELIX_CLUSTER_FAULT_INJECTION=1 enables it)")]
@@ -437,12 +439,19 @@ impl Service {
             .unwrap_or(Err(ServiceError::Stopped))
     }
 
-    /// Queues `request` for the thread; a full queue or a stopped service answers it at once
-    /// (dropping its answer answers [`ServiceError::Stopped`]).
+    /// Queues an admin `request` (a proposal or a read) for the thread; a full queue answers
+    /// it [`ServiceError::Busy`] at once, a stopped service [`ServiceError::Stopped`] (its
+    /// answer dropped).
     fn send_request(&self, request: Request) {
-        if let Err(error) = self.requests.try_send(request) {
-            tracing::warn!("cluster request refused: the service's queue is full or it stopped");
-            drop(error);
+        if let Err(mpsc::error::TrySendError::Full(request)) = self.requests.try_send(request) {
+            let busy = ServiceError::Busy {
+                pending: REQUESTS_MAX,
+            };
+            match request {
+                Request::Propose { answer, .. } => answer.answer(Err(busy)),
+                Request::Read { answer, .. } => answer.answer(Err(busy)),
+                Request::Publish { .. } => unreachable!("publishes are sent by Service::publish"),
+            }
         }
     }
 
