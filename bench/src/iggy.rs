@@ -150,6 +150,10 @@ impl IggyServer {
         let iggy = arm
             .iggy
             .ok_or_else(|| BenchError::Broker(format!("arm {:?} is not an Iggy arm", arm.name)))?;
+        // Absolute: the server runs in `dir` and reads the config path and its data path
+        // from there, so a relative `--out` would point it elsewhere.
+        let work_dir = std::path::absolute(work_dir).map_err(|e| BenchError::io(work_dir, e))?;
+        let work_dir = work_dir.as_path();
         let dir = work_dir.join("iggy");
         wipe_dir(&dir)?;
         let data = dir.join("data");

@@ -52,6 +52,14 @@ pub const CONNECTIONS_PER_PUBLISHER_MAX: u32 = 8;
 /// Time to connect every lane and create the stream and topic.
 const SETUP_DEADLINE: Duration = Duration::from_secs(120);
 
+/// Longest wait for one SendMessages answer: 30 s. An fsynced 256 KiB batch takes milliseconds;
+/// a request never answered (seen once in ~60 runs: a lane's answer never came while the server
+/// sat idle) fails the cell instead of hanging the campaign.
+const SEND_DEADLINE: Duration = Duration::from_secs(30);
+
+/// Longest wait for a lane's client to shut down after its last send; then it is dropped.
+const SHUTDOWN_DEADLINE: Duration = Duration::from_secs(2);
+
 /// The Iggy load generator.
 pub struct IggyDriver {
     server_bin: PathBuf,
@@ -334,15 +342,18 @@ impl IggyLane {
                 );
             }
             let send_ns = nanos_since(self.start);
-            self.client
-                .send_messages(
+            tokio::time::timeout(
+                SEND_DEADLINE,
+                self.client.send_messages(
                     &self.stream_id,
                     &self.topic_id,
                     &Partitioning::partition_id(partition),
                     &mut messages,
-                )
-                .await
-                .map_err(|e| format!("send_messages: {e}"))?;
+                ),
+            )
+            .await
+            .map_err(|_| format!("send_messages: no answer within {SEND_DEADLINE:?}"))?
+            .map_err(|e| format!("send_messages: {e}"))?;
             let measured = !latency || (n >= measured_from && n < measured_until);
             if measured {
                 record_ns(&mut hist, nanos_since(self.start).saturating_sub(send_ns));
@@ -352,7 +363,7 @@ impl IggyLane {
             sent.records += records_per_unit;
         }
         let end = Instant::now();
-        let _ = self.client.shutdown().await;
+        let _ = tokio::time::timeout(SHUTDOWN_DEADLINE, self.client.shutdown()).await;
         let t = |i: Instant| i.saturating_duration_since(self.start).as_secs_f64();
         Ok(PublisherResult {
             span: Span {
