@@ -576,7 +576,12 @@ fn peer_markdown(pairs: &[&Pair], system: System) -> String {
     if !latency.is_empty() {
         let _ = writeln!(
             s,
-            "\nLatency pairs (one publisher, one publish in flight, batch 1, one subscriber):\n"
+            "\nLatency pairs (one publisher, one publish in flight, batch 1, {}):\n",
+            if system == System::Iggy {
+                "one Felix subscriber; no Iggy consumer, so Iggy has ack latency only"
+            } else {
+                "one subscriber"
+            }
         );
         let _ = writeln!(
             s,
