@@ -1522,7 +1522,7 @@ keys = ["spread", "plain"]
         let cases = [
             (
                 arm_with("system = \"kafka\""),
-                "arm 1 (\"n\"): system must be felix or nats, got \"kafka\"",
+                "arm 1 (\"n\"): system must be felix, nats or iggy, got \"kafka\"",
             ),
             (
                 arm_with("sync = \"always\""),
@@ -1665,7 +1665,7 @@ keys = ["spread", "plain"]
     #[test]
     fn iggy_arms_parse_and_refuse_what_iggy_cannot_do() {
         // Proves an Iggy arm's sync is typed (default off), NATS-only fields and fire-and-forget or in-memory fsync cells are refused.
-        let base = "[settings]\nduration_s = 10\n\
+        let base = "[settings]\nduration_s = 10\ntrials = 1\n\
              [[arms]]\nname = \"felix\"\n\
              [[arms]]\nname = \"iggy-fsync\"\nsystem = \"iggy\"\nsync = \"always\"\n\
              [[arms]]\nname = \"iggy-off\"\nsystem = \"iggy\"\n\
