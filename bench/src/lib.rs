@@ -20,7 +20,10 @@
 //! - [`progress`]: a small progress-bar wrapper for the runner.
 //! - [`nats`]: the NATS side-by-side peer (nats-server per cell, async-nats generator) and
 //!   [`nats::SystemDriver`], which sends each arm to its system's driver.
-//! - [`pairs`]: Felix-versus-NATS pair matching, ratios and the "what still differs" text.
+//! - [`iggy`]: the Apache Iggy side-by-side peer's server side (config file, loopback
+//!   listeners, fsync settings, the process); `iggy_driver` (cargo feature `iggy`) is its load
+//!   generator over the `iggy` client crate's QUIC transport.
+//! - [`pairs`]: Felix-versus-NATS and Felix-versus-Iggy pair matching, ratios and the "what still differs" text.
 //! - [`instructions`]: instructions per published record under callgrind (in-process broker).
 //! - [`pin`]: the pinned method: the server on one CPU set, the generator on another, and the
 //!   per-server-CPU figures (CPU-seconds per GB and per million records, server-bound or not).
@@ -36,6 +39,9 @@ pub mod cell;
 pub mod cluster;
 pub mod disk;
 pub mod generator;
+pub mod iggy;
+#[cfg(feature = "iggy")]
+pub mod iggy_driver;
 pub mod instructions;
 pub mod nats;
 pub mod pairs;

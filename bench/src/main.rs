@@ -11,7 +11,9 @@
 //!   published record under callgrind, broker and client apart, with the broker's top functions
 //!   (runs `felix-bench instructions-workload` with N and 2N publishes per shape).
 //!
-//! Arms with `system = "nats"` start `--nats BIN` (default target/nats/.../nats-server) per cell.
+//! Arms with `system = "nats"` start `--nats BIN` (default target/nats/.../nats-server) per cell;
+//! arms with `system = "iggy"` start `--iggy BIN` (an iggy-server build the user supplies; the
+//! Iggy driver needs felix-bench built with the `iggy` feature).
 //!
 //! Both `run` and `cell` start `felix broker` per cell unless `--broker-addr`,
 //! `--metrics-addr` and `--ca` name a broker already running.
@@ -28,6 +30,7 @@ use felix_bench::broker::effective_config;
 use felix_bench::cell::Facts;
 use felix_bench::disk::{self, DiskBaseline};
 use felix_bench::generator::{FelixDriver, LatencyCounts, Target, external_endpoint};
+use felix_bench::iggy::DEFAULT_IGGY_SERVER;
 use felix_bench::instructions;
 use felix_bench::nats::{DEFAULT_NATS_SERVER, SystemDriver};
 use felix_bench::pin;
@@ -195,6 +198,10 @@ struct BrokerArgs {
     /// (bench/scripts/get-nats.sh fetches it).
     #[arg(long, default_value = DEFAULT_NATS_SERVER)]
     nats: PathBuf,
+    /// The `iggy-server` binary started per cell for `system = "iggy"` arms: a build of Apache
+    /// Iggy's server (the figures used 0.8.0) that you supply.
+    #[arg(long, default_value = DEFAULT_IGGY_SERVER)]
+    iggy: PathBuf,
     /// Warm-up publishes of a latency cell.
     #[arg(long, default_value_t = LatencyCounts::default().warmup)]
     latency_warmup: u64,
@@ -432,6 +439,13 @@ fn run_campaign(
                     );
                     continue;
                 }
+                if let Some(i) = &arm.iggy {
+                    configs.insert(
+                        arm.name.clone(),
+                        format!("iggy-server {} ({})", broker.iggy.display(), i.describe()),
+                    );
+                    continue;
+                }
                 let text = effective_config(
                     felix,
                     &arm.env,
@@ -481,8 +495,25 @@ fn run_campaign(
             broker.nats.display()
         );
     }
+    if plan.arms.iter().any(|a| a.system == System::Iggy) {
+        if !cfg!(feature = "iggy") {
+            bail!(
+                "the plan has Iggy arms but felix-bench was built without the `iggy` feature: \
+                 make bench-iggy, or cargo build --release -p felix-bench --features iggy"
+            );
+        }
+        if !broker.iggy.is_file() {
+            bail!(
+                "the plan has Iggy arms but {} is not there: pass --iggy with an iggy-server \
+                 {} build from the Apache Iggy project",
+                broker.iggy.display(),
+                felix_bench::iggy::IGGY_SERVER_VERSION
+            );
+        }
+    }
     let felix = FelixDriver::new(target, latency)?;
     let mut driver = SystemDriver::new(felix, broker.nats.clone(), work_dir.clone(), latency);
+    driver.iggy_bin.clone_from(&broker.iggy);
     let runs = plan.schedule().len() as u64;
     let progress = Progress::new(runs);
     let summary = run_plan(&plan, &mut driver, out, &progress, &facts)?;
@@ -733,6 +764,9 @@ fn print_plan(plan: &Plan) {
         let mut line = format!("  {} {}", letter(i), arm.name);
         if let Some(n) = &arm.nats {
             line.push_str(&format!(" [nats {}]", n.describe()));
+        }
+        if let Some(i) = &arm.iggy {
+            line.push_str(&format!(" [iggy {}]", i.describe()));
         }
         for (k, v) in &arm.env {
             line.push_str(&format!(" {k}={v}"));

@@ -788,13 +788,18 @@ async fn consume_loop(
 }
 
 /// Sends each arm to its system's driver: Felix arms to the Felix generator, NATS arms to
-/// [`NatsDriver`] (created on first use, so Felix-only plans need no nats-server).
+/// [`NatsDriver`], Iggy arms to the Iggy driver (feature `iggy`); the peers' drivers are created
+/// on first use, so Felix-only plans need no peer binary.
 pub struct SystemDriver {
     pub felix: crate::generator::FelixDriver,
     nats_bin: PathBuf,
     nats_work_dir: PathBuf,
     latency: LatencyCounts,
     nats: Option<NatsDriver>,
+    /// The iggy-server binary for Iggy arms.
+    pub iggy_bin: PathBuf,
+    #[cfg(feature = "iggy")]
+    iggy: Option<crate::iggy_driver::IggyDriver>,
 }
 
 impl std::fmt::Debug for SystemDriver {
@@ -818,6 +823,9 @@ impl SystemDriver {
             nats_work_dir,
             latency,
             nats: None,
+            iggy_bin: PathBuf::from(crate::iggy::DEFAULT_IGGY_SERVER),
+            #[cfg(feature = "iggy")]
+            iggy: None,
         }
     }
 }
@@ -843,6 +851,25 @@ impl CellDriver for SystemDriver {
                 };
                 driver.run_cell(settings, cell, arm, trial)
             }
+            #[cfg(feature = "iggy")]
+            crate::plan::System::Iggy => {
+                let driver = match &mut self.iggy {
+                    Some(d) => d,
+                    None => self.iggy.insert(crate::iggy_driver::IggyDriver::new(
+                        self.iggy_bin.clone(),
+                        self.nats_work_dir.clone(),
+                        self.latency,
+                    )?),
+                };
+                driver.run_cell(settings, cell, arm, trial)
+            }
+            #[cfg(not(feature = "iggy"))]
+            crate::plan::System::Iggy => Err(BenchError::Driver {
+                cell: cell.label(),
+                detail: "felix-bench was built without the `iggy` feature (make bench-iggy, or \
+                         cargo build -p felix-bench --features iggy)"
+                    .to_string(),
+            }),
         }
     }
 }

@@ -11,7 +11,9 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use crate::cell::CellRecord;
-use crate::plan::{Measure, NatsArm, NatsMode, NatsStorage, NatsSync, Shape, System};
+use crate::plan::{
+    IggyArm, IggySync, Measure, NatsArm, NatsMode, NatsStorage, NatsSync, Shape, StreamKind, System,
+};
 use crate::stats::{BYTES_PER_MB, median};
 
 /// Longest error text quoted in the pairs table; the full text is in "Failed runs".
@@ -31,6 +33,20 @@ pub enum PairKind {
 }
 
 impl PairKind {
+    /// The kind a peer's settings put a pair in. An Iggy arm without fsync answers from its
+    /// in-memory journal: it pairs with Felix in memory in an in-memory cell and with Felix's
+    /// periodic fsync in a durable one.
+    pub fn of_peer(peer: &Peer, shape: &Shape) -> PairKind {
+        match peer {
+            Peer::Nats(n) => PairKind::of(n),
+            Peer::Iggy(i) => match (i.sync, shape.kind) {
+                (IggySync::Always, _) => PairKind::FsyncBeforeAck,
+                (IggySync::Off, StreamKind::Durable) => PairKind::PeriodicFsync,
+                (IggySync::Off, StreamKind::InMemory) => PairKind::InMemory,
+            },
+        }
+    }
+
     /// The kind a NATS arm's settings put a pair in.
     pub fn of(nats: &NatsArm) -> PairKind {
         match (nats.mode, nats.storage, nats.sync) {
@@ -65,15 +81,48 @@ pub struct PairSide {
     pub first_error: Option<String>,
 }
 
-/// A Felix run and a NATS run of the same cell.
+/// The other side of a pair: a NATS or an Iggy arm's settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Peer {
+    Nats(NatsArm),
+    Iggy(IggyArm),
+}
+
+impl Peer {
+    pub fn system(&self) -> System {
+        match self {
+            Peer::Nats(_) => System::Nats,
+            Peer::Iggy(_) => System::Iggy,
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        match self {
+            Peer::Nats(n) => n.describe(),
+            Peer::Iggy(i) => i.describe(),
+        }
+    }
+}
+
+/// `NATS`, `Iggy` (`Felix` for completeness).
+pub fn system_name(system: System) -> &'static str {
+    match system {
+        System::Felix => "Felix",
+        System::Nats => "NATS",
+        System::Iggy => "Iggy",
+    }
+}
+
+/// A Felix run and a peer's (NATS or Iggy) run of the same cell.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Pair {
     pub cell_number: usize,
     pub shape: Shape,
     pub kind: PairKind,
-    pub nats_arm: NatsArm,
+    pub peer: Peer,
     pub felix: PairSide,
-    pub nats: PairSide,
+    /// The peer's side.
+    pub other: PairSide,
 }
 
 /// Which system was faster and by how much (>= 1).
@@ -86,18 +135,14 @@ pub struct Verdict {
 impl Verdict {
     /// `Felix, 1.53×`.
     pub fn label(&self) -> String {
-        let faster = match self.faster {
-            System::Felix => "Felix",
-            System::Nats => "NATS",
-        };
-        format!("{faster}, {:.2}×", self.ratio)
+        format!("{}, {:.2}×", system_name(self.faster), self.ratio)
     }
 }
 
 /// The faster of two payload rates and the ratio of faster to slower; `None` when either is
 /// missing or not positive (no meaningful ratio). Equal rates name Felix with ratio 1.
-pub fn compare(felix: Option<f64>, nats: Option<f64>) -> Option<Verdict> {
-    let (f, n) = (felix?, nats?);
+pub fn compare(felix: Option<f64>, other: Option<(System, f64)>) -> Option<Verdict> {
+    let (f, (system, n)) = (felix?, other?);
     if !(f > 0.0 && n > 0.0 && f.is_finite() && n.is_finite()) {
         return None;
     }
@@ -108,7 +153,7 @@ pub fn compare(felix: Option<f64>, nats: Option<f64>) -> Option<Verdict> {
         }
     } else {
         Verdict {
-            faster: System::Nats,
+            faster: system,
             ratio: n / f,
         }
     })
@@ -146,7 +191,9 @@ impl Pair {
     pub fn verdict(&self) -> Option<Verdict> {
         compare(
             self.felix.payload_bytes_per_s,
-            self.nats.payload_bytes_per_s,
+            self.other
+                .payload_bytes_per_s
+                .map(|v| (self.peer.system(), v)),
         )
     }
 
@@ -154,15 +201,21 @@ impl Pair {
     pub fn per_core_verdict(&self) -> Option<Verdict> {
         compare(
             self.felix.payload_bytes_per_core_s,
-            self.nats.payload_bytes_per_core_s,
+            self.other
+                .payload_bytes_per_core_s
+                .map(|v| (self.peer.system(), v)),
         )
     }
 
     /// What still differs between the two sides of this pair (adapted from the reference).
     pub fn still_differs(&self) -> String {
+        let nats_arm = match self.peer {
+            Peer::Nats(n) => n,
+            Peer::Iggy(i) => return self.iggy_still_differs(i),
+        };
         let b = self.shape.batch;
         let mut text = match self.kind {
-            PairKind::FsyncBeforeAck if b > 1 && self.nats_arm.atomic_batch => format!(
+            PairKind::FsyncBeforeAck if b > 1 && nats_arm.atomic_batch => format!(
                 "Both fsync before the ack. NATS gets each batch of {b} as one atomic batch \
                  (ADR-50 headers, one ack for the commit), all-or-nothing. A Felix batch is acked \
                  or refused as one unit but is not atomic on disk: a crash partway through \
@@ -189,7 +242,7 @@ impl Pair {
                     let _ = write!(
                         t,
                         " NATS gets each batch of {b} as {}.",
-                        if self.nats_arm.atomic_batch {
+                        if nats_arm.atomic_batch {
                             "one atomic batch"
                         } else {
                             "separate publishes whose acks are awaited as one unit"
@@ -216,10 +269,45 @@ impl Pair {
                  stream, so delivery is timed after the message is stored on both sides.",
             );
         }
-        if !self.nats_arm.tls {
+        if !nats_arm.tls {
             text.push_str(
                 " NATS ran without TLS (plain TCP) while Felix always runs TLS: a difference \
                  favouring NATS.",
+            );
+        }
+        text
+    }
+
+    /// What still differs between Felix and Iggy in this pair.
+    fn iggy_still_differs(&self, iggy: IggyArm) -> String {
+        let b = self.shape.batch;
+        let mut text = match (self.kind, iggy.sync) {
+            (PairKind::FsyncBeforeAck, _) => format!(
+                "Both fsync before the ack. Iggy (enforce_fsync = true, \
+                 messages_required_to_save = 1) writes and fsyncs each SendMessages of {b} \
+                 message(s) on its own (messages file, then index file) before it answers; \
+                 Felix group-commits the writes that are waiting together into one fsync."
+            ),
+            (PairKind::PeriodicFsync, _) => "Both ack before the data is on disk. Felix \
+                 writes each batch and fsyncs every 250 ms; Iggy (its defaults) answers once the \
+                 batch is in the partition's in-memory journal, writes it to the segment file \
+                 when 1,024 messages or 1 MiB are buffered or every 30 s (message saver), and \
+                 never fsyncs it (the kernel's writeback does): fsync off."
+                .to_string(),
+            _ => "Felix keeps the records in memory only (a replay ring per shard); Iggy is \
+                 always disk-backed, and with its defaults answers from its in-memory journal \
+                 and writes to the segment file in the background of later sends (1,024 \
+                 messages or 1 MiB per partition), without fsync."
+                .to_string(),
+        };
+        text.push_str(
+            " Iggy's QUIC client (the iggy crate) keeps one request in flight per connection, so \
+             each Iggy publisher opens min(in_flight, 8) connections with one request each.",
+        );
+        if self.shape.measure == Measure::Latency {
+            text.push_str(
+                " Latency: one publisher, one publish in flight; ack latency only on the Iggy \
+                 side (no consumer was timed).",
             );
         }
         text
@@ -307,18 +395,24 @@ pub fn match_pairs(records: &[CellRecord]) -> Vec<Pair> {
                 .collect::<Vec<_>>()
         };
         for (felix_arm, felix_recs) in of(System::Felix) {
-            for (nats_arm, nats_recs) in of(System::Nats) {
-                let Some(settings) = nats_recs[0].arm.nats else {
-                    continue;
-                };
-                pairs.push(Pair {
-                    cell_number: *number,
-                    shape: felix_recs[0].cell.shape,
-                    kind: PairKind::of(&settings),
-                    nats_arm: settings,
-                    felix: side(felix_arm, felix_recs),
-                    nats: side(nats_arm, nats_recs),
-                });
+            for system in [System::Nats, System::Iggy] {
+                for (peer_arm, peer_recs) in of(system) {
+                    let arm = &peer_recs[0].arm;
+                    let peer = match (arm.nats, arm.iggy) {
+                        (Some(n), _) => Peer::Nats(n),
+                        (None, Some(i)) => Peer::Iggy(i),
+                        (None, None) => continue,
+                    };
+                    let shape = felix_recs[0].cell.shape;
+                    pairs.push(Pair {
+                        cell_number: *number,
+                        shape,
+                        kind: PairKind::of_peer(&peer, &shape),
+                        peer,
+                        felix: side(felix_arm, felix_recs),
+                        other: side(peer_arm, peer_recs),
+                    });
+                }
             }
         }
     }
@@ -360,25 +454,51 @@ fn payload_label(shape: &Shape) -> String {
     }
 }
 
-/// The "Felix vs NATS pairs" section of summary.md; empty when there is no pair.
+/// The "Pairs" sections of summary.md, one per peer system (NATS, then Iggy); empty when
+/// there is no pair.
 pub fn pairs_markdown(pairs: &[Pair]) -> String {
     let mut s = String::new();
-    if pairs.is_empty() {
-        return s;
+    for system in [System::Nats, System::Iggy] {
+        let of: Vec<&Pair> = pairs.iter().filter(|p| p.peer.system() == system).collect();
+        if !of.is_empty() {
+            s.push_str(&peer_markdown(&of, system));
+        }
     }
+    s
+}
+
+/// The pairs section for one peer system.
+fn peer_markdown(pairs: &[&Pair], system: System) -> String {
+    let mut s = String::new();
+    let name = system_name(system);
     let throughput: Vec<&Pair> = pairs
         .iter()
+        .copied()
         .filter(|p| p.shape.measure == Measure::Throughput)
         .collect();
     let latency: Vec<&Pair> = pairs
         .iter()
+        .copied()
         .filter(|p| p.shape.measure == Measure::Latency)
         .collect();
     // Writing to a String cannot fail; the fmt::Result is ignored on purpose below.
-    let _ = writeln!(s, "\n## Pairs: Felix and NATS side by side\n");
-    let _ = writeln!(
-        s,
-        "Each pair is one cell run on a Felix arm and a NATS arm in the same trials (Felix first on \
+    let _ = writeln!(s, "\n## Pairs: Felix and {name} side by side\n");
+    if system == System::Iggy {
+        let _ = writeln!(
+            s,
+            "Each pair is one cell run on a Felix arm and an Iggy arm in the same trials (Felix \
+             first on odd trials, Iggy first on even), matched on what the publisher is promised \
+             when it gets its answer. Payload MB/s is counted at each server (Felix: accepted \
+             records x payload; Iggy: its /metrics `messages` gauge x payload), the median of the \
+             finished trials. Cores are the server's CPU (/proc/<pid>/stat), ctx/rec its context \
+             switches per record. MB/s/core is payload per server CPU-second and \"Per core\" \
+             compares those. Limit: \"server\" when the server used at least 95% of its CPUs, \
+             else \"generator\". Read every ratio with its row's \"what still differs\".\n"
+        );
+    } else {
+        let _ = writeln!(
+            s,
+            "Each pair is one cell run on a Felix arm and a NATS arm in the same trials (Felix first on \
          odd trials, NATS first on even), matched on what the publisher is promised when it gets \
          its answer. Payload MB/s is counted at each server (Felix: accepted records x payload; \
          NATS JetStream: stored messages x payload from /jsz; core NATS: /varz in_msgs x payload), \
@@ -389,11 +509,12 @@ pub fn pairs_markdown(pairs: &[Pair]) -> String {
          or limits the server it is the fairer figure. Limit: \"server\" when the server used \
          at least 95% of its CPUs (\"pinned\": its own; \"shared\": with the generator), else \
          \"generator\". Read every ratio with its row's \"what still differs\".\n"
-    );
+        );
+    }
     if !throughput.is_empty() {
         let _ = writeln!(
             s,
-            "| Pair | Cell | Payload | Felix arm | Felix MB/s | Felix cores | Felix MB/s/core | Felix limit | Felix ctx/rec | NATS arm | NATS MB/s | NATS cores | NATS MB/s/core | NATS limit | NATS ctx/rec | Faster | Per core |"
+            "| Pair | Cell | Payload | Felix arm | Felix MB/s | Felix cores | Felix MB/s/core | Felix limit | Felix ctx/rec | {name} arm | {name} MB/s | {name} cores | {name} MB/s/core | {name} limit | {name} ctx/rec | Faster | Per core |"
         );
         let _ = writeln!(
             s,
@@ -407,8 +528,8 @@ pub fn pairs_markdown(pairs: &[Pair]) -> String {
                     if let Some(e) = short_error(&p.felix) {
                         why.push(format!("Felix failed: {e}"));
                     }
-                    if let Some(e) = short_error(&p.nats) {
-                        why.push(format!("NATS failed: {e}"));
+                    if let Some(e) = short_error(&p.other) {
+                        why.push(format!("{name} failed: {e}"));
                     }
                     if why.is_empty() {
                         "–".to_string()
@@ -441,12 +562,12 @@ pub fn pairs_markdown(pairs: &[Pair]) -> String {
                 mb(p.felix.payload_bytes_per_core_s),
                 limit(&p.felix),
                 num(p.felix.ctx_switches_per_record, 3),
-                p.nats.arm,
-                mb(p.nats.payload_bytes_per_s),
-                num(p.nats.cpu_cores, 2),
-                mb(p.nats.payload_bytes_per_core_s),
-                limit(&p.nats),
-                num(p.nats.ctx_switches_per_record, 3),
+                p.other.arm,
+                mb(p.other.payload_bytes_per_s),
+                num(p.other.cpu_cores, 2),
+                mb(p.other.payload_bytes_per_core_s),
+                limit(&p.other),
+                num(p.other.ctx_switches_per_record, 3),
                 faster,
                 per_core,
             );
@@ -455,11 +576,16 @@ pub fn pairs_markdown(pairs: &[Pair]) -> String {
     if !latency.is_empty() {
         let _ = writeln!(
             s,
-            "\nLatency pairs (one publisher, one publish in flight, batch 1, one subscriber):\n"
+            "\nLatency pairs (one publisher, one publish in flight, batch 1, {}):\n",
+            if system == System::Iggy {
+                "one Felix subscriber; no Iggy consumer, so Iggy has ack latency only"
+            } else {
+                "one subscriber"
+            }
         );
         let _ = writeln!(
             s,
-            "| Pair | Cell | Payload | Felix ack p50 / p99 / p999 | NATS ack p50 / p99 / p999 | Felix delivery p50 / p99 / p999 | NATS delivery p50 / p99 / p999 |"
+            "| Pair | Cell | Payload | Felix ack p50 / p99 / p999 | {name} ack p50 / p99 / p999 | Felix delivery p50 / p99 / p999 | {name} delivery p50 / p99 / p999 |"
         );
         let _ = writeln!(s, "|---|---:|---|---|---|---|---|");
         for p in &latency {
@@ -474,9 +600,9 @@ pub fn pairs_markdown(pairs: &[Pair]) -> String {
                 p.cell_number,
                 payload_label(&p.shape),
                 or_error(p.felix.ack_us, &p.felix),
-                or_error(p.nats.ack_us, &p.nats),
+                or_error(p.other.ack_us, &p.other),
                 triple(p.felix.delivery_us),
-                triple(p.nats.delivery_us),
+                triple(p.other.delivery_us),
             );
         }
     }
@@ -485,20 +611,31 @@ pub fn pairs_markdown(pairs: &[Pair]) -> String {
     for p in pairs {
         let title = p.title();
         let text = p.still_differs();
-        let line = format!("- **{title}** (NATS arm {}): {text}", p.nats_arm.describe());
+        let line = format!("- **{title}** ({name} arm {}): {text}", p.peer.describe());
         if !seen.contains(&line) {
             let _ = writeln!(s, "{line}");
             seen.push(line);
         }
     }
-    let _ = writeln!(
-        s,
-        "- **Every pair**: Felix uses QUIC with TLS and its Rust client; NATS uses TCP (with TLS \
-         unless the arm says otherwise) and async-nats 0.51. Both are driven by felix-bench's own \
-         generator with the same publishers, in-flight window and payload (the reference drove \
-         NATS with nats bench). NATS gets one stream per Felix shard (subject `bench.<i>`) and \
-         publishes rotate over them as Felix's keys rotate over shards."
-    );
+    if system == System::Iggy {
+        let _ = writeln!(
+            s,
+            "- **Every pair**: both use QUIC with TLS (Iggy: quinn in the iggy 0.10 crate, the \
+             server's self-signed certificate, not validated); both are driven by felix-bench's \
+             own generator with the same publishers and payload. Iggy gets one stream with one \
+             topic of one partition per Felix shard, and sends rotate over the partitions (by \
+             partition id) as Felix's keys rotate over shards. Iggy is always disk-backed."
+        );
+    } else {
+        let _ = writeln!(
+            s,
+            "- **Every pair**: Felix uses QUIC with TLS and its Rust client; NATS uses TCP (with TLS \
+             unless the arm says otherwise) and async-nats 0.51. Both are driven by felix-bench's own \
+             generator with the same publishers, in-flight window and payload (the reference drove \
+             NATS with nats bench). NATS gets one stream per Felix shard (subject `bench.<i>`) and \
+             publishes rotate over them as Felix's keys rotate over shards."
+        );
+    }
     s
 }
 
@@ -556,13 +693,15 @@ mod tests {
     #[test]
     fn ratio_names_the_faster_side() {
         // Proves the ratio is faster over slower and names the faster system, and missing or zero rates give none.
-        let v = compare(Some(300.0), Some(100.0)).unwrap();
+        let v = compare(Some(300.0), Some((System::Nats, 100.0))).unwrap();
         assert_eq!((v.faster, v.ratio), (System::Felix, 3.0));
-        let v = compare(Some(100.0), Some(134.0)).unwrap();
+        let v = compare(Some(100.0), Some((System::Nats, 134.0))).unwrap();
         assert_eq!(v.faster, System::Nats);
         assert!((v.ratio - 1.34).abs() < 1e-12);
-        assert_eq!(compare(None, Some(1.0)), None);
-        assert_eq!(compare(Some(0.0), Some(1.0)), None);
+        let v = compare(Some(100.0), Some((System::Iggy, 200.0))).unwrap();
+        assert_eq!(v.label(), "Iggy, 2.00×");
+        assert_eq!(compare(None, Some((System::Nats, 1.0))), None);
+        assert_eq!(compare(Some(0.0), Some((System::Nats, 1.0))), None);
     }
 
     #[test]
@@ -574,10 +713,10 @@ mod tests {
         assert_eq!(p.kind, PairKind::FsyncBeforeAck);
         assert_eq!(p.title(), "Durable, one at a time");
         assert_eq!(
-            (p.felix.arm.as_str(), p.nats.arm.as_str()),
+            (p.felix.arm.as_str(), p.other.arm.as_str()),
             ("felix-on-commit", "nats-always")
         );
-        assert_eq!((p.felix.trials_finished, p.nats.trials_finished), (2, 2));
+        assert_eq!((p.felix.trials_finished, p.other.trials_finished), (2, 2));
         assert_eq!(p.felix.payload_bytes_per_s, Some(8_192_000.0));
         let v = p.verdict().unwrap();
         assert_eq!((v.faster, v.ratio), (System::Felix, 2.0));
@@ -641,5 +780,55 @@ mod tests {
             ..base
         };
         assert_eq!(PairKind::of(&core), PairKind::FireAndForget);
+    }
+    #[test]
+    fn iggy_arms_pair_by_their_fsync_and_the_cell_kind() {
+        // Proves an Iggy arm makes a pair with its own section: fsync always is fsync-before-ack, fsync off is periodic in a durable cell and in-memory in an in-memory one.
+        let plan = Plan::parse(
+            "[settings]\nduration_s = 20\ntrials = 1\n\
+             [[arms]]\nname = \"felix\"\n\
+             [[arms]]\nname = \"iggy-fsync\"\nsystem = \"iggy\"\nsync = \"always\"\n\
+             [[arms]]\nname = \"iggy-off\"\nsystem = \"iggy\"\n\
+             [[cells]]\nkind = \"durable\"\npayload = 256\nbatch = 64\nmode = \"acked\"\n\
+             publishers = 1\nin_flight = 4\narms = [\"felix\", \"iggy-fsync\", \"iggy-off\"]\n\
+             [[cells]]\nkind = \"in-memory\"\npayload = 256\nbatch = 1\nmode = \"acked\"\n\
+             publishers = 1\nin_flight = 4\narms = [\"felix\", \"iggy-off\"]\n",
+        )
+        .unwrap();
+        let mut recs = Vec::new();
+        for (c, cell) in plan.cells.iter().enumerate() {
+            for &a in &plan.cell_arms[c] {
+                let arm = &plan.arms[a];
+                let rate = if arm.system == System::Felix {
+                    2_000_000
+                } else {
+                    1_000_000
+                };
+                recs.push(CellRecord::from_run(
+                    &plan.settings,
+                    cell,
+                    arm,
+                    1,
+                    Facts::default(),
+                    fixed_run(rate, 0),
+                ));
+            }
+        }
+        let pairs = match_pairs(&recs);
+        let kinds: Vec<(usize, PairKind)> = pairs.iter().map(|p| (p.cell_number, p.kind)).collect();
+        assert_eq!(
+            kinds,
+            vec![
+                (1, PairKind::FsyncBeforeAck),
+                (1, PairKind::PeriodicFsync),
+                (2, PairKind::InMemory)
+            ]
+        );
+        let md = pairs_markdown(&pairs);
+        assert!(md.contains("## Pairs: Felix and Iggy side by side"));
+        assert!(!md.contains("Felix and NATS"));
+        assert!(md.contains("| Iggy arm | Iggy MB/s |"));
+        assert!(md.contains("Felix, 2.00×"));
+        assert!(md.contains("fsync off"));
     }
 }

@@ -49,6 +49,17 @@
 //! tls = true            # TLS on the client port (default true, as the reference ran it)
 //! ```
 //!
+//! An Apache Iggy peer is an arm with `system = "iggy"` (the runner starts the `--iggy`
+//! iggy-server per cell; src/iggy.rs):
+//!
+//! ```toml
+//! [[arms]]
+//! name = "iggy-fsync"
+//! system = "iggy"
+//! sync = "always"       # always (enforce_fsync, a save per message: fsync before the answer)
+//!                       # | off (default: the server's defaults, no fsync); acked cells only
+//! ```
+//!
 //! Parsing is "parse, don't validate": the raw TOML becomes a [`Plan`] whose fields are already
 //! in range, or an error naming the field and the cell, e.g.
 //! `cell 3 (durable 0B b64): payload must be 1..=4194304, got 0`. Cells are numbered from 1 in
@@ -270,6 +281,8 @@ pub enum System {
     Felix,
     /// `nats-server` 2.15 with JetStream, the side-by-side peer.
     Nats,
+    /// Apache Iggy's `iggy-server` (a build the user supplies), driven over its QUIC transport.
+    Iggy,
 }
 
 impl System {
@@ -277,6 +290,7 @@ impl System {
         match self {
             System::Felix => "felix",
             System::Nats => "nats",
+            System::Iggy => "iggy",
         }
     }
 }
@@ -346,7 +360,38 @@ impl NatsArm {
     }
 }
 
-/// A named broker configuration: Felix with environment variables, or a NATS peer.
+/// When an Iggy partition's messages reach the disk, in terms of the server's own settings
+/// (`[system.partition]` of its config.toml).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum IggySync {
+    /// `enforce_fsync = true` and `messages_required_to_save = 1`: every send is written to
+    /// its segment and fsynced (messages and index files) before the server answers.
+    Always,
+    /// The server's defaults: the answer comes once the batch is in the partition's in-memory
+    /// journal; it is written (no fsync) when 1,024 messages or 1 MiB are buffered, or by the
+    /// 30 s message saver. Iggy itself never fsyncs the partition: fsync off.
+    Off,
+}
+
+/// The settings of an Iggy arm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IggyArm {
+    pub sync: IggySync,
+}
+
+impl IggyArm {
+    /// `fsync always` / `fsync off`, for labels.
+    pub fn describe(&self) -> String {
+        match self.sync {
+            IggySync::Always => "quic fsync always (enforce_fsync, messages_required_to_save=1)",
+            IggySync::Off => "quic fsync off (server defaults)",
+        }
+        .to_string()
+    }
+}
+
+/// A named broker configuration: Felix with environment variables, or a NATS or Iggy peer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Arm {
     pub name: String,
@@ -357,6 +402,9 @@ pub struct Arm {
     /// Present exactly when `system` is NATS.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nats: Option<NatsArm>,
+    /// Present exactly when `system` is Iggy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub iggy: Option<IggyArm>,
 }
 
 impl Arm {
@@ -367,6 +415,7 @@ impl Arm {
             env,
             system: System::Felix,
             nats: None,
+            iggy: None,
         }
     }
 }
@@ -765,12 +814,13 @@ impl RawPlan {
                 };
                 env.insert(key.clone(), text);
             }
-            let (system, nats) = nats_arm(&what, raw)?;
+            let (system, nats, iggy) = peer_arm(&what, raw)?;
             arms.push(Arm {
                 name: raw.name.clone(),
                 env,
                 system,
                 nats,
+                iggy,
             });
         }
 
@@ -806,6 +856,43 @@ impl RawPlan {
     }
 }
 
+/// The system and peer settings of a raw arm: NATS or Iggy settings, or neither for Felix.
+fn peer_arm(
+    what: &str,
+    raw: &RawArm,
+) -> Result<(System, Option<NatsArm>, Option<IggyArm>), BenchError> {
+    if raw.system.as_deref() != Some("iggy") {
+        let (system, nats) = nats_arm(what, raw)?;
+        return Ok((system, nats, None));
+    }
+    let given: Vec<&str> = [
+        ("storage", raw.storage.is_some()),
+        ("mode", raw.mode.is_some()),
+        ("atomic_batch", raw.atomic_batch.is_some()),
+        ("tls", raw.tls.is_some()),
+    ]
+    .iter()
+    .filter(|(_, set)| *set)
+    .map(|(f, _)| *f)
+    .collect();
+    if !given.is_empty() {
+        return Err(BenchError::Plan(format!(
+            "{what}: {} do not apply to system = \"iggy\" (only sync)",
+            given.join(", ")
+        )));
+    }
+    let sync = match raw.sync.as_deref().unwrap_or("off") {
+        "always" => IggySync::Always,
+        "off" => IggySync::Off,
+        other => {
+            return Err(BenchError::Plan(format!(
+                "{what}: sync must be always or off for system = \"iggy\", got {other:?}"
+            )));
+        }
+    };
+    Ok((System::Iggy, None, Some(IggyArm { sync })))
+}
+
 /// The system and NATS settings of a raw arm; NATS fields on a Felix arm are refused.
 fn nats_arm(what: &str, raw: &RawArm) -> Result<(System, Option<NatsArm>), BenchError> {
     let bad = |field: &str, allowed: &str, got: &str| {
@@ -814,7 +901,7 @@ fn nats_arm(what: &str, raw: &RawArm) -> Result<(System, Option<NatsArm>), Bench
     let system = match raw.system.as_deref().unwrap_or("felix") {
         "felix" => System::Felix,
         "nats" => System::Nats,
-        other => return Err(bad("system", "felix or nats", other)),
+        other => return Err(bad("system", "felix, nats or iggy", other)),
     };
     if system == System::Felix {
         let given: Vec<&str> = [
@@ -907,10 +994,29 @@ fn entry_arms(entry_number: usize, e: &RawCells, arms: &[Arm]) -> Result<Vec<usi
 /// fire-and-forget, file storage for durable cells and memory for in-memory ones, no latency
 /// cell on core NATS (it has no ack), atomic batches no larger than the server allows.
 fn check_arm_fits(cell: &Cell, arm: &Arm) -> Result<(), BenchError> {
+    let s = &cell.shape;
+    if let Some(i) = arm.iggy {
+        let why = match (s.mode, s.kind, i.sync) {
+            (Mode::FireAndForget, _, _) => Some(
+                "Iggy has no unacknowledged publish (every SendMessages is answered): acked cells only",
+            ),
+            (Mode::Acked, StreamKind::InMemory, IggySync::Always) => {
+                Some("an in-memory cell pairs with sync = \"off\" (Iggy is always disk-backed)")
+            }
+            _ => None,
+        };
+        return match why {
+            Some(why) => Err(BenchError::Plan(format!(
+                "{} with arm {:?}: {why}",
+                cell.label(),
+                arm.name
+            ))),
+            None => Ok(()),
+        };
+    }
     let Some(n) = arm.nats else {
         return Ok(());
     };
-    let s = &cell.shape;
     let why = match (s.mode, n.mode) {
         (Mode::Acked, NatsMode::Core) => Some("an acked cell needs mode = \"jetstream\""),
         (Mode::FireAndForget, NatsMode::Jetstream) => {
@@ -1416,7 +1522,7 @@ keys = ["spread", "plain"]
         let cases = [
             (
                 arm_with("system = \"kafka\""),
-                "arm 1 (\"n\"): system must be felix or nats, got \"kafka\"",
+                "arm 1 (\"n\"): system must be felix, nats or iggy, got \"kafka\"",
             ),
             (
                 arm_with("sync = \"always\""),
@@ -1555,5 +1661,67 @@ keys = ["spread", "plain"]
         assert_eq!(o.records, 64 * 64 * 64);
         assert_eq!(o.bytes, 64 * 64 * 64 * 4096);
         assert_eq!(plan.cells[0].shape.short_label(), "dur 4K b64 ack p64x64");
+    }
+    #[test]
+    fn iggy_arms_parse_and_refuse_what_iggy_cannot_do() {
+        // Proves an Iggy arm's sync is typed (default off), NATS-only fields and fire-and-forget or in-memory fsync cells are refused.
+        let base = "[settings]\nduration_s = 10\ntrials = 1\n\
+             [[arms]]\nname = \"felix\"\n\
+             [[arms]]\nname = \"iggy-fsync\"\nsystem = \"iggy\"\nsync = \"always\"\n\
+             [[arms]]\nname = \"iggy-off\"\nsystem = \"iggy\"\n\
+             [[cells]]\nkind = \"durable\"\npayload = 256\nbatch = [1, 64]\nmode = \"acked\"\n\
+             publishers = 8\nin_flight = 64\narms = [\"felix\", \"iggy-fsync\"]\n\
+             [[cells]]\nkind = \"in-memory\"\npayload = 256\nbatch = 1\nmode = \"acked\"\n\
+             publishers = 8\nin_flight = 64\narms = [\"felix\", \"iggy-off\"]\n";
+        let plan = Plan::parse(base).unwrap();
+        assert_eq!(plan.arms[1].system, System::Iggy);
+        assert_eq!(plan.arms[1].nats, None);
+        assert_eq!(
+            plan.arms[1].iggy,
+            Some(IggyArm {
+                sync: IggySync::Always
+            })
+        );
+        assert_eq!(
+            plan.arms[2].iggy,
+            Some(IggyArm {
+                sync: IggySync::Off
+            })
+        );
+        assert_eq!(plan.cells.len(), 3);
+        assert_eq!(plan.cell_arms[2], vec![0, 2]);
+        let refused = |text: String, want: &str| {
+            let e = Plan::parse(&text).unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+        };
+        refused(
+            base.replace("sync = \"always\"", "sync = \"sometimes\""),
+            "sync must be always or off for system = \"iggy\"",
+        );
+        refused(
+            base.replace(
+                "system = \"iggy\"\nsync = \"always\"",
+                "system = \"iggy\"\nstorage = \"file\"",
+            ),
+            "storage do not apply to system = \"iggy\"",
+        );
+        refused(
+            base.replace("mode = \"acked\"\npublishers = 8\nin_flight = 64\narms = [\"felix\", \"iggy-off\"]",
+                "mode = \"fire-and-forget\"\npublishers = 8\nin_flight = 1\narms = [\"felix\", \"iggy-off\"]"),
+            "Iggy has no unacknowledged publish",
+        );
+        refused(
+            base.replace(
+                "arms = [\"felix\", \"iggy-off\"]",
+                "arms = [\"felix\", \"iggy-fsync\"]",
+            ),
+            "an in-memory cell pairs with sync = \"off\"",
+        );
+        for file in ["plans/iggy-pairs.toml", "plans/iggy-pairs-short.toml"] {
+            let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(file);
+            let plan = Plan::parse(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            assert_eq!(plan.cells.len(), 14, "{file}");
+            assert!(plan.arms.iter().any(|a| a.system == System::Iggy), "{file}");
+        }
     }
 }

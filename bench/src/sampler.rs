@@ -281,6 +281,9 @@ pub enum Counters {
     NatsJetStream { payload_bytes: u32 },
     /// nats-server `/varz`: `in_msgs` x payload size as payload, `in_bytes` as wire bytes.
     NatsCore { payload_bytes: u32 },
+    /// iggy-server's Prometheus `/metrics`: the `messages` gauge (messages appended, counted
+    /// by the server after each append, shared by every server shard) x payload size.
+    Iggy { payload_bytes: u32 },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -307,6 +310,11 @@ impl SampleSource {
                 let body = http_get(self.metrics_addr, "/varz")?;
                 nats_sample(&body, t_s, payload_bytes, "in_msgs", "in_bytes", true)?
             }
+            Counters::Iggy { payload_bytes } => iggy_sample(
+                &Scrape::parse(&scrape(self.metrics_addr)?),
+                t_s,
+                payload_bytes,
+            )?,
         };
         if self.counters != Counters::Felix {
             sample.cpu_seconds = self.pid.and_then(process_cpu_seconds).unwrap_or(0.0);
@@ -353,6 +361,24 @@ pub fn nats_sample(
         sample.append_bytes = bytes;
     }
     Ok(sample)
+}
+
+/// Name of iggy-server's gauge of messages appended (its `/metrics`, server 0.8).
+pub const IGGY_MESSAGES: &str = "messages";
+
+/// A sample from an iggy-server `/metrics` scrape: the `messages` gauge is the record count,
+/// times the cell's payload size the payload bytes.
+pub fn iggy_sample(scrape: &Scrape, t_s: f64, payload_bytes: u32) -> Result<Sample, BenchError> {
+    let records = scrape
+        .sum(IGGY_MESSAGES)
+        .ok_or_else(|| BenchError::Sampler(format!("iggy /metrics has no `{IGGY_MESSAGES}`")))?;
+    let records = counter(Some(records));
+    Ok(Sample {
+        t_s,
+        records,
+        payload_bytes: records.saturating_mul(u64::from(payload_bytes)),
+        ..Sample::default()
+    })
 }
 
 /// Context switches (voluntary + involuntary) of every live thread of process `pid`, summed
@@ -583,6 +609,16 @@ mod tests {
         assert_eq!((s.records, s.payload_bytes, s.wire_bytes), (10, 2560, 2560));
         assert!(nats_sample("{}", 1.0, 1, "messages", "bytes", false).is_err());
         assert!(nats_sample("not json", 1.0, 1, "messages", "bytes", false).is_err());
+    }
+
+    #[test]
+    fn iggy_metrics_become_samples() {
+        // Proves the iggy-server `messages` gauge (prometheus-client text) is the record count and x payload the payload bytes.
+        let text = "# HELP messages total count of messages.\n# TYPE messages gauge\nmessages 1500\n\
+                    # HELP streams total count of streams.\n# TYPE streams gauge\nstreams 1\n# EOF\n";
+        let s = iggy_sample(&Scrape::parse(text), 2.0, 256).unwrap();
+        assert_eq!((s.records, s.payload_bytes, s.t_s), (1500, 384_000, 2.0));
+        assert!(iggy_sample(&Scrape::parse("streams 1\n"), 2.0, 256).is_err());
     }
 
     #[test]
