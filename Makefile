@@ -126,14 +126,14 @@ bench-nats: deps
 # Felix and Apache Iggy side by side (bench/plans/iggy-pairs.toml, ~25 min; IGGY_PLAN=
 # bench/plans/iggy-pairs-short.toml for ~10 min) into bench-results/<UTC>-iggy/. Needs
 # IGGY_SERVER=<path to an iggy-server binary>: a build of Apache Iggy's server 0.8.0 that you
-# supply (https://iggy.apache.org, https://github.com/apache/iggy); this repository does not
+# supply (the Apache Iggy project, release tag server-0.8.0); this repository does not
 # fetch or build it. felix-bench is built with its `iggy` feature (the iggy client crate).
 IGGY_PLAN ?= bench/plans/iggy-pairs.toml
 IGGY_BENCH_FLAGS ?=
 .PHONY: bench-iggy
 bench-iggy: deps
 	@if [ -z "$(IGGY_SERVER)" ] || [ ! -x "$(IGGY_SERVER)" ]; then \
-		echo "bench-iggy: set IGGY_SERVER=<path to iggy-server> (an executable build of Apache Iggy's server 0.8.0, from https://github.com/apache/iggy, release tag server-0.8.0, which you build or obtain yourself; see bench/README.md)" >&2; \
+		echo "bench-iggy: set IGGY_SERVER=<path to iggy-server> (an executable build of Apache Iggy's server 0.8.0, the apache/iggy project's release tag server-0.8.0, which you build or obtain yourself; see bench/README.md)" >&2; \
 		exit 2; \
 	fi
 	$(CARGO) build --release -p felix -p felix-bench --features felix-bench/iggy
