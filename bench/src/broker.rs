@@ -134,9 +134,8 @@ pub fn parse_listening_line(line: &str) -> Option<(bool, SocketAddr)> {
 /// A `felix broker` child process. Dropping it kills the process if [`SpawnedBroker::stop`]
 /// was not called.
 pub struct SpawnedBroker {
-    child: Option<Child>,
+    process: ServerProcess,
     endpoint: BrokerEndpoint,
-    log: PathBuf,
 }
 
 impl std::fmt::Debug for SpawnedBroker {
@@ -205,14 +204,13 @@ impl SpawnedBroker {
             }
         }
         let mut broker = SpawnedBroker {
-            child: Some(child),
+            process: ServerProcess::new(child, log.to_path_buf()),
             endpoint: BrokerEndpoint {
                 quic_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
                 metrics_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
                 ca: data_dir.join(DEV_CERT_RELATIVE),
                 pid: Some(pid),
             },
-            log: log.to_path_buf(),
         };
         let deadline = Instant::now() + STARTUP_TIMEOUT;
         let (mut quic, mut metrics) = (None, None);
@@ -243,8 +241,8 @@ impl SpawnedBroker {
     }
 
     fn start_failure(&mut self, why: &str) -> BenchError {
-        self.kill();
-        let tail = std::fs::read(&self.log)
+        self.process.kill();
+        let tail = std::fs::read(self.process.log())
             .map(|bytes| {
                 let from = bytes.len().saturating_sub(LOG_TAIL_BYTES);
                 String::from_utf8_lossy(&bytes[from..]).trim().to_string()
@@ -252,7 +250,7 @@ impl SpawnedBroker {
             .unwrap_or_default();
         BenchError::Broker(format!(
             "the broker did not start: {why}; its log {} ends with:\n{tail}",
-            self.log.display()
+            self.process.log().display()
         ))
     }
 
@@ -264,13 +262,72 @@ impl SpawnedBroker {
     /// SIGTERM, then SIGKILL if it has not exited within [`STOP_DEADLINE`]. Returns a
     /// description of how it ended (`exited: 0`, `killed after 10 s`).
     pub fn stop(mut self) -> Result<String, BenchError> {
-        match self.child.take() {
-            Some(child) => stop_child(child, &self.log),
-            None => Ok("already stopped".to_string()),
+        self.process.stop()
+    }
+}
+
+/// How a cell's server ended, for the run's record: `<cell> arm <arm>: <how>`.
+pub(crate) fn exit_line(cell: &str, arm: &str, stopped: Result<String, BenchError>) -> String {
+    match stopped {
+        Ok(how) => format!("{cell} arm {arm}: {how}"),
+        Err(e) => format!("{cell} arm {arm}: stop failed: {e}"),
+    }
+}
+
+/// A server child process a bench handle owns (the Felix broker, nats-server, iggy-server):
+/// stopped with SIGTERM, then SIGKILL, by [`ServerProcess::stop`]; killed when dropped.
+pub(crate) struct ServerProcess {
+    child: Option<Child>,
+    /// Where its output goes (named in errors).
+    log: PathBuf,
+}
+
+impl ServerProcess {
+    pub(crate) fn new(child: Child, log: PathBuf) -> ServerProcess {
+        ServerProcess {
+            child: Some(child),
+            log,
         }
     }
 
-    fn kill(&mut self) {
+    pub(crate) fn log(&self) -> &Path {
+        &self.log
+    }
+
+    /// Its exit status if it has exited already (it is then forgotten).
+    pub(crate) fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        let status = self.child.as_mut()?.try_wait().ok().flatten()?;
+        self.child = None;
+        Some(status)
+    }
+
+    /// SIGTERM, then SIGKILL if the process has not exited within [`STOP_DEADLINE`]; returns
+    /// how it ended (`exited: 0`, `killed: ...`, `already stopped`).
+    pub(crate) fn stop(&mut self) -> Result<String, BenchError> {
+        let Some(mut child) = self.child.take() else {
+            return Ok("already stopped".to_string());
+        };
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap_or(i32::MAX));
+        // The child may have exited already; then the signal finds no process, which is fine.
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let deadline = Instant::now() + STOP_DEADLINE;
+        loop {
+            match child.try_wait() {
+                Ok(Some(status)) => return Ok(format!("exited: {status}")),
+                Ok(None) if Instant::now() >= deadline => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Ok(format!(
+                        "killed: no exit within {STOP_DEADLINE:?} of SIGTERM"
+                    ));
+                }
+                Ok(None) => std::thread::sleep(EXIT_POLL_INTERVAL),
+                Err(e) => return Err(BenchError::io(&self.log, e)),
+            }
+        }
+    }
+
+    pub(crate) fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
@@ -278,31 +335,7 @@ impl SpawnedBroker {
     }
 }
 
-/// SIGTERM, then SIGKILL if the process has not exited within [`STOP_DEADLINE`]; returns how
-/// it ended. Shared by the Felix broker and the NATS server handles (`log` names the process
-/// in errors).
-pub(crate) fn stop_child(mut child: Child, log: &Path) -> Result<String, BenchError> {
-    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap_or(i32::MAX));
-    // The child may have exited already; then the signal finds no process, which is fine.
-    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-    let deadline = Instant::now() + STOP_DEADLINE;
-    loop {
-        match child.try_wait() {
-            Ok(Some(status)) => return Ok(format!("exited: {status}")),
-            Ok(None) if Instant::now() >= deadline => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Ok(format!(
-                    "killed: no exit within {STOP_DEADLINE:?} of SIGTERM"
-                ));
-            }
-            Ok(None) => std::thread::sleep(EXIT_POLL_INTERVAL),
-            Err(e) => return Err(BenchError::io(log, e)),
-        }
-    }
-}
-
-impl Drop for SpawnedBroker {
+impl Drop for ServerProcess {
     fn drop(&mut self) {
         self.kill();
     }

@@ -28,12 +28,12 @@
 use std::fmt::Write as _;
 use std::fs::File;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::BenchError;
-use crate::broker::{STARTUP_TIMEOUT, stop_child, wipe_dir};
+use crate::broker::{STARTUP_TIMEOUT, ServerProcess, wipe_dir};
 use crate::plan::{IggyArm, IggySync};
 
 /// Where `make bench-iggy` expects the server when IGGY_SERVER is not given (it is required
@@ -121,11 +121,10 @@ pub fn parse_bound_addresses(text: &str) -> Option<(SocketAddr, SocketAddr)> {
 
 /// An iggy-server started for one cell.
 pub struct IggyServer {
-    child: Option<Child>,
+    process: ServerProcess,
     pub quic_addr: SocketAddr,
     pub http_addr: SocketAddr,
     pub pid: u32,
-    log: PathBuf,
 }
 
 impl std::fmt::Debug for IggyServer {
@@ -191,11 +190,10 @@ impl IggyServer {
             .map_err(|e| BenchError::io(bin, e))?;
         let pid = child.id();
         let mut server = IggyServer {
-            child: Some(child),
+            process: ServerProcess::new(child, log),
             quic_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             http_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             pid,
-            log,
         };
         let bound = data.join("runtime").join("current_config.toml");
         let deadline = Instant::now() + STARTUP_TIMEOUT;
@@ -208,23 +206,18 @@ impl IggyServer {
                 server.http_addr = http;
                 return Ok(server);
             }
-            let exited = server
-                .child
-                .as_mut()
-                .and_then(|c| c.try_wait().ok().flatten());
-            if let Some(status) = exited {
-                server.child = None;
+            if let Some(status) = server.process.exited() {
                 return Err(BenchError::Broker(format!(
                     "iggy-server exited at start ({status}); see {}",
-                    server.log.display()
+                    server.process.log().display()
                 )));
             }
             if Instant::now() >= deadline {
-                server.kill();
+                server.process.kill();
                 return Err(BenchError::Broker(format!(
                     "iggy-server did not write {} within {STARTUP_TIMEOUT:?}; see {}",
                     bound.display(),
-                    server.log.display()
+                    server.process.log().display()
                 )));
             }
             std::thread::sleep(STARTUP_POLL);
@@ -233,23 +226,7 @@ impl IggyServer {
 
     /// SIGTERM, then SIGKILL after `broker::STOP_DEADLINE`; says how it ended.
     pub fn stop(mut self) -> Result<String, BenchError> {
-        match self.child.take() {
-            Some(child) => stop_child(child, &self.log),
-            None => Ok("already stopped".to_string()),
-        }
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-impl Drop for IggyServer {
-    fn drop(&mut self) {
-        self.kill();
+        self.process.stop()
     }
 }
 

@@ -172,14 +172,8 @@ impl CellDriver for IggyDriver {
                 cell: label.clone(),
                 detail,
             });
-        match server.stop() {
-            Ok(how) => self
-                .server_exits
-                .push(format!("{label} arm {}: {how}", arm.name)),
-            Err(e) => self
-                .server_exits
-                .push(format!("{label} arm {}: stop failed: {e}", arm.name)),
-        }
+        self.server_exits
+            .push(crate::broker::exit_line(&label, &arm.name, server.stop()));
         result
     }
 }

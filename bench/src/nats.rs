@@ -27,7 +27,7 @@ use std::fs::File;
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -41,7 +41,7 @@ use futures::stream::FuturesUnordered;
 use hdrhistogram::Histogram;
 
 use crate::BenchError;
-use crate::broker::{STARTUP_TIMEOUT, stop_child, wipe_dir};
+use crate::broker::{STARTUP_TIMEOUT, ServerProcess, wipe_dir};
 use crate::cell::{CellDriver, CellRun};
 use crate::generator::{
     LatencyCounts, PublisherResult, Window, assemble_run, drain, join_load, nanos_since,
@@ -125,13 +125,12 @@ pub fn parse_server_line(line: &str) -> Option<(bool, SocketAddr)> {
 
 /// A nats-server started for one cell.
 pub struct NatsServer {
-    child: Option<Child>,
+    process: ServerProcess,
     pub client_addr: SocketAddr,
     pub monitor_addr: SocketAddr,
     pub pid: u32,
     /// CA to trust when the arm runs TLS (the cell's self-signed certificate).
     pub ca: Option<PathBuf>,
-    log: PathBuf,
 }
 
 impl std::fmt::Debug for NatsServer {
@@ -210,12 +209,11 @@ impl NatsServer {
             }
         }
         let mut server = NatsServer {
-            child: Some(child),
+            process: ServerProcess::new(child, log),
             client_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             monitor_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             pid,
             ca: tls.map(|(cert, _)| cert),
-            log,
         };
         let deadline = Instant::now() + STARTUP_TIMEOUT;
         let (mut client, mut monitor) = (None, None);
@@ -227,10 +225,10 @@ impl NatsServer {
                     None => {}
                 },
                 Err(_) => {
-                    server.kill();
+                    server.process.kill();
                     return Err(BenchError::Broker(format!(
                         "nats-server did not report its ports within {STARTUP_TIMEOUT:?}; see {}",
-                        server.log.display()
+                        server.process.log().display()
                     )));
                 }
             }
@@ -244,23 +242,7 @@ impl NatsServer {
 
     /// SIGTERM, then SIGKILL after `broker::STOP_DEADLINE`; says how it ended.
     pub fn stop(mut self) -> Result<String, BenchError> {
-        match self.child.take() {
-            Some(child) => stop_child(child, &self.log),
-            None => Ok("already stopped".to_string()),
-        }
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-impl Drop for NatsServer {
-    fn drop(&mut self) {
-        self.kill();
+        self.process.stop()
     }
 }
 
@@ -381,14 +363,8 @@ impl CellDriver for NatsDriver {
                 cell: label.clone(),
                 detail,
             });
-        match server.stop() {
-            Ok(how) => self
-                .server_exits
-                .push(format!("{label} arm {}: {how}", arm.name)),
-            Err(e) => self
-                .server_exits
-                .push(format!("{label} arm {}: stop failed: {e}", arm.name)),
-        }
+        self.server_exits
+            .push(crate::broker::exit_line(&label, &arm.name, server.stop()));
         result
     }
 }
