@@ -10,8 +10,9 @@
 //! is connected and caught up, so each stream's leaders stay spread.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
+use felix_storage::{Backend, StorageError, SystemBackend};
 use raft::prelude::Message;
 use serde::{Deserialize, Serialize};
 
@@ -104,19 +105,19 @@ pub struct ShardStatus {
     pub fsync: Fsync,
 }
 
-struct Group {
+struct Group<B: Backend> {
     stream: String,
     shard: u32,
     placed_leader: u64,
     replicas: Vec<u64>,
-    node: Node<RaftLog, ShardState>,
+    node: Node<RaftLog<B>, ShardState>,
     dir: PathBuf,
     /// The tick each replica was last heard from in this group.
     heard: BTreeMap<u64, u64>,
     /// This member's publishes into the shard (`publish.rs`).
     producer: Producer,
     /// The shard's committed records on this member (`records.rs`).
-    records: ShardRecords,
+    records: ShardRecords<B>,
     /// A compaction waiting for the record log's fdatasync: the state taken at its index.
     compact_point: Option<CompactPoint>,
     /// Records missing from the record log that a peer is asked for.
@@ -141,46 +142,52 @@ struct Hole {
     attempts: u64,
 }
 
-/// Answers this member's publishes that `output` applied and sends its messages; notes
-/// `(group, to, snapshot, sent)` where the group must hear how a send went.
-fn deliver(
+/// Answers this member's publishes that `output` applied and hands its messages to `send`
+/// (the member queues them; how each went comes back through [`Groups::report_snapshot`] and
+/// [`Groups::report_unreachable`]).
+fn deliver<B: Backend>(
     id: u64,
-    group: &mut Group,
+    group: &mut Group<B>,
     output: Output<ShardApplied>,
-    send: &mut dyn FnMut(u64, &Message) -> bool,
-    reports: &mut Vec<(u64, u64, bool, bool)>,
+    send: &mut dyn FnMut(u64, &Message),
 ) {
     for applied in &output.applied {
         group.producer.applied(applied);
     }
     for message in output.messages {
-        let sent = send(id, &message);
-        let snapshot = message.get_msg_type() == raft::prelude::MessageType::MsgSnapshot;
-        if snapshot || !sent {
-            reports.push((id, message.to, snapshot, sent));
-        }
+        send(id, &message);
     }
 }
 
+/// Opens the storage backend of each log a member starts (a shard group's Raft log, a record
+/// log), given the log's directory: the system backend in a broker, the fault backend in the
+/// simulation (which keeps the handle to cut the power under that directory's log).
+pub type OpenBackend<B> = Box<dyn FnMut(&Path) -> Result<B, StorageError>>;
+
+/// The system backend for every log (FELIX_STORAGE_IO_URING picks io_uring or pwrite).
+#[must_use]
+pub fn system_backends() -> OpenBackend<SystemBackend> {
+    Box::new(|_| SystemBackend::open(felix_storage::BackendChoice::from_env()?))
+}
+
 /// The shard groups of this member.
-pub struct Groups {
+pub struct Groups<B: Backend = SystemBackend> {
     id: u64,
     /// This run of the member (start time in nanoseconds): its producers' ids.
     boot: u64,
     dir: PathBuf,
-    groups: BTreeMap<u64, Group>,
+    groups: BTreeMap<u64, Group<B>>,
     ticks: u64,
-    /// `(group, to, snapshot, sent)` of the sends a group must hear about after a pass.
-    reports: Vec<(u64, u64, bool, bool)>,
     /// Where the record logs live (`<data_dir>/cluster/records/<group>/`) and how they are kept.
     records_dir: PathBuf,
     records_config: RecordsConfig,
     /// Fetches of missing records to send to peers, by member.
     fetches: Vec<(u64, DataFrame)>,
     next_request: u64,
+    open_backend: OpenBackend<B>,
 }
 
-impl std::fmt::Debug for Groups {
+impl<B: Backend> std::fmt::Debug for Groups<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Groups")
             .field("id", &self.id)
@@ -189,11 +196,8 @@ impl std::fmt::Debug for Groups {
     }
 }
 
-impl Groups {
-    /// No groups yet; their Raft logs go under `dir`, their record logs under `records_dir`.
-    /// `boot` tells this run of the member from its earlier ones (its publishes' producer ids
-    /// differ per run). Groups of periodic streams, and every record log, fdatasync every
-    /// `records.fsync_interval`.
+impl Groups<SystemBackend> {
+    /// [`Groups::with_backends`] on the system backend.
     #[must_use]
     pub fn new(
         id: u64,
@@ -202,17 +206,35 @@ impl Groups {
         records_dir: PathBuf,
         records: RecordsConfig,
     ) -> Groups {
+        Groups::with_backends(id, boot, dir, records_dir, records, system_backends())
+    }
+}
+
+impl<B: Backend> Groups<B> {
+    /// No groups yet; their Raft logs go under `dir`, their record logs under `records_dir`,
+    /// each on a backend `open_backend` opens. `boot` tells this run of the member from its
+    /// earlier ones (its publishes' producer ids differ per run). Groups of periodic streams,
+    /// and every record log, fdatasync every `records.fsync_interval`.
+    #[must_use]
+    pub fn with_backends(
+        id: u64,
+        boot: u64,
+        dir: PathBuf,
+        records_dir: PathBuf,
+        records: RecordsConfig,
+        open_backend: OpenBackend<B>,
+    ) -> Groups<B> {
         Groups {
             id,
             boot,
             dir,
             groups: BTreeMap::new(),
             ticks: 0,
-            reports: Vec::new(),
             records_dir,
             records_config: records,
             fetches: Vec::new(),
             next_request: 1,
+            open_backend,
         }
     }
 
@@ -269,16 +291,14 @@ impl Groups {
                     interval: self.records_config.fsync_interval,
                 };
             }
-            let backend = felix_storage::SystemBackend::open(
-                felix_storage::BackendChoice::from_env()
-                    .map_err(|error| NodeError::Store(error.to_string()))?,
-            )
-            .map_err(|error| NodeError::Store(error.to_string()))?;
+            let store_error = |error: StorageError| NodeError::Store(error.to_string());
+            let backend = (self.open_backend)(&dir).map_err(store_error)?;
             let store = RaftLog::open_with(log_config, backend)
                 .map_err(|error| NodeError::Store(error.to_string()))?;
-            let records =
-                ShardRecords::open(&records_dir(&self.records_dir, group), &self.records_config)
-                    .map_err(|error| NodeError::Store(error.to_string()))?;
+            let records_at = records_dir(&self.records_dir, group);
+            let backend = (self.open_backend)(&records_at).map_err(store_error)?;
+            let records = ShardRecords::open_with(&records_at, &self.records_config, backend)
+                .map_err(store_error)?;
             let mut config = NodeConfig::new(self.id, placement.replicas.clone());
             config.compact_after = self.records_config.compact_after;
             let node = Node::with_machine(&config, store, ShardState::default())?;
@@ -369,11 +389,11 @@ impl Groups {
         }
     }
 
-    /// Starts a pass of driving the groups (`service.rs` runs up to
+    /// Starts a pass of driving the groups (`member.rs` runs up to
     /// [`crate::node::ADVANCE_PASSES`], then [`Groups::end_advance`]), answering this member's
     /// publishes that were applied and handing each message to `send` with its group id as
-    /// soon as it may leave (`send` says whether it went: a snapshot's fate and an
-    /// unreachable peer are reported to the group at the end). Every group with something
+    /// soon as it may leave (a snapshot's fate and an unreachable peer are reported to the
+    /// group by the member once the send is done). Every group with something
     /// ready sends what may leave now (a leader's
     /// appends go out before its own write is done, as Raft allows), applies what is
     /// committed and starts its write ([`Node::begin`]), all before any write is waited for,
@@ -382,7 +402,7 @@ impl Groups {
     /// between, so the messages reach the network while the disks work.
     pub fn begin_pass(
         &mut self,
-        send: &mut dyn FnMut(u64, &Message) -> bool,
+        send: &mut dyn FnMut(u64, &Message),
     ) -> Result<Vec<u64>, NodeError> {
         let mut begun = Vec::new();
         for (id, group) in &mut self.groups {
@@ -390,7 +410,7 @@ impl Groups {
             if group.node.begin(&mut output)? {
                 begun.push(*id);
             }
-            deliver(*id, group, output, send, &mut self.reports);
+            deliver(*id, group, output, send);
         }
         Ok(begun)
     }
@@ -401,7 +421,7 @@ impl Groups {
     pub fn finish_pass(
         &mut self,
         begun: &[u64],
-        send: &mut dyn FnMut(u64, &Message) -> bool,
+        send: &mut dyn FnMut(u64, &Message),
     ) -> Result<(), NodeError> {
         for id in begun {
             let Some(group) = self.groups.get_mut(id) else {
@@ -409,27 +429,18 @@ impl Groups {
             };
             let mut output = Output::default();
             group.node.finish(&mut output)?;
-            deliver(*id, group, output, send, &mut self.reports);
+            deliver(*id, group, output, send);
         }
         Ok(())
     }
 
     /// After the passes: records what the groups applied in their record logs, compacts
     /// the groups due (behind what their record logs fdatasynced; a record log's misses are
-    /// asked of peers by [`Groups::take_fetches`]), and tells the groups how their sends went.
-    pub fn end_advance(&mut self) -> Result<(), NodeError> {
-        let now = std::time::Instant::now();
+    /// asked of peers by [`Groups::take_fetches`]).
+    pub fn end_advance(&mut self, now: std::time::Instant) -> Result<(), NodeError> {
         for (id, group) in &mut self.groups {
             record(*id, group, now)?;
             compact(group)?;
-        }
-        for (group, to, snapshot, sent) in std::mem::take(&mut self.reports) {
-            if snapshot {
-                self.report_snapshot(group, to, sent);
-            }
-            if !sent {
-                self.report_unreachable(group, to);
-            }
         }
         Ok(())
     }
@@ -545,6 +556,7 @@ impl Groups {
         &mut self,
         request: u64,
         result: Result<Fetched, FetchRefusal>,
+        now: std::time::Instant,
     ) -> Result<(), NodeError> {
         let Some((id, group)) = self
             .groups
@@ -582,7 +594,7 @@ impl Groups {
                 hole.asked_at = None;
             }
         }
-        record(*id, group, std::time::Instant::now())?;
+        record(*id, group, now)?;
         Ok(())
     }
 
@@ -713,8 +725,8 @@ fn records_failed(group: u64, error: &dyn std::fmt::Display) -> NodeError {
 /// Reads `group`'s committed records from `from`: out of the record log up to what it has
 /// written, past it out of the Raft log's live entries. Offsets the record log still misses
 /// and the Raft log no longer holds (a hole being fetched) read as nothing yet.
-fn read_copy(
-    group: &Group,
+fn read_copy<B: Backend>(
+    group: &Group<B>,
     from: u64,
     max_records: usize,
     max_bytes: usize,
@@ -735,7 +747,11 @@ fn read_copy(
 
 /// Appends what the group applied to its record log, notes a hole to fetch, and writes once
 /// a round is full (the tick writes the rest).
-fn record(id: u64, group: &mut Group, now: std::time::Instant) -> Result<(), NodeError> {
+fn record<B: Backend>(
+    id: u64,
+    group: &mut Group<B>,
+    now: std::time::Instant,
+) -> Result<(), NodeError> {
     let found = group
         .records
         .catch_up(group.node.state(), group.node.store())
@@ -773,7 +789,7 @@ fn record(id: u64, group: &mut Group, now: std::time::Instant) -> Result<(), Nod
 /// Compacts the group's Raft log once due, behind a point its record log has fdatasynced:
 /// the state is taken when the compaction falls due, and the log compacts to it once the
 /// record log's fdatasync covers the records before it.
-fn compact(group: &mut Group) -> Result<(), NodeError> {
+fn compact<B: Backend>(group: &mut Group<B>) -> Result<(), NodeError> {
     if group.compact_point.is_none() && group.node.compaction_due()? {
         let state = group.node.state();
         group.compact_point = Some(CompactPoint {

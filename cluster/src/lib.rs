@@ -14,6 +14,9 @@
 //!   by the seeded simulation alike.
 //! - `groups`, `shard`, `publish`, `subscribe`: the replicated shards a member holds, what
 //!   their Raft groups apply, publishing into them and subscribing to them.
+//! - `member`: the whole member as a sans-IO state machine (control plane, shard groups,
+//!   in-memory shards, subscriptions): inputs with the time, frames and answers polled, logs
+//!   through the storage backend its owner picks; `service`: the thread that runs it.
 //! - `memory`: in-memory cluster streams (one copy per shard, on its owner), their forwards
 //!   and fetches between members.
 //!
@@ -22,6 +25,7 @@
 pub mod admin;
 pub mod control;
 pub mod groups;
+pub mod member;
 pub mod memory;
 pub mod node;
 pub mod pki;

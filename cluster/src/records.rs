@@ -37,7 +37,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use felix_storage::{
-    BackendChoice, FsyncMode, Log, LogConfig, LogEvent, StorageError, SystemBackend,
+    Backend, BackendChoice, FsyncMode, Log, LogConfig, LogEvent, StorageError, SystemBackend,
 };
 
 use crate::raft_log::now_unix_us;
@@ -101,8 +101,8 @@ pub enum CatchUp {
 }
 
 /// One replicated shard's record log on this member.
-pub struct ShardRecords {
-    log: Log<SystemBackend>,
+pub struct ShardRecords<B: Backend = SystemBackend> {
+    log: Log<B>,
     /// The storage shard holding the records now.
     generation: u32,
     /// Where an empty generation starts: offsets below were dropped (by the peers' retention)
@@ -110,7 +110,7 @@ pub struct ShardRecords {
     floor: u64,
 }
 
-impl std::fmt::Debug for ShardRecords {
+impl<B: Backend> std::fmt::Debug for ShardRecords<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ShardRecords")
             .field("dir", &self.log.config().dir)
@@ -136,10 +136,23 @@ pub fn record_log_config(dir: &Path, config: &RecordsConfig) -> LogConfig {
     log
 }
 
-impl ShardRecords {
-    /// Opens (creating if needed) and recovers the record log in `dir`. Blocks.
+impl ShardRecords<SystemBackend> {
+    /// Opens (creating if needed) and recovers the record log in `dir` on the system backend
+    /// (FELIX_STORAGE_IO_URING picks io_uring or pwrite). Blocks.
     pub fn open(dir: &Path, config: &RecordsConfig) -> Result<ShardRecords, StorageError> {
         let backend = SystemBackend::open(BackendChoice::from_env()?)?;
+        Self::open_with(dir, config, backend)
+    }
+}
+
+impl<B: Backend> ShardRecords<B> {
+    /// Opens (creating if needed) and recovers the record log in `dir` on `backend` (the
+    /// simulation's fault backend, or the system's). Blocks.
+    pub fn open_with(
+        dir: &Path,
+        config: &RecordsConfig,
+        backend: B,
+    ) -> Result<ShardRecords<B>, StorageError> {
         let (mut log, report) = Log::open(record_log_config(dir, config), backend)?;
         if !report.truncations.is_empty() {
             tracing::warn!(

@@ -1,12 +1,12 @@
-//! The control plane as a running service: one `felix-cluster` thread per broker that owns
-//! the Raft node (`node.rs`) on its durable log (`raft_log.rs`) and the peer transport
-//! (`transport.rs`), ticks it every [`TICK`], steps the frames peers send, sends what the
-//! node produces, registers the broker, and answers proposals and status requests from other
-//! threads. The data-plane cores never wait for it.
+//! The cluster member as a running service: one `felix-cluster` thread per broker, a thin
+//! loop around the sans-IO [`Member`] (`member.rs`) on the system storage backend and the
+//! peer transport (`transport.rs`): it waits for the next tick, peer frame, request or
+//! subscription change, hands it to the member, advances it, sends its frames, publishes its
+//! status and view, and delivers its answers. The data-plane cores never wait for it.
 //!
 //! Threads: the service's own thread runs a current-thread tokio runtime (the transport's
-//! tasks run there too). Other threads talk to it through [`Service`]'s methods, which send
-//! a request over a channel and wait for the answer with a deadline.
+//! tasks run there too). Other threads talk to it through [`Service`]'s methods, which queue a
+//! request on a channel; blocking variants for tools wait for the answer with a deadline.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -15,29 +15,24 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use bytes::Bytes;
-use raft::prelude::MessageType;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::control::{Command, ControlState, Member, Outcome, StreamKind};
-use crate::groups::{CONTROL_GROUP, Groups, group_id};
-use crate::memory::{DATA_GROUP, DataFrame, Forwards, MemoryShards};
-use crate::node::{Node, NodeConfig, NodeError, NodeStatus, ProposeError};
+use crate::control::{Command, ControlState, Member as MemberEntry, Outcome, StreamKind};
+use crate::groups::{group_id, system_backends};
+use crate::member::{Member, MemberConfig, Progress, Request, SubscriptionControl};
+use crate::memory::MemoryShards;
+use crate::node::{NodeError, NodeStatus, ProposeError};
 use crate::pki::NodeIdentity;
 use crate::publish::{PublishAnswer, PublishError};
-use crate::raft_log::RaftLog;
 use crate::records::RecordsConfig;
 use crate::shard::ShardRecord;
-use crate::subscribe::{SubscribeRequest, SubscriptionSink, Subscriptions, View};
+use crate::subscribe::{SubscribeRequest, SubscriptionSink};
 use crate::transport::{PeerCut, PeerTransport, TransportConfig};
 
 /// The logical clock's period: elections after 1-2 s without a leader, heartbeats every
 /// 200 ms (`NodeConfig::new`).
 pub const TICK: Duration = Duration::from_millis(100);
-
-/// How often an unregistered broker asks to be registered.
-const REGISTER_EVERY_TICKS: u64 = 10;
 
 /// Requests queued for the service's thread (publishes from every data-plane core included;
 /// beyond, a publish is refused at once with `PublishError::Busy`).
@@ -47,7 +42,7 @@ const REQUESTS_MAX: usize = 4_096;
 #[derive(Debug, Clone)]
 pub struct ServiceConfig {
     /// This broker's member entry (id, client and peer addresses, cores).
-    pub member: Member,
+    pub member: MemberEntry,
     /// Where the peer endpoint listens (port 0: any; `Service::peer_addr` tells).
     pub peer_bind: SocketAddr,
     /// Every other member's id and peer address (the static peer list).
@@ -101,9 +96,6 @@ pub struct ClusterStatus {
     pub subscriptions: usize,
 }
 
-/// Ticks a proposal may take before it is proposed again.
-const PROPOSE_AGAIN_TICKS: u64 = 10;
-
 /// Called exactly once with a request's outcome, on the cluster thread (it must not block):
 /// the answer to a proposal ([`Service::propose_then`]) or a read ([`Service::read_then`]).
 /// An answer dropped without being called (a request still queued when the service stops)
@@ -141,53 +133,6 @@ impl<T> std::fmt::Debug for Answer<T> {
             "Answer(answered)"
         })
     }
-}
-
-/// A proposal a caller waits for.
-struct Waiting {
-    command: Command,
-    answer: Answer<Outcome>,
-    /// When the caller stops waiting (it is then answered [`ServiceError::Timeout`]).
-    deadline: std::time::Instant,
-    timeout: Duration,
-    proposed_at: u64,
-}
-
-enum Request {
-    Propose {
-        command: Command,
-        answer: Answer<Outcome>,
-        timeout: Duration,
-    },
-    Publish {
-        stream: String,
-        shard: u32,
-        records: Vec<ShardRecord>,
-        deadline: std::time::Instant,
-        timeout: Duration,
-        answer: PublishAnswer,
-    },
-    Read {
-        stream: String,
-        shard: u32,
-        from: u64,
-        max_records: usize,
-        answer: Answer<Vec<(u64, ShardRecord)>>,
-    },
-}
-
-/// Subscribes, credits and unsubscribes: on a channel of their own, in one order (an
-/// unsubscribe never overtakes its subscribe), never refused (a lost credit would stall a
-/// subscription for good). Bounded by the subscriptions the callers hold (the broker's
-/// subscription limits): one subscribe, at most `subscribe::CREDITS` credits and one
-/// unsubscribe each.
-enum SubscriptionControl {
-    Subscribe {
-        request: SubscribeRequest,
-        sink: SubscriptionSink,
-    },
-    Credit(u64),
-    Unsubscribe(u64),
 }
 
 /// The cluster as this member sees it, for the data-plane cores: the members' client
@@ -660,15 +605,25 @@ async fn serve(
     mut stopped: oneshot::Receiver<()>,
     ready: std::sync::mpsc::Sender<Started>,
 ) -> Result<(), ServiceError> {
-    let id = config.member.id;
+    let boot = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| {
+            u64::try_from(since.as_nanos()).unwrap_or(u64::MAX)
+        });
     let setup = async {
-        let store = RaftLog::open(&config.dir)
-            .map_err(|error| ServiceError::Start(format!("the raft log: {error}")))?;
-        let mut voters: Vec<u64> = config.peers.keys().copied().collect();
-        voters.push(id);
-        let node = Node::new(&NodeConfig::new(id, voters), store)?;
+        let member = Member::open(
+            MemberConfig {
+                member: config.member.clone(),
+                peers: config.peers.keys().copied().collect(),
+                dir: config.dir.clone(),
+                records: config.records,
+                boot,
+            },
+            std::time::Instant::now(),
+            system_backends(),
+        )?;
         let (transport, frames) = PeerTransport::start(TransportConfig {
-            node_id: id,
+            node_id: config.member.id,
             bind: config.peer_bind,
             peers: config.peers.clone(),
             identity: config.identity.clone(),
@@ -676,503 +631,107 @@ async fn serve(
             cut,
         })
         .map_err(|error| ServiceError::Start(format!("the peer endpoint: {error}")))?;
-        Ok::<_, ServiceError>((node, transport, frames))
+        Ok::<_, ServiceError>((member, transport, frames))
     };
-    let (mut node, transport, mut frames) = match setup.await {
+    let (mut member, transport, mut frames) = match setup.await {
         Ok(parts) => parts,
         Err(error) => {
             let _ = ready.send(Err(ServiceError::Start(error.to_string())));
             return Err(error);
         }
     };
-    // Apply what this member knows to be committed (its log up to the stored commit index)
-    // before it serves: the cores then know the streams created before a restart at once,
-    // rather than answering `stream_not_found` until the first peer message.
-    let recovered = node.advance()?;
-    send_control(&transport, &mut node, recovered.messages);
-    let status = Arc::new(Mutex::new(ClusterStatus {
-        node: node.status(),
-        state: node.state().clone(),
-        connected: Vec::new(),
-        shards: Vec::new(),
-        subscriptions: 0,
-    }));
-    let boot = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |since| {
-            u64::try_from(since.as_nanos()).unwrap_or(u64::MAX)
-        });
-    let mut groups = Groups::new(
-        id,
-        boot,
-        config.dir.with_file_name("shards"),
-        config.dir.with_file_name("records"),
-        config.records,
-    );
-    let mut reconciled_at = 0u64;
+    transmit(&mut member, &transport);
+    let status = Arc::new(Mutex::new(member.status()));
     let (view, view_watched) = tokio::sync::watch::channel(Arc::new(ClusterView::new(
-        id,
-        node.state(),
+        member.id(),
+        member.state(),
         &[],
-        &MemoryShards::new(id),
+        &MemoryShards::new(member.id()),
     )));
     let _ = ready.send(Ok((
         transport.local_addr(),
         Arc::clone(&status),
         view_watched,
     )));
-    let mut waiting: HashMap<u64, Waiting> = HashMap::new();
-    let mut subscriptions = Subscriptions::default();
-    let mut data = Data {
-        memory: MemoryShards::new(id),
-        forwards: Forwards::default(),
-        out: Vec::new(),
-    };
-    let mut ticks = tokio::time::interval(TICK);
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut tick_count = 0u64;
-    let mut registered_sequence: Option<u64> = None;
-    // The status snapshot is rebuilt at every tick and after control-plane changes, not after
-    // every event (a publish is an event).
-    let mut refresh_status = true;
-    loop {
-        tokio::select! {
-            _ = &mut stopped => break,
-            _ = ticks.tick() => {
-                let now = std::time::Instant::now();
-                node.drive_store(now)?;
-                node.tick();
-                groups.tick(&transport.connected_peers(), now)?;
-                tick_count += 1;
-                refresh_status = true;
-                data.forwards.expire(now);
-                data.memory.tick(tick_count, &mut data.out);
-                // Callers that gave up (their deadline passed) are forgotten; proposals that did
-                // not come back within a second are proposed again (a forward lost on the way
-                // to the leader, or dropped by a leader change: raft-rs never retries them).
-                // The control plane applies each once (`ControlState::apply_proposal`).
-                let expired: Vec<u64> = waiting
-                    .iter()
-                    .filter(|(_, waiting)| waiting.deadline <= now)
-                    .map(|(sequence, _)| *sequence)
-                    .collect();
-                for sequence in expired {
-                    if let Some(gone) = waiting.remove(&sequence) {
-                        gone.answer.answer(Err(ServiceError::Timeout(gone.timeout)));
+    let outcome = async {
+        loop {
+            tokio::select! {
+                _ = &mut stopped => return Ok(()),
+                () = tokio::time::sleep_until(member.poll_timeout().into()) => {
+                    member.handle_tick(std::time::Instant::now(), &transport.connected_peers())?;
+                }
+                Some(inbound) = frames.recv() => {
+                    let now = std::time::Instant::now();
+                    member.handle_peer_frame(now, inbound.from, &inbound.frame);
+                    // Everything else already queued goes in before the nodes advance, so one
+                    // Ready (one append and one fdatasync per group) covers it all: group
+                    // commit under load.
+                    for _ in 0..BATCH_MAX {
+                        let Ok(inbound) = frames.try_recv() else { break };
+                        member.handle_peer_frame(now, inbound.from, &inbound.frame);
                     }
                 }
-                for (sequence, waiting) in &mut waiting {
-                    if tick_count - waiting.proposed_at >= PROPOSE_AGAIN_TICKS
-                        && node.propose_again(*sequence, waiting.command.clone()).is_ok()
-                    {
-                        waiting.proposed_at = tick_count;
+                Some(request) = inbox.recv() => {
+                    let now = std::time::Instant::now();
+                    member.handle_request(now, request);
+                    for _ in 0..BATCH_MAX {
+                        let Ok(request) = inbox.try_recv() else { break };
+                        member.handle_request(now, request);
                     }
                 }
-                let registered = node.state().members.get(&id) == Some(&config.member);
-                if !registered && tick_count % REGISTER_EVERY_TICKS == 1 {
-                    registered_sequence = node
-                        .propose(Command::Register { member: config.member.clone() })
-                        .ok();
-                }
-            }
-            Some(inbound) = frames.recv() => {
-                let mut peers = Peers {
-                    id,
-                    node: &mut node,
-                    groups: &mut groups,
-                    data: &mut data,
-                    subscriptions: &mut subscriptions,
-                    tick_count,
-                };
-                peers.frame(&inbound);
-                // Everything else already queued goes in before the nodes advance, so one
-                // Ready (one append and one fdatasync per group) covers it all: group commit
-                // under load.
-                for _ in 0..BATCH_MAX {
-                    let Ok(inbound) = frames.try_recv() else { break };
-                    peers.frame(&inbound);
-                }
-            }
-            Some(request) = inbox.recv() => {
-                let mut serving = Serving {
-                    id,
-                    node: &mut node,
-                    groups: &mut groups,
-                    waiting: &mut waiting,
-                    data: &mut data,
-                    tick_count,
-                };
-                serving.request(request);
-                for _ in 0..BATCH_MAX {
-                    let Ok(request) = inbox.try_recv() else { break };
-                    serving.request(request);
-                }
-            }
-            Some(control) = control_inbox.recv() => {
-                let mut control = Some(control);
-                while let Some(next) = control.take().or_else(|| control_inbox.try_recv().ok()) {
-                    match next {
-                        SubscriptionControl::Subscribe { request, sink } => {
-                            let view = View {
-                                state: node.state(),
-                                groups: &groups,
-                                memory: &data.memory,
-                            };
-                            subscriptions.add(request, sink, &view, tick_count);
-                        }
-                        SubscriptionControl::Credit(id) => subscriptions.credit(id),
-                        SubscriptionControl::Unsubscribe(id) => subscriptions.remove(id),
+                Some(control) = control_inbox.recv() => {
+                    member.handle_subscription(control);
+                    while let Ok(control) = control_inbox.try_recv() {
+                        member.handle_subscription(control);
                     }
                 }
             }
-        }
-        let output = node.advance()?;
-        send_control(&transport, &mut node, output.messages);
-        if node.state().applied != reconciled_at {
-            // A shard whose log cannot be opened here (a full disk) stays without this
-            // replica: its leader reports it under-replicated. Tried again at the next change.
-            if let Err(error) = groups.reconcile(node.state()) {
-                tracing::error!(%error, "cannot start a replicated shard on this member");
-            }
-            data.memory.reconcile(node.state());
-            reconciled_at = node.state().applied;
-            refresh_status = true;
-        }
-        // Each pass starts every group's write before it waits for any (the groups' logs
-        // fdatasync at the same time). When one group wrote, the runtime first puts the
-        // messages that may leave now on the network (a leader's appends: its followers
-        // write while it does): a lone publish through the leader acks ~18 % sooner. When
-        // several groups wrote, the member is busy and they wait for the pass: sending early
-        // then split the work finer and cost ~20 % of a three-shard stream's rate on this
-        // CPU-bound machine (docs/performance.md, "Cluster: writes in parallel").
-        let sent_early = std::cell::Cell::new(false);
-        let mut send = |group: u64, message: &raft::prelude::Message| -> bool {
-            sent_early.set(true);
-            transport.send(message.to, encode_frame(group, message))
-        };
-        for _ in 0..crate::node::ADVANCE_PASSES {
-            sent_early.set(false);
-            let begun = groups.begin_pass(&mut send)?;
-            if begun.is_empty() {
-                break;
-            }
-            if sent_early.get() && begun.len() == 1 {
-                // The peer task takes the frames and its QUIC stream wakes the endpoint.
+            // The frames a lone group's pass may send early reach the network while its
+            // write runs: the peer tasks take them when this task yields.
+            while member.advance(std::time::Instant::now())? == Progress::Flush {
+                transmit(&mut member, &transport);
                 tokio::task::yield_now().await;
             }
-            groups.finish_pass(&begun, &mut send)?;
-        }
-        groups.end_advance()?;
-        // Subscribers read what this round applied (and what they have credit for).
-        let reading = View {
-            state: node.state(),
-            groups: &groups,
-            memory: &data.memory,
-        };
-        subscriptions.pump(&reading, tick_count, &mut data.out);
-        data.out.extend(groups.take_fetches());
-        for (to, frame) in data.out.drain(..) {
-            let mut bytes = DATA_GROUP.to_be_bytes().to_vec();
-            bytes.extend_from_slice(&frame.encode());
-            if !transport.send(to, Bytes::from(bytes))
-                && let DataFrame::Publish { request, .. } = frame
-            {
-                data.forwards.unsent(request, to);
+            transmit(&mut member, &transport);
+            if member.status_due() {
+                let mut shown = status
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                let now = member.update_status(&mut shown);
+                drop(shown);
+                view.send_if_modified(|known| {
+                    let changed = **known != now;
+                    if changed {
+                        *known = Arc::new(now);
+                    }
+                    changed
+                });
             }
-        }
-        if refresh_status {
-            refresh_status = false;
-            let mut shown = status
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            shown.node = node.status();
-            if shown.state.applied != node.state().applied {
-                shown.state = node.state().clone();
-            }
-            shown.connected = transport.connected_peers();
-            shown.shards = groups.status();
-            shown.subscriptions = subscriptions.len();
-            let now = ClusterView::new(id, node.state(), &shown.shards, &data.memory);
-            view.send_if_modified(|known| {
-                let changed = **known != now;
-                if changed {
-                    *known = Arc::new(now);
-                }
-                changed
-            });
-        }
-        // Callers are answered after the status shows what they waited for.
-        for applied in output.applied {
-            if !node.proposed(&applied.proposal) {
-                continue;
-            }
-            if let Some(waiting) = waiting.remove(&applied.proposal.sequence) {
-                waiting.answer.answer(Ok(applied.outcome));
-            } else if Some(applied.proposal.sequence) == registered_sequence {
-                tracing::info!(id, "registered with the cluster");
+            // Callers are answered after the status shows what they waited for.
+            while let Some(answered) = member.poll_answer() {
+                answered.deliver();
             }
         }
     }
-    subscriptions.stop_all();
-    Ok(())
-}
-
-/// The shard group of shard `shard` of durable stream `stream`, by the control plane's state.
-fn shard_group(state: &ControlState, stream: &str, shard: u32) -> Result<u64, PublishError> {
-    let Some(placement) = state
-        .streams
-        .get(stream)
-        .filter(|placement| placement.kind == StreamKind::Durable)
-    else {
-        return Err(PublishError::NoSuchStream {
-            stream: stream.to_owned(),
-        });
-    };
-    if shard as usize >= placement.shards.len() {
-        return Err(PublishError::NotReplicatedHere {
-            stream: stream.to_owned(),
-            shard,
-        });
+    .await;
+    member.stop();
+    while let Some(answered) = member.poll_answer() {
+        answered.deliver();
     }
-    Ok(group_id(placement.incarnation, shard))
+    outcome
 }
 
-/// Sends the control plane's messages, telling its node which could not be sent (and the fate
-/// of each snapshot).
-fn send_control(
-    transport: &PeerTransport,
-    node: &mut Node<RaftLog>,
-    messages: Vec<raft::prelude::Message>,
-) {
-    for message in messages {
-        let to = message.to;
-        let snapshot = message.get_msg_type() == MessageType::MsgSnapshot;
-        let sent = transport.send(to, encode_frame(CONTROL_GROUP, &message));
-        if snapshot {
-            node.report_snapshot(to, sent);
-        }
-        if !sent {
-            node.report_unreachable(to);
-        }
+/// Hands the member's frames to the peer transport and tells it how each went.
+fn transmit<B: felix_storage::Backend>(member: &mut Member<B>, transport: &PeerTransport) {
+    while let Some(out) = member.poll_transmit() {
+        let sent = transport.send(out.to, out.frame);
+        member.handle_transmitted(out.to, out.about, sent);
     }
 }
 
 /// Most queued frames or requests taken in after the one that woke the service, before the
-/// nodes advance (`serve`).
+/// member advances (`serve`).
 const BATCH_MAX: usize = 256;
-
-/// A peer's frame: stepped into the control plane's node or the shard group it names.
-fn step_frame(
-    id: u64,
-    inbound: &crate::transport::Inbound,
-    node: &mut Node<RaftLog>,
-    groups: &mut Groups,
-) {
-    match decode_frame(&inbound.frame) {
-        Ok((group, message)) if message.from == inbound.from && message.to == id => {
-            if group == CONTROL_GROUP {
-                if let Err(error) = node.step(message) {
-                    tracing::debug!(from = inbound.from, %error, "a peer message was refused");
-                }
-            } else {
-                groups.step(group, message);
-            }
-        }
-        Ok((_, message)) => tracing::warn!(
-            from = inbound.from,
-            claimed = message.from,
-            to = message.to,
-            "a peer sent a message not from itself or not for this broker; dropped"
-        ),
-        Err(error) => {
-            tracing::warn!(from = inbound.from, %error, "an undecodable peer frame; dropped");
-        }
-    }
-}
-
-/// The in-memory streams' state on the cluster thread (`memory.rs`).
-struct Data {
-    memory: MemoryShards,
-    forwards: Forwards,
-    /// Data frames to send at the end of the round, by member.
-    out: Vec<(u64, DataFrame)>,
-}
-
-/// What a peer's frame works on.
-struct Peers<'a> {
-    id: u64,
-    node: &'a mut Node<RaftLog>,
-    groups: &'a mut Groups,
-    data: &'a mut Data,
-    subscriptions: &'a mut Subscriptions,
-    tick_count: u64,
-}
-
-impl Peers<'_> {
-    /// A peer's frame: a data frame (in-memory shards), else a Raft message.
-    fn frame(&mut self, inbound: &crate::transport::Inbound) {
-        if inbound.frame.get(..8) != Some(&DATA_GROUP.to_be_bytes()[..]) {
-            step_frame(self.id, inbound, self.node, self.groups);
-            return;
-        }
-        let data = &mut *self.data;
-        match DataFrame::decode(&inbound.frame.slice(8..)) {
-            Ok(DataFrame::Publish {
-                request,
-                key,
-                records,
-            }) => {
-                let first_offset = data.memory.append(key, records, &mut data.out);
-                data.out.push((
-                    inbound.from,
-                    DataFrame::Published {
-                        request,
-                        first_offset,
-                    },
-                ));
-            }
-            Ok(DataFrame::Published {
-                request,
-                first_offset,
-            }) => data.forwards.answered(request, first_offset, inbound.from),
-            Ok(DataFrame::Fetch(fetch)) => {
-                data.memory
-                    .fetch(inbound.from, &fetch, self.tick_count, &mut data.out);
-            }
-            Ok(DataFrame::Fetched { request, result }) => {
-                self.subscriptions.fetched(request, result);
-            }
-            Ok(DataFrame::RecordsFetch(fetch)) => {
-                data.out
-                    .push((inbound.from, self.groups.answer_fetch(&fetch)));
-            }
-            Ok(DataFrame::RecordsFetched { request, result }) => {
-                // A failed record log fails the service at the end of this round.
-                if let Err(error) = self.groups.records_fetched(request, result) {
-                    tracing::error!(%error, "recording fetched records failed");
-                }
-            }
-            Err(error) => {
-                tracing::warn!(from = inbound.from, %error, "an undecodable data frame; dropped");
-            }
-        }
-    }
-}
-
-/// What a request from another thread of the broker works on.
-struct Serving<'a> {
-    id: u64,
-    node: &'a mut Node<RaftLog>,
-    groups: &'a mut Groups,
-    waiting: &'a mut HashMap<u64, Waiting>,
-    data: &'a mut Data,
-    tick_count: u64,
-}
-
-impl Serving<'_> {
-    /// A request from another thread of the broker.
-    fn request(&mut self, request: Request) {
-        let Serving {
-            id,
-            node,
-            groups,
-            waiting,
-            data,
-            tick_count,
-        } = self;
-        match request {
-            Request::Propose {
-                command,
-                answer,
-                timeout,
-            } => match node.propose(command.clone()) {
-                Ok(sequence) => {
-                    waiting.insert(
-                        sequence,
-                        Waiting {
-                            command,
-                            answer,
-                            deadline: std::time::Instant::now() + timeout,
-                            timeout,
-                            proposed_at: *tick_count,
-                        },
-                    );
-                }
-                Err(error) => answer.answer(Err(error.into())),
-            },
-            Request::Publish {
-                stream,
-                shard,
-                records,
-                deadline,
-                timeout,
-                answer,
-            } => {
-                let placed = crate::memory::shard_key(node.state(), &stream, shard);
-                if let Some((key, owner)) = placed {
-                    // An in-memory shard: appended here by its owner, else forwarded to it.
-                    if owner == *id {
-                        let count = u32::try_from(records.len()).unwrap_or(u32::MAX);
-                        let appended = data.memory.append(key, records, &mut data.out);
-                        answer.answer(appended.map_or(
-                            Err(PublishError::NotOwner { member: *id }),
-                            |first_offset| {
-                                Ok(crate::publish::PublishAck {
-                                    first_offset,
-                                    count,
-                                })
-                            },
-                        ));
-                    } else {
-                        let by = (deadline, timeout);
-                        data.forwards
-                            .forward(owner, key, records, by, answer, &mut data.out);
-                    }
-                    return;
-                }
-                match shard_group(node.state(), &stream, shard) {
-                    Ok(group) if groups.holds(group) => {
-                        groups.publish(group, records, deadline, timeout, answer);
-                    }
-                    Ok(_) => {
-                        answer.answer(Err(PublishError::NotReplicatedHere { stream, shard }));
-                    }
-                    Err(error) => answer.answer(Err(error)),
-                }
-            }
-            Request::Read {
-                stream,
-                shard,
-                from,
-                max_records,
-                answer,
-            } => {
-                let read = shard_group(node.state(), &stream, shard)
-                    .map_err(|error| error.to_string())
-                    .and_then(|group| groups.read(group, from, max_records));
-                answer.answer(read.map_err(ServiceError::Read));
-            }
-        }
-    }
-}
-
-/// A peer frame: the group id (big-endian u64; [`CONTROL_GROUP`] for the control plane), then
-/// the Raft message.
-fn encode_frame(group: u64, message: &raft::prelude::Message) -> Bytes {
-    let encoded = crate::node::encode_message(message);
-    let mut frame = Vec::with_capacity(8 + encoded.len());
-    frame.extend_from_slice(&group.to_be_bytes());
-    frame.extend_from_slice(&encoded);
-    Bytes::from(frame)
-}
-
-fn decode_frame(frame: &[u8]) -> Result<(u64, raft::prelude::Message), String> {
-    let (group, message) = frame
-        .split_first_chunk::<8>()
-        .ok_or_else(|| format!("a frame of {} bytes has no group id", frame.len()))?;
-    let message = crate::node::decode_message(message).map_err(|error| error.to_string())?;
-    Ok((u64::from_be_bytes(*group), message))
-}
 
 /// Parses FELIX_CLUSTER_PEERS: `ID=IP:PORT` entries separated by commas, semicolons or
 /// whitespace. Ids are 1..=65535 and appear once; an address appears once.

@@ -15,6 +15,8 @@
 
 use std::collections::{HashMap, VecDeque};
 
+use felix_storage::{Backend, SystemBackend};
+
 use crate::control::ControlState;
 use crate::groups::Groups;
 use crate::memory::{
@@ -244,11 +246,11 @@ impl Subscriptions {
     /// Registers a subscription: its sink hears `Started` with the start offsets (once every
     /// remote owner told its range), or `Refused`. Its records follow from
     /// [`Subscriptions::pump`].
-    pub fn add(
+    pub fn add<B: Backend>(
         &mut self,
         request: SubscribeRequest,
         mut sink: SubscriptionSink,
-        view: &View<'_>,
+        view: &View<'_, B>,
         tick: u64,
     ) {
         match self.register(&request, view) {
@@ -271,10 +273,10 @@ impl Subscriptions {
         }
     }
 
-    fn register(
+    fn register<B: Backend>(
         &self,
         request: &SubscribeRequest,
-        view: &View<'_>,
+        view: &View<'_, B>,
     ) -> Result<Vec<Cursor>, SubscribeError> {
         if self.open.contains_key(&request.id) {
             return Err(SubscribeError::IdInUse(request.id));
@@ -368,7 +370,12 @@ impl Subscriptions {
     /// Sends every subscription with credits its next batches, read from the shards (and
     /// asks remote owners for more: `out`, frames to send by member); ends those whose shard
     /// is gone (stream deleted) or whose next records were dropped.
-    pub fn pump(&mut self, view: &View<'_>, tick: u64, out: &mut Vec<(u64, DataFrame)>) {
+    pub fn pump<B: Backend>(
+        &mut self,
+        view: &View<'_, B>,
+        tick: u64,
+        out: &mut Vec<(u64, DataFrame)>,
+    ) {
         let mut ended = Vec::new();
         let mut fetching = Vec::new();
         for (id, subscription) in &mut self.open {
@@ -537,9 +544,9 @@ impl Subscriptions {
 /// What subscriptions read: the control plane's state, the shard groups and the in-memory
 /// shards this member owns.
 #[derive(Debug, Clone, Copy)]
-pub struct View<'a> {
+pub struct View<'a, B: Backend = SystemBackend> {
     pub state: &'a ControlState,
-    pub groups: &'a Groups,
+    pub groups: &'a Groups<B>,
     pub memory: &'a MemoryShards,
 }
 
@@ -573,9 +580,9 @@ impl Cursor {
     }
 
     /// Up to `max_records` records from the cursor on (at most `max_bytes`, at least one).
-    fn read(
+    fn read<B: Backend>(
         &mut self,
-        view: &View<'_>,
+        view: &View<'_, B>,
         stream: &str,
         max_records: usize,
         max_bytes: usize,
@@ -647,7 +654,7 @@ impl Subscription {
         self.sink.event(SubscriptionEvent::Started(started));
     }
 
-    fn pump(&mut self, view: &View<'_>) -> Result<(), SubscribeError> {
+    fn pump<B: Backend>(&mut self, view: &View<'_, B>) -> Result<(), SubscribeError> {
         if !self.started {
             return Ok(());
         }
