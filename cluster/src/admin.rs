@@ -3,8 +3,7 @@
 //! tests, and the status as a table for people and as Prometheus gauges. Creating, deleting
 //! and reading streams is not served there: those are QUIC requests under the broker's
 //! authentication and rules (`CreateClusterStream`, `DeleteClusterStream`, `ReadShard` in
-//! docs/wire-protocol.md; `felix_client::Client`). The one other request, the fault tests'
-//! `POST /v1/cluster/faults` ([`cut_peers`]), is off unless FELIX_CLUSTER_FAULT_INJECTION=1.
+//! docs/wire-protocol.md; `felix_client::Client`).
 
 use std::fmt::Write as _;
 use std::io::{Read, Write};
@@ -98,34 +97,6 @@ pub fn status(addr: SocketAddr, timeout: Duration) -> Result<ClusterStatus, Admi
         path: "/v1/cluster/status",
         detail: format!("unreadable status: {error}"),
     })
-}
-
-/// Cuts member `addr`'s links to exactly `peers` (`[]` heals them): frames both ways are
-/// dropped, as in a network partition (`POST /v1/cluster/faults`; the member must run with
-/// FELIX_CLUSTER_FAULT_INJECTION=1). A partition needs the cut on both sides of each link.
-/// Returns the peers cut.
-pub fn cut_peers(
-    addr: SocketAddr,
-    peers: &[u64],
-    timeout: Duration,
-) -> Result<Vec<u64>, AdminError> {
-    let body = serde_json::json!({ "cut": peers }).to_string();
-    let (status, answer) = request(addr, "POST", "/v1/cluster/faults", Some(&body), timeout)?;
-    if status != 200 {
-        return Err(refused(status, &answer));
-    }
-    #[derive(serde::Deserialize)]
-    struct Cut {
-        cut: Vec<u64>,
-    }
-    serde_json::from_str::<Cut>(&answer)
-        .map(|cut| cut.cut)
-        .map_err(|error| AdminError::Http {
-            method: "POST",
-            addr,
-            path: "/v1/cluster/faults",
-            detail: format!("unreadable answer: {error}"),
-        })
 }
 
 /// A committed record of a replicated shard as `felix cluster read --json` prints it (key and

@@ -28,7 +28,7 @@ use crate::publish::{PublishAnswer, PublishError};
 use crate::records::RecordsConfig;
 use crate::shard::ShardRecord;
 use crate::subscribe::{SubscribeRequest, SubscriptionSink};
-use crate::transport::{PeerCut, PeerTransport, TransportConfig};
+use crate::transport::{PeerTransport, TransportConfig};
 
 /// The logical clock's period: elections after 1-2 s without a leader, heartbeats every
 /// 200 ms (`NodeConfig::new`).
@@ -57,8 +57,6 @@ pub struct ServiceConfig {
     /// interval, also that of the shard groups of `--fsync periodic` streams
     /// (FELIX_DURABLE_FSYNC_INTERVAL_MS), their retention, the Raft logs' compaction.
     pub records: RecordsConfig,
-    /// Whether [`Service::cut_peers`] may cut links (FELIX_CLUSTER_FAULT_INJECTION).
-    pub fault_injection: bool,
 }
 
 /// Why the service failed or a request did not complete.
@@ -78,8 +76,6 @@ pub enum ServiceError {
     Busy { pending: usize },
     #[error("read: {0}")]
     Read(String),
-    #[error("fault injection is off on this member (FELIX_CLUSTER_FAULT_INJECTION=1 enables it)")]
-    FaultInjectionOff,
 }
 
 /// A snapshot of the control plane as this broker sees it (`felix cluster status`).
@@ -242,9 +238,6 @@ pub struct Service {
     view: tokio::sync::watch::Receiver<Arc<ClusterView>>,
     status: Arc<Mutex<ClusterStatus>>,
     peer_addr: SocketAddr,
-    /// Peers whose links are cut (fault injection: [`Service::cut_peers`]).
-    cut: Arc<PeerCut>,
-    fault_injection: bool,
     stop: Option<oneshot::Sender<()>>,
     thread: Option<JoinHandle<Result<(), ServiceError>>>,
 }
@@ -265,20 +258,9 @@ impl Service {
         let (stop, stopped) = oneshot::channel();
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let id = config.member.id;
-        let fault_injection = config.fault_injection;
-        let cut = Arc::new(PeerCut::default());
-        let transport_cut = Arc::clone(&cut);
         let thread = std::thread::Builder::new()
             .name("felix-cluster".to_owned())
-            .spawn(move || {
-                run(
-                    config,
-                    (inbox, control_inbox),
-                    transport_cut,
-                    stopped,
-                    ready_tx,
-                )
-            })
+            .spawn(move || run(config, (inbox, control_inbox), stopped, ready_tx))
             .map_err(|error| ServiceError::Start(format!("spawn the cluster thread: {error}")))?;
         let started = ready_rx.recv_timeout(Duration::from_secs(60));
         let (peer_addr, status, view) = match started {
@@ -300,8 +282,6 @@ impl Service {
             view,
             status,
             peer_addr,
-            cut,
-            fault_injection,
             stop: Some(stop),
             thread: Some(thread),
         })
@@ -313,25 +293,6 @@ impl Service {
     #[must_use]
     pub fn view(&self) -> tokio::sync::watch::Receiver<Arc<ClusterView>> {
         self.view.clone()
-    }
-
-    /// Cuts this member's links to exactly `peers` (empty: all whole again): frames to and
-    /// from them are dropped from now on, as in a network partition, while the connections
-    /// stay up. For fault tests (the broker's `POST /v1/cluster/faults`, enabled by
-    /// FELIX_CLUSTER_FAULT_INJECTION); a partition needs the cut on both sides of each link.
-    pub fn cut_peers(&self, peers: std::collections::BTreeSet<u64>) -> Result<(), ServiceError> {
-        if !self.fault_injection {
-            return Err(ServiceError::FaultInjectionOff);
-        }
-        tracing::warn!(?peers, "fault injection: links to these peers cut");
-        self.cut.set(peers);
-        Ok(())
-    }
-
-    /// The peers whose links [`Service::cut_peers`] cut.
-    #[must_use]
-    pub fn cut(&self) -> Vec<u64> {
-        self.cut.peers()
     }
 
     /// Where the peer endpoint listens.
@@ -576,7 +537,6 @@ type Inboxes = (
 fn run(
     config: ServiceConfig,
     inbox: Inboxes,
-    cut: Arc<PeerCut>,
     stopped: oneshot::Receiver<()>,
     ready: std::sync::mpsc::Sender<Started>,
 ) -> Result<(), ServiceError> {
@@ -591,7 +551,7 @@ fn run(
             return Err(error);
         }
     };
-    let outcome = runtime.block_on(serve(config, inbox, cut, stopped, ready));
+    let outcome = runtime.block_on(serve(config, inbox, stopped, ready));
     if let Err(error) = &outcome {
         tracing::error!(%error, "the cluster service stopped: this member no longer takes part");
     }
@@ -601,7 +561,6 @@ fn run(
 async fn serve(
     config: ServiceConfig,
     (mut inbox, mut control_inbox): Inboxes,
-    cut: Arc<PeerCut>,
     mut stopped: oneshot::Receiver<()>,
     ready: std::sync::mpsc::Sender<Started>,
 ) -> Result<(), ServiceError> {
@@ -628,7 +587,6 @@ async fn serve(
             peers: config.peers.clone(),
             identity: config.identity.clone(),
             ca_pem: config.ca_pem.clone(),
-            cut,
         })
         .map_err(|error| ServiceError::Start(format!("the peer endpoint: {error}")))?;
         Ok::<_, ServiceError>((member, transport, frames))

@@ -16,10 +16,6 @@
 //!   the stream ending, drops the connection; the task redials with a capped backoff.
 //! - `send` never blocks: a bounded queue per peer; a full queue drops the frame (Raft
 //!   retransmits what is lost). Inbound frames go to one bounded channel.
-//! - [`PeerCut`]: peers whose links are cut (fault injection, FELIX_CLUSTER_FAULT_INJECTION):
-//!   frames to them are dropped as if the network lost them (`send` still says sent), frames
-//!   from them are dropped on arrival. The connections themselves stay up, as a partition in
-//!   the network would leave a process's sockets: only the traffic goes.
 //!
 //! Threads: everything runs as tasks on the caller's tokio runtime (the cluster thread's).
 
@@ -80,43 +76,6 @@ pub struct TransportConfig {
     pub identity: NodeIdentity,
     /// The cluster CA (PEM).
     pub ca_pem: String,
-    /// Peers whose links are cut (fault injection; empty unless a test cuts some).
-    pub cut: Arc<PeerCut>,
-}
-
-/// The peers a member's links are cut to (a simulated partition, for fault tests): frames to
-/// and from them are dropped. Shared between the transport's tasks and whoever cuts.
-#[derive(Debug, Default)]
-pub struct PeerCut(std::sync::RwLock<std::collections::BTreeSet<u64>>);
-
-impl PeerCut {
-    /// Cuts the links to exactly `peers` (empty: every link whole again).
-    pub fn set(&self, peers: std::collections::BTreeSet<u64>) {
-        *self
-            .0
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = peers;
-    }
-
-    /// Whether the link to `peer` is cut.
-    #[must_use]
-    pub fn contains(&self, peer: u64) -> bool {
-        self.0
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .contains(&peer)
-    }
-
-    /// The peers cut now.
-    #[must_use]
-    pub fn peers(&self) -> Vec<u64> {
-        self.0
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .iter()
-            .copied()
-            .collect()
-    }
 }
 
 /// A frame from a peer.
@@ -164,7 +123,6 @@ pub struct PeerTransport {
     local_addr: SocketAddr,
     peers: BTreeMap<u64, Peer>,
     counters: Arc<Counters>,
-    cut: Arc<PeerCut>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -306,7 +264,6 @@ impl PeerTransport {
             Arc::clone(&known),
             inbound,
             Arc::clone(&counters),
-            Arc::clone(&config.cut),
         ))];
         let mut peers = BTreeMap::new();
         for (id, addr) in &config.peers {
@@ -328,7 +285,6 @@ impl PeerTransport {
                 local_addr,
                 peers,
                 counters,
-                cut: config.cut,
                 tasks,
             },
             frames,
@@ -344,11 +300,6 @@ impl PeerTransport {
     /// Queues `frame` for peer `to`; false (and counted) when the queue is full or `to` is not
     /// a peer, or the frame is over [`FRAME_BYTES_MAX`]. Never blocks.
     pub fn send(&self, to: u64, frame: Bytes) -> bool {
-        if self.cut.contains(to) {
-            // Lost in the (cut) network: the sender cannot tell.
-            self.counters.dropped.fetch_add(1, Ordering::Relaxed);
-            return true;
-        }
         let queued = frame.len() <= FRAME_BYTES_MAX
             && self
                 .peers
@@ -398,7 +349,6 @@ async fn accept(
     known: Arc<Vec<u64>>,
     inbound: mpsc::Sender<Inbound>,
     counters: Arc<Counters>,
-    cut: Arc<PeerCut>,
 ) {
     while let Some(connection) = server.accept().await {
         tokio::spawn(receive(
@@ -406,7 +356,6 @@ async fn accept(
             Arc::clone(&known),
             inbound.clone(),
             Arc::clone(&counters),
-            Arc::clone(&cut),
         ));
     }
 }
@@ -423,7 +372,6 @@ async fn receive(
     known: Arc<Vec<u64>>,
     inbound: mpsc::Sender<Inbound>,
     counters: Arc<Counters>,
-    cut: Arc<PeerCut>,
 ) {
     let leaf = connection
         .query_event_context(|context: &VerifiedLeaf| context.0.clone())
@@ -490,8 +438,7 @@ async fn receive(
                 buffer.advance(4);
                 let frame = buffer.split_to(len).freeze();
                 counters.received.fetch_add(1, Ordering::Relaxed);
-                // A frame from a cut peer is lost as the network would lose it.
-                if cut.contains(from) || inbound.try_send(Inbound { from, frame }).is_err() {
+                if inbound.try_send(Inbound { from, frame }).is_err() {
                     counters.dropped.fetch_add(1, Ordering::Relaxed);
                 }
             }

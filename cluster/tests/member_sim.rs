@@ -286,6 +286,80 @@ impl World {
     }
 }
 
+impl World {
+    /// Every member registered, then `STREAM` created with `shards` shards of three replicas.
+    fn with_stream(seed: u64, shards: u32) -> World {
+        let mut world = World::new(seed);
+        world.run_until("every member registered", Duration::from_secs(60), |w| {
+            (1..=MEMBERS).all(|id| {
+                w.member(id)
+                    .is_some_and(|m| m.state().members.len() == MEMBERS as usize)
+            })
+        });
+        let outcome = world.propose(
+            1,
+            Command::CreateStream {
+                name: STREAM.to_owned(),
+                kind: StreamKind::Durable,
+                shards,
+                replicas: 3,
+                fsync: felix_cluster::control::Fsync::OnCommit,
+            },
+        );
+        assert_eq!(outcome, Outcome::Done, "seed {seed}: the stream is created");
+        world
+    }
+
+    /// Publishes one record named `name` into `shard` through member `through`; its answer
+    /// lands in `acks` under `id`.
+    fn publish(
+        &mut self,
+        through: u64,
+        shard: u32,
+        name: &str,
+        id: u64,
+        acks: &Answers<Result<PublishAck, PublishError>>,
+    ) {
+        let sink = Arc::clone(acks);
+        let request = Request::Publish {
+            stream: STREAM.to_owned(),
+            shard,
+            records: vec![ShardRecord {
+                timestamp_us: 1,
+                key: Bytes::new(),
+                payload: Bytes::from(name.to_owned()),
+            }],
+            deadline: self.now + Duration::from_secs(3),
+            timeout: Duration::from_secs(3),
+            answer: PublishAnswer::new(move |result| sink.lock().unwrap().push((id, result))),
+        };
+        let now = self.now;
+        self.member(through)
+            .expect("alive")
+            .handle_request(now, request);
+    }
+
+    /// The leader of shard `shard` every live member agrees on, if they do.
+    fn shard_leader(&mut self, shard: u32, among: &[u64]) -> Option<u64> {
+        let leaders: BTreeSet<Option<u64>> = among
+            .iter()
+            .map(|id| {
+                self.member(*id).and_then(|m| {
+                    m.status()
+                        .shards
+                        .iter()
+                        .find(|s| s.shard == shard)
+                        .and_then(|s| s.leader)
+                })
+            })
+            .collect();
+        match leaders.into_iter().collect::<Vec<_>>()[..] {
+            [Some(leader)] => Some(leader),
+            _ => None,
+        }
+    }
+}
+
 /// A publish in flight or answered: the shard, its records' names, the answer.
 struct Published {
     shard: u32,
@@ -293,24 +367,7 @@ struct Published {
 }
 
 fn simulate(seed: u64) {
-    let mut world = World::new(seed);
-    world.run_until("every member registered", Duration::from_secs(60), |w| {
-        (1..=MEMBERS).all(|id| {
-            w.member(id)
-                .is_some_and(|m| m.state().members.len() == MEMBERS as usize)
-        })
-    });
-    let outcome = world.propose(
-        1,
-        Command::CreateStream {
-            name: STREAM.to_owned(),
-            kind: StreamKind::Durable,
-            shards: SHARDS,
-            replicas: 3,
-            fsync: felix_cluster::control::Fsync::OnCommit,
-        },
-    );
-    assert_eq!(outcome, Outcome::Done, "seed {seed}: the stream is created");
+    let mut world = World::with_stream(seed, SHARDS);
 
     let acks: Answers<Result<PublishAck, PublishError>> = Arc::default();
     let mut published: HashMap<u64, Published> = HashMap::new();
@@ -482,4 +539,77 @@ fn three_members_keep_every_acked_record_through_loss_partitions_and_power_cuts(
     for seed in first..first + seeds {
         simulate(seed);
     }
+}
+
+/// The case a crash cannot make: the shard's leader runs on, cut off from both followers. It
+/// must not acknowledge (it cannot reach a majority); the majority elects a leader and
+/// acknowledges; healed, the copies agree and hold every acknowledged record once, the cut-off
+/// leader's record at most once (its outcome was unknown, never a false ack).
+#[test]
+fn a_leader_cut_off_cannot_ack_while_the_majority_elects_and_acks() {
+    let mut world = World::with_stream(7, 1);
+    let all: Vec<u64> = (1..=MEMBERS).collect();
+    world.run_until("a shard leader", Duration::from_secs(30), |w| {
+        w.shard_leader(0, &all).is_some()
+    });
+    let old = world.shard_leader(0, &all).expect("a leader");
+    let majority: Vec<u64> = all.iter().copied().filter(|id| *id != old).collect();
+    for other in &majority {
+        world.cut.insert((old, *other));
+        world.cut.insert((*other, old));
+    }
+    let acks: Answers<Result<PublishAck, PublishError>> = Arc::default();
+    world.publish(old, 0, "minority", 0, &acks);
+    world.run_until("the majority elects", Duration::from_secs(30), |w| {
+        w.shard_leader(0, &majority)
+            .is_some_and(|leader| leader != old)
+    });
+    for i in 1..=20 {
+        let through = majority[i as usize % majority.len()];
+        world.publish(through, 0, &format!("majority {i}"), i, &acks);
+    }
+    world.run_until("every publish answered", Duration::from_secs(30), |_| {
+        acks.lock().unwrap().len() == 21
+    });
+    let answers = std::mem::take(&mut *acks.lock().unwrap());
+    for (id, result) in &answers {
+        if *id == 0 {
+            assert!(
+                matches!(result, Err(PublishError::Timeout(_))),
+                "the cut-off leader answered {result:?}"
+            );
+        } else {
+            assert!(result.is_ok(), "majority publish {id}: {result:?}");
+        }
+    }
+    world.cut.clear();
+    world.run_until("every copy agrees", Duration::from_secs(60), |w| {
+        let ends: BTreeSet<Option<u64>> = all
+            .iter()
+            .map(|id| {
+                w.member(*id)
+                    .and_then(|m| m.status().shards.first().map(|s| s.next_offset))
+            })
+            .collect();
+        ends.len() == 1 && ends.first().copied().flatten().is_some_and(|end| end >= 20)
+    });
+    let copies: Vec<Vec<(u64, ShardRecord)>> =
+        all.iter().map(|id| world.read_all(*id, 0)).collect();
+    assert!(
+        copies.windows(2).all(|pair| pair[0] == pair[1]),
+        "the copies differ"
+    );
+    let names: Vec<String> = copies[0]
+        .iter()
+        .map(|(_, record)| String::from_utf8_lossy(&record.payload).into_owned())
+        .collect();
+    for i in 1..=20 {
+        let name = format!("majority {i}");
+        assert_eq!(
+            names.iter().filter(|n| **n == name).count(),
+            1,
+            "{name} in {names:?}"
+        );
+    }
+    assert!(names.iter().filter(|n| *n == "minority").count() <= 1);
 }

@@ -45,7 +45,6 @@ fn identity_config(
             .collect(),
         identity,
         ca_pem: ca.cert_pem.clone(),
-        cut: Default::default(),
     }
 }
 

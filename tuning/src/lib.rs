@@ -225,9 +225,6 @@ pub struct Config {
     /// FELIX_CLUSTER_RAFT_COMPACT_ENTRIES: applied entries a replicated shard's Raft log keeps
     /// before it compacts. Default 10,000. Restart.
     pub cluster_raft_compact_entries: u64,
-    /// FELIX_CLUSTER_FAULT_INJECTION: `1` enables `POST /v1/cluster/faults` (tests cut peer
-    /// links with it to make partitions). Default 0. Restart.
-    pub cluster_fault_injection: bool,
     // ---- client / CLI ----
     /// FELIX_ADDR: broker address the CLI connects to. Default 127.0.0.1:7400.
     pub addr: SocketAddr,

@@ -762,16 +762,6 @@ settings! {
               a member further behind than this catches up from a snapshot and fetches the \
               records it missed from a peer.",
     }
-    cluster_fault_injection {
-        env: "FELIX_CLUSTER_FAULT_INJECTION",
-        kind: Kind::Bool,
-        default: Fixed("0"),
-        restart: Restart::Broker,
-        doc: "`1` lets `POST /v1/cluster/faults` on the metrics endpoint, from a loopback \
-              address only, cut this member's \
-              links to chosen peers (frames both ways dropped, as in a network partition): \
-              for fault tests only, never in production.",
-    }
     // ---- client / CLI ----
     addr {
         env: "FELIX_ADDR",

@@ -65,7 +65,6 @@ impl Cluster {
                 ca_pem: self.ca.cert_pem.clone(),
                 dir: dir.clone(),
                 records: felix_cluster::records::RecordsConfig::default(),
-                fault_injection: false,
             }) {
                 Ok(service) => return service,
                 Err(error) if Instant::now() < deadline => {

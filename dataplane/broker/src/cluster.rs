@@ -119,7 +119,6 @@ pub(crate) fn start(
             segment_bytes: felix_cluster::records::RECORD_LOG_SEGMENT_BYTES
                 .min(config.durable_segment_bytes),
         },
-        fault_injection: config.cluster_fault_injection,
     })
     .map_err(|error| BrokerError::Cluster(error.to_string()))?;
     tracing::info!(

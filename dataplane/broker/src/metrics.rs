@@ -1028,9 +1028,6 @@ impl Drop for MetricsServer {
 /// Where the metrics thread finds the cluster service, set once the broker started it.
 pub type ClusterSlot = Arc<std::sync::OnceLock<Arc<felix_cluster::service::Service>>>;
 
-/// Largest admin request body read.
-const ADMIN_BODY_MAX: u64 = 64 * 1024;
-
 fn json_response(status: u16, body: String) -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
     let mut response = tiny_http::Response::from_string(body).with_status_code(status);
     if let Ok(header) = tiny_http::Header::from_bytes("Content-Type", "application/json") {
@@ -1043,52 +1040,9 @@ fn error_json(status: u16, message: &str) -> tiny_http::Response<std::io::Cursor
     json_response(status, serde_json::json!({ "error": message }).to_string())
 }
 
-/// An admin request's JSON body (at most [`ADMIN_BODY_MAX`] bytes), or the 400 answer.
-fn json_body<T: serde::de::DeserializeOwned>(
-    request: &mut tiny_http::Request,
-) -> Result<T, tiny_http::Response<std::io::Cursor<Vec<u8>>>> {
-    let mut body = Vec::new();
-    std::io::Read::read_to_end(
-        &mut std::io::Read::take(request.as_reader(), ADMIN_BODY_MAX),
-        &mut body,
-    )
-    .map_err(|error| error_json(400, &format!("cannot read the body: {error}")))?;
-    serde_json::from_slice(&body)
-        .map_err(|error| error_json(400, &format!("bad request body: {error}")))
-}
-
-/// `POST /v1/cluster/faults`: `{"cut": [member ids]}` cuts this member's links to exactly
-/// those peers (`[]` heals them); 200 with the peers cut, 403 unless the broker runs with
-/// FELIX_CLUSTER_FAULT_INJECTION=1 and the request comes from a loopback address. A test
-/// hook (docs/cluster.md, Tests), off by default: the endpoint's only request that changes
-/// anything.
-fn cut_peers(
-    service: &felix_cluster::service::Service,
-    request: &mut tiny_http::Request,
-) -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
-    if !request
-        .remote_addr()
-        .is_some_and(|peer| peer.ip().is_loopback())
-    {
-        return error_json(403, "fault injection is only taken from a loopback address");
-    }
-    #[derive(serde::Deserialize)]
-    struct Faults {
-        cut: std::collections::BTreeSet<u64>,
-    }
-    let faults: Faults = match json_body(request) {
-        Ok(faults) => faults,
-        Err(refused) => return refused,
-    };
-    match service.cut_peers(faults.cut) {
-        Ok(()) => json_response(200, serde_json::json!({ "cut": service.cut() }).to_string()),
-        Err(error) => error_json(403, &error.to_string()),
-    }
-}
-
 fn serve(server: &tiny_http::Server, metrics: &Metrics, cluster: &ClusterSlot) {
     // Ends when `unblock` is called (the iterator then yields None).
-    for mut request in server.incoming_requests() {
+    for request in server.incoming_requests() {
         let method = request.method().clone();
         let url = request.url().to_owned();
         let path = url.split('?').next().unwrap_or_default();
@@ -1114,12 +1068,10 @@ fn serve(server: &tiny_http::Server, metrics: &Metrics, cluster: &ClusterSlot) {
                  and read cluster streams over QUIC (`felix cluster create-stream`, \
                  `delete-stream`, `read`), under the broker's authentication and rules",
             ),
-            (_, "/v1/cluster/status" | "/v1/cluster/faults") if cluster.get().is_none() => {
-                error_json(
-                    404,
-                    "this broker is not a cluster member (FELIX_CLUSTER_NODE_ID=0)",
-                )
-            }
+            (_, "/v1/cluster/status") if cluster.get().is_none() => error_json(
+                404,
+                "this broker is not a cluster member (FELIX_CLUSTER_NODE_ID=0)",
+            ),
             (_, "/v1/cluster/status") if cluster.get().is_some_and(|service| service.failed()) => {
                 error_json(
                     500,
@@ -1131,10 +1083,6 @@ fn serve(server: &tiny_http::Server, metrics: &Metrics, cluster: &ClusterSlot) {
                     200,
                     serde_json::to_string(&service.status()).unwrap_or_default(),
                 ),
-                None => error_json(404, "not a cluster member"),
-            },
-            (tiny_http::Method::Post, "/v1/cluster/faults") => match cluster.get() {
-                Some(service) => cut_peers(service, &mut request),
                 None => error_json(404, "not a cluster member"),
             },
             _ => tiny_http::Response::from_string(

@@ -6,12 +6,17 @@
 //! or to acknowledge a publish, acknowledged publishes are on every replica exactly once after
 //! a leader's SIGKILL while subscribers on every member receive them once and in order, and
 //! bad cluster settings stop start-up naming the variable.
+//!
+//! The members reach each other through UDP relays of the test's own ([`Network`]): a
+//! network partition drops their datagrams, as a real network would, with no hook in the
+//! broker.
 
 mod support;
 
-use std::collections::BTreeMap;
-use std::net::UdpSocket;
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{SocketAddr, UdpSocket};
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -29,9 +34,113 @@ fn free_udp_port() -> u16 {
     socket.local_addr().expect("addr").port()
 }
 
+/// The peer network of a test cluster: member `a` reaches member `b` through a relay socket
+/// of its own (a's peer list names it as b's address), which forwards a's datagrams to b's
+/// peer endpoint and b's answers back. A partition drops the datagrams of the links it cuts,
+/// both ways; the QUIC connections then time out and are dialled again once healed, as on a
+/// real network.
+struct Network {
+    /// Links cut, as (smaller id, larger id).
+    cut: Arc<Mutex<BTreeSet<(u64, u64)>>>,
+    stop: Arc<AtomicBool>,
+    relays: Vec<std::thread::JoinHandle<()>>,
+    /// Each member's peer list: its own real address, the others' relays.
+    peer_lists: BTreeMap<u64, String>,
+}
+
+impl Network {
+    /// Relays for every ordered pair of `size` members whose peer endpoints bind free ports.
+    fn start(size: u64) -> Network {
+        let endpoints: BTreeMap<u64, SocketAddr> = (1..=size)
+            .map(|id| (id, SocketAddr::from(([127, 0, 0, 1], free_udp_port()))))
+            .collect();
+        let cut = Arc::new(Mutex::new(BTreeSet::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut relays = Vec::new();
+        let mut peer_lists = BTreeMap::new();
+        for from in 1..=size {
+            let mut list = vec![format!("{from}={}", endpoints[&from])];
+            for to in (1..=size).filter(|to| *to != from) {
+                let socket = UdpSocket::bind("127.0.0.1:0").expect("relay binds");
+                list.push(format!("{to}={}", socket.local_addr().expect("relay addr")));
+                let (cut, stop) = (Arc::clone(&cut), Arc::clone(&stop));
+                let target = endpoints[&to];
+                relays.push(std::thread::spawn(move || {
+                    relay(&socket, target, (from.min(to), from.max(to)), &cut, &stop);
+                }));
+            }
+            peer_lists.insert(from, list.join(","));
+        }
+        Network {
+            cut,
+            stop,
+            relays,
+            peer_lists,
+        }
+    }
+
+    /// Cuts every link of member `alone`: it runs on, unable to reach the others.
+    fn partition(&self, alone: u64) {
+        let mut cut = self.cut.lock().expect("lock");
+        for other in self.peer_lists.keys().filter(|id| **id != alone) {
+            cut.insert((alone.min(*other), alone.max(*other)));
+        }
+    }
+
+    fn heal(&self) {
+        self.cut.lock().expect("lock").clear();
+    }
+}
+
+impl Drop for Network {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for relay in self.relays.drain(..) {
+            let _ = relay.join();
+        }
+    }
+}
+
+/// Forwards datagrams between the member that sends to `socket` and the peer endpoint at
+/// `target`, dropping them while `link` is cut, until `stop`.
+fn relay(
+    socket: &UdpSocket,
+    target: SocketAddr,
+    link: (u64, u64),
+    cut: &Mutex<BTreeSet<(u64, u64)>>,
+    stop: &AtomicBool,
+) {
+    socket
+        .set_read_timeout(Some(Duration::from_millis(50)))
+        .expect("read timeout");
+    let mut buffer = vec![0u8; 65_536];
+    // Where the dialling member's datagrams come from (its endpoint's socket).
+    let mut dialler: Option<SocketAddr> = None;
+    while !stop.load(Ordering::Relaxed) {
+        let Ok((len, from)) = socket.recv_from(&mut buffer) else {
+            continue;
+        };
+        if cut.lock().expect("lock").contains(&link) {
+            continue;
+        }
+        let to = if from == target {
+            match dialler {
+                Some(dialler) => dialler,
+                None => continue,
+            }
+        } else {
+            dialler = Some(from);
+            target
+        };
+        // Best effort, as the network: a full socket buffer drops the datagram.
+        let _ = socket.send_to(&buffer[..len], to);
+    }
+}
+
 struct Cluster {
-    // Declared first: the brokers stop before the certificates go.
+    // Declared first: the brokers stop before the certificates and the network go.
     brokers: BTreeMap<u64, BrokerProcess>,
+    network: Network,
     _certs: tempfile::TempDir,
 }
 
@@ -49,13 +158,10 @@ impl Cluster {
                 .arg(certs.path())
                 .args((1..=size).flat_map(|id| ["--node".to_owned(), id.to_string()])),
         );
-        let peers: Vec<String> = (1..=size)
-            .map(|id| format!("{id}=127.0.0.1:{}", free_udp_port()))
-            .collect();
-        let peers = peers.join(",");
+        let network = Network::start(size);
         let mut brokers = BTreeMap::new();
         for id in 1..=size {
-            let mut env = member_env(certs.path(), id, &peers);
+            let mut env = member_env(certs.path(), id, &network.peer_lists[&id]);
             env.extend(
                 extra
                     .iter()
@@ -67,6 +173,7 @@ impl Cluster {
         }
         Cluster {
             brokers,
+            network,
             _certs: certs,
         }
     }
@@ -116,40 +223,12 @@ impl Cluster {
     /// Cuts member `alone` off from the others, both ways (a network partition: every process
     /// runs, only the peer traffic between the two sides is dropped).
     fn partition(&self, alone: u64) {
-        for &id in self.brokers.keys() {
-            let cut: Vec<u64> = if id == alone {
-                self.brokers
-                    .keys()
-                    .copied()
-                    .filter(|peer| *peer != alone)
-                    .collect()
-            } else {
-                vec![alone]
-            };
-            self.cut(id, &cut);
-        }
+        self.network.partition(alone);
     }
 
     /// Every peer link whole again.
     fn heal(&self) {
-        for &id in self.brokers.keys() {
-            self.cut(id, &[]);
-        }
-    }
-
-    /// Cuts member `id`'s links to `peers`, asking again while it is not ready (a member just
-    /// restarted may serve its endpoint before its cluster service runs).
-    fn cut(&self, id: u64, peers: &[u64]) {
-        let deadline = Instant::now() + DEADLINE;
-        while let Err(error) =
-            felix_cluster::admin::cut_peers(self.brokers[&id].metrics_addr, peers, ADMIN_TIMEOUT)
-        {
-            assert!(
-                Instant::now() < deadline,
-                "member {id}: cut {peers:?}: {error}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        self.network.heal();
     }
 
     /// Creates a durable stream of three replicas acknowledged on_commit.
@@ -213,8 +292,6 @@ fn member_env(certs: &Path, id: u64, peers: &str) -> Vec<(String, String)> {
             "info,felix_cluster=debug".to_owned(),
         ),
         ("FELIX_CLUSTER_PEERS".to_owned(), peers.to_owned()),
-        // Lets the tests cut peer links (`Cluster::partition`).
-        ("FELIX_CLUSTER_FAULT_INJECTION".to_owned(), "1".to_owned()),
         ("FELIX_CLUSTER_CA".to_owned(), path("ca.pem".to_owned())),
         (
             "FELIX_CLUSTER_CERT".to_owned(),
@@ -419,6 +496,12 @@ fn cluster_admin_needs_a_credential_and_a_rule_on_every_path() {
             assert_eq!(status, 404, "member {id}: {method} {path}: {answer}");
             assert!(answer.contains("read-only status only"), "{answer}");
         }
+        // Nor a way to cut a member's links (the fault hook of earlier versions is gone).
+        let (status, answer) = http(addr, "POST", "/v1/cluster/faults", r#"{"cut":[1,2,3]}"#);
+        assert_eq!(
+            status, 404,
+            "member {id}: POST /v1/cluster/faults: {answer}"
+        );
         assert_eq!(http(addr, "GET", "/v1/cluster/status", "").0, 200);
         assert_eq!(http(addr, "GET", "/metrics", "").0, 200);
     }
