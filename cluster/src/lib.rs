@@ -17,6 +17,8 @@
 //! - `member`: the whole member as a sans-IO state machine (control plane, shard groups,
 //!   in-memory shards, subscriptions): inputs with the time, frames and answers polled, logs
 //!   through the storage backend its owner picks; `service`: the thread that runs it.
+//! - `link`: a data-plane core's requests as the member's, its answers back to the core
+//!   (IO-free: the broker and a simulation share it).
 //! - `memory`: in-memory cluster streams (one copy per shard, on its owner), their forwards
 //!   and fetches between members.
 //!
@@ -25,6 +27,7 @@
 pub mod admin;
 pub mod control;
 pub mod groups;
+pub mod link;
 pub mod member;
 pub mod memory;
 pub mod node;

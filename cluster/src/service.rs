@@ -322,7 +322,7 @@ impl Service {
     /// [`ServiceError::Timeout`] once `timeout` passed (the proposal may still commit). Never
     /// blocks: a data-plane core's admin request comes this way.
     pub fn propose_then(&self, command: Command, timeout: Duration, answer: Answer<Outcome>) {
-        self.send_request(Request::Propose {
+        self.queue(Request::Propose {
             command,
             answer,
             timeout,
@@ -345,18 +345,41 @@ impl Service {
             .unwrap_or(Err(ServiceError::Stopped))
     }
 
-    /// Queues an admin `request` (a proposal or a read) for the thread; a full queue answers
-    /// it [`ServiceError::Busy`] at once, a stopped service [`ServiceError::Stopped`] (its
-    /// answer dropped).
-    fn send_request(&self, request: Request) {
+    /// Hands a data-plane core's request (`link::route`) to the thread. Never blocks: a full
+    /// queue answers a request at once with `Busy`, a stopped service with `Stopped`.
+    pub fn submit(&self, routed: crate::link::Routed) {
+        match routed {
+            crate::link::Routed::Request(request) => self.queue(request),
+            crate::link::Routed::Subscription(control) => {
+                // A service that stopped drops a subscription's sink, which then hears
+                // `Ended(Stopped)`.
+                let _ = self.subscription_control.send(control);
+            }
+        }
+    }
+
+    /// Queues `request` for the thread; a full queue answers it [`ServiceError::Busy`] (a
+    /// publish [`PublishError::Busy`]) at once, a stopped service `Stopped` (its answer
+    /// dropped).
+    fn queue(&self, request: Request) {
         if let Err(mpsc::error::TrySendError::Full(request)) = self.requests.try_send(request) {
-            let busy = ServiceError::Busy {
-                pending: REQUESTS_MAX,
-            };
             match request {
-                Request::Propose { answer, .. } => answer.answer(Err(busy)),
-                Request::Read { answer, .. } => answer.answer(Err(busy)),
-                Request::Publish { .. } => unreachable!("publishes are sent by Service::publish"),
+                Request::Propose { answer, .. } => answer.answer(Err(ServiceError::Busy {
+                    pending: REQUESTS_MAX,
+                })),
+                Request::Read { answer, .. } => answer.answer(Err(ServiceError::Busy {
+                    pending: REQUESTS_MAX,
+                })),
+                Request::Publish {
+                    stream,
+                    shard,
+                    answer,
+                    ..
+                } => answer.answer(Err(PublishError::Busy {
+                    stream,
+                    shard,
+                    pending: REQUESTS_MAX,
+                })),
             }
         }
     }
@@ -383,23 +406,7 @@ impl Service {
             timeout,
             answer,
         };
-        match self.requests.try_send(request) {
-            Ok(()) => {}
-            Err(mpsc::error::TrySendError::Full(Request::Publish {
-                stream,
-                shard,
-                answer,
-                ..
-            })) => answer.answer(Err(PublishError::Busy {
-                stream,
-                shard,
-                pending: REQUESTS_MAX,
-            })),
-            Err(mpsc::error::TrySendError::Closed(Request::Publish { answer, .. })) => {
-                answer.answer(Err(PublishError::Stopped));
-            }
-            Err(_) => unreachable!("the request given back is the publish"),
-        }
+        self.queue(request);
     }
 
     /// Publishes and waits for the answer (at most `timeout` and a little): for tools and
@@ -438,7 +445,7 @@ impl Service {
         max_records: usize,
         answer: Answer<Vec<(u64, ShardRecord)>>,
     ) {
-        self.send_request(Request::Read {
+        self.queue(Request::Read {
             stream: stream.to_owned(),
             shard,
             from,
