@@ -32,14 +32,16 @@
 //! holds a connection in the shared ledger.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use felix_auth::{Policy, Principal, Rules, TokenRefusal, VerifiedToken};
+use felix_core::driver::{self, Effects};
 use felix_core::{
-    CatalogWrite, ConnectionId, ConnectionLimits, Core, CoreConfig, CoreMessage, DurableLog,
-    DurableSettings, Event, Flow, IngressSettings, Now, Security, StreamId, TokenCheck,
+    CatalogWrite, ClusterRequest, ConnectionId, ConnectionLimits, Core, CoreConfig, CoreMessage,
+    DurableLog, DurableSettings, Flow, IngressSettings, Now, Security, StreamId, TokenCheck,
 };
 use felix_engine::EngineConfig;
 use felix_storage::{BackendChoice, FaultBackend, FaultHandle, FsyncMode, SEGMENT_BYTES_MIN};
@@ -54,8 +56,6 @@ use crate::input::Input;
 
 /// Steps of one input at most (a longer input's tail is ignored).
 pub const STEPS_MAX: usize = 400;
-/// The shell's bound on drain passes after one input (`DRAIN_ROUNDS_MAX` in shell.rs).
-const DRAIN_ROUNDS_MAX: usize = 8;
 /// Passes of one stream task's loop per step (the shell's task loops until it sleeps).
 const TASK_PASSES_MAX: usize = 16;
 /// The shell's bound on frames fed per pass (`FRAMES_PER_FEED_MAX` in connection.rs).
@@ -834,53 +834,18 @@ impl World {
 
     // ---- the shell's drain ----
 
-    /// What the shell does after every input on `core` (`Shell::drain`): messages into the
-    /// mesh, catalogue writes and token checks held for a later answer, the log pumped at
-    /// most once, events dropped (every task may run at any time anyway).
+    /// What the shell does after every input on `core`: felix-core's driver
+    /// (`dataplane/core/src/driver.rs`, the shell's own drain: its rounds, its order, the log
+    /// pumped at most once per input) with the fuzz machine's effects ([`FuzzEffects`]):
+    /// messages into the mesh, catalogue writes and token checks held for a later answer,
+    /// cluster requests refused (not a member), events dropped (every task may run at any
+    /// time anyway).
     fn drain(&mut self, core: usize) {
         if self.halted {
             return;
         }
-        let mut pumped = false;
-        for _ in 0..DRAIN_ROUNDS_MAX {
-            let mut more = false;
-            self.send_messages(core);
-            while let Some(write) = self.cores[core].core.poll_catalog_write() {
-                assert_eq!(core, 0, "catalogue writes come from core 0");
-                self.catalog_writes.push(write);
-            }
-            while let Some(check) = self.cores[core].core.poll_token_check() {
-                self.token_checks.push((core, check));
-            }
-            if !pumped && self.cores[core].core.has_log_work() {
-                self.pump(core);
-                if self.halted {
-                    return;
-                }
-                pumped = true;
-                more = true;
-            }
-            while let Some(Event::StreamReady(_)) = self.cores[core].core.poll_event() {}
-            if !more {
-                break;
-            }
-        }
-    }
-
-    /// Moves `from`'s outbox into the mesh while the queues have room (`send_messages`).
-    fn send_messages(&mut self, from: usize) {
-        let n = self.cores.len();
-        for to in (0..n).filter(|&to| to != from) {
-            let to16 = u16::try_from(to).expect("a core index");
-            while let Some(message) = self.cores[from].core.poll_message(to16) {
-                let queue = &mut self.mesh[from * n + to];
-                if queue.len() >= self.mesh_capacity {
-                    self.cores[from].core.return_message(to16, message);
-                    break;
-                }
-                queue.push_back(message);
-            }
-        }
+        let now = self.now();
+        let _ = driver::drain(&mut FuzzEffects { world: self, core }, now);
     }
 
     /// The oldest message of one non-empty queue is delivered.
@@ -1337,6 +1302,56 @@ impl World {
 }
 
 /// A frame only a server sends (a client may send it anyway).
+/// What the fuzz machine does for each output of the driver (`dataplane/core/src/driver.rs`)
+/// of core `core`.
+struct FuzzEffects<'a> {
+    world: &'a mut World,
+    core: usize,
+}
+
+impl Effects for FuzzEffects<'_> {
+    fn core(&mut self) -> &mut Core {
+        &mut self.world.cores[self.core].core
+    }
+
+    fn send(&mut self, to: u16, message: CoreMessage) -> Result<(), CoreMessage> {
+        let n = self.world.cores.len();
+        let queue = &mut self.world.mesh[self.core * n + usize::from(to)];
+        if queue.len() >= self.world.mesh_capacity {
+            return Err(message);
+        }
+        queue.push_back(message);
+        Ok(())
+    }
+
+    fn write_catalog(&mut self, _now: Now, write: CatalogWrite) {
+        assert_eq!(self.core, 0, "catalogue writes come from core 0");
+        self.world.catalog_writes.push(write);
+    }
+
+    fn route_cluster(&mut self, _now: Now, request: ClusterRequest) -> Result<(), ClusterRequest> {
+        // The fuzzed broker is not a cluster member: the driver refuses it.
+        Err(request)
+    }
+
+    fn check_token(&mut self, _now: Now, check: TokenCheck) {
+        self.world.token_checks.push((self.core, check));
+    }
+
+    fn pump_log(&mut self, _now: Now) -> ControlFlow<()> {
+        self.world.pump(self.core);
+        if self.world.halted {
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
+        }
+    }
+
+    fn stream_ready(&mut self, _stream: StreamId) {}
+
+    fn drained(&mut self, _now: Now) {}
+}
+
 fn server_frame(input: &mut Input<'_>, request_id: u64) -> Frame {
     match input.byte() % 8 {
         0 => Frame::HelloOk(HelloOk {

@@ -6,12 +6,17 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, VecDeque};
+use std::ops::ControlFlow;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use felix_auth::{Checked, TokenStore};
-use felix_core::{Catalog, ConnectionId, Core, DurableLog, Event, Now, StreamId, TokenCheck};
+use felix_core::driver::{self, Effects};
+use felix_core::{
+    Catalog, CatalogWrite, ClusterRequest, ConnectionId, Core, CoreMessage, DurableLog, Now,
+    StreamId, TokenCheck,
+};
 use felix_storage::{ErrorChain, StorageError};
 use felix_wire::{Decoder, ErrorCode};
 use tokio::sync::{Notify, watch};
@@ -23,11 +28,6 @@ use crate::metrics::{CoreExport, CoreMetrics, DurableExported, Metrics};
 /// Exit code of the process after a fatal storage error (EX_IOERR from sysexits.h), so a
 /// supervisor can tell it from a configuration error.
 pub const FATAL_STORAGE_EXIT_CODE: i32 = 74;
-
-/// Rounds of [`Shell::drain`]: each round carries out every queued output, and an output can
-/// cause one more round (a catalogue write answered, a pump's completions), so two or three
-/// rounds suffice; the bound only guards against a defect looping forever.
-const DRAIN_ROUNDS_MAX: usize = 8;
 
 /// One core's shared state.
 pub(crate) struct Shell {
@@ -146,87 +146,14 @@ impl Shell {
 
     /// Carries out the machine's outputs: messages into the mesh (what does not fit stays in
     /// the outbox, retried by the pump), catalogue writes (core 0, on this thread: they are
-    /// rare and the answer waits for the disk anyway), the durable log, writer wake-ups, the
-    /// timer task's deadline and the metrics.
+    /// rare and the answer waits for the disk anyway), cluster requests, token checks, the
+    /// durable log (at most once per input), writer wake-ups, the timer task's deadline and
+    /// the metrics. The order and the rounds are felix-core's driver
+    /// (`dataplane/core/src/driver.rs`), shared with felix-sim and the fuzz machine;
+    /// [`ShellEffects`] is what this shell does for each output.
     pub fn drain(&self, core: &mut Core, now: Now) {
-        // The log is pumped at most once per input: a pump that left reads for later says so
-        // (`PumpReport::more`) and the timer task comes back for them, so one input never
-        // reads more than LOG_READS_PER_PUMP_MAX chunks on the core's thread.
-        let mut pumped = false;
-        for _ in 0..DRAIN_ROUNDS_MAX {
-            let mut more = false;
-            if core.outbox_len() > 0 {
-                self.send_messages(core);
-            }
-            while let Some(write) = core.poll_catalog_write() {
-                let catalog = self
-                    .catalog
-                    .as_ref()
-                    .expect("catalogue writes come from core 0, which holds the catalogue");
-                let result = catalog
-                    .borrow_mut()
-                    .apply(&write.change)
-                    .map_err(|error| ErrorChain(&error).to_string());
-                core.handle_catalog_written(now, write.id, result);
-                more = true;
-            }
-            while let Some(request) = core.poll_cluster() {
-                match &self.cluster {
-                    Some(link) => link.send(request),
-                    None => {
-                        // The core routes to cluster streams only when told of them, which
-                        // only a member's link does.
-                        let refusal = felix_core::ClusterRefusal {
-                            code: ErrorCode::Unavailable,
-                            detail: 0,
-                            message: "this broker is not a cluster member".to_owned(),
-                        };
-                        match request {
-                            felix_core::ClusterRequest::Admin { token, .. } => {
-                                core.handle_cluster_admin(token, Err(refusal));
-                            }
-                            felix_core::ClusterRequest::Publish(part) => {
-                                core.handle_cluster_answer(now, part.token, Err(refusal));
-                            }
-                            felix_core::ClusterRequest::Subscribe(subscribe) => {
-                                core.handle_cluster_subscribed(subscribe.token, Err(refusal));
-                            }
-                            felix_core::ClusterRequest::Credit { .. }
-                            | felix_core::ClusterRequest::Unsubscribe { .. } => {}
-                        }
-                        more = true;
-                    }
-                }
-            }
-            while let Some(check) = core.poll_token_check() {
-                self.check_token(core, now, check);
-                more = true;
-            }
-            if !pumped && core.has_log_work() {
-                self.pump_log(core, now);
-                pumped = true;
-                more = true;
-            }
-            while let Some(Event::StreamReady(stream)) = core.poll_event() {
-                if let Some(writer) = self.writers.borrow().get(&stream) {
-                    writer.notify_one();
-                }
-            }
-            if !more {
-                break;
-            }
-        }
-        if core.has_log_work() {
-            self.timers_changed.notify_one();
-        }
-        if let Some(deadline) = core.poll_timeout()
-            && self.next_deadline.get().is_none_or(|next| deadline < next)
-        {
-            self.timers_changed.notify_one();
-        }
-        self.exported
-            .borrow_mut()
-            .export(core.counters(), &self.metrics, &self.core_metrics);
+        // The broker's pump never halts (a fatal storage error exits the process).
+        let _ = driver::drain(&mut ShellEffects { shell: self, core }, now);
     }
 
     /// Answers a token check at once when no hashing is needed (a malformed or unknown token,
@@ -252,30 +179,9 @@ impl Shell {
     /// Moves outbox messages into the mesh while the queues have room. When a queue is full,
     /// announces that this core waits for room and retries once (`Mesh::wait_for_room`, the
     /// room protocol of mesh.rs): what is still blocked then is sent by the pump once a
-    /// receiver's drain wakes it.
+    /// receiver's drain wakes it (`driver::send_messages`).
     pub fn send_messages(&self, core: &mut Core) {
-        if self.try_send_messages(core) {
-            return;
-        }
-        self.mesh.wait_for_room(self.index);
-        if self.try_send_messages(core) {
-            self.mesh.room_found(self.index);
-        }
-    }
-
-    /// One pass of [`Shell::send_messages`]; true when the outbox is empty.
-    fn try_send_messages(&self, core: &mut Core) -> bool {
-        let mut sent_all = true;
-        for to in (0..self.mesh.cores()).filter(|&to| to != self.index) {
-            while let Some(message) = core.poll_message(to) {
-                if let Err(message) = self.mesh.try_send(self.index, to, message) {
-                    core.return_message(to, message);
-                    sent_all = false;
-                    break;
-                }
-            }
-        }
-        sent_all
+        driver::send_messages(&mut ShellEffects { shell: self, core });
     }
 
     /// Pumps the durable log; a fatal storage error stops the process here, before any
@@ -330,6 +236,87 @@ impl Shell {
         if let Some(handle) = self.connections.borrow().get(&connection) {
             handle.close(close_code(code));
         }
+    }
+}
+
+/// What the shell does for each output of the driver (`dataplane/core/src/driver.rs`): the
+/// shell's state, and its core while the core is borrowed for the drain.
+struct ShellEffects<'a> {
+    shell: &'a Shell,
+    core: &'a mut Core,
+}
+
+impl Effects for ShellEffects<'_> {
+    fn core(&mut self) -> &mut Core {
+        self.core
+    }
+
+    fn send(&mut self, to: u16, message: CoreMessage) -> Result<(), CoreMessage> {
+        self.shell.mesh.try_send(self.shell.index, to, message)
+    }
+
+    fn wait_for_room(&mut self) {
+        self.shell.mesh.wait_for_room(self.shell.index);
+    }
+
+    fn room_found(&mut self) {
+        self.shell.mesh.room_found(self.shell.index);
+    }
+
+    fn write_catalog(&mut self, now: Now, write: CatalogWrite) {
+        let catalog = self
+            .shell
+            .catalog
+            .as_ref()
+            .expect("catalogue writes come from core 0, which holds the catalogue");
+        let result = catalog
+            .borrow_mut()
+            .apply(&write.change)
+            .map_err(|error| ErrorChain(&error).to_string());
+        self.core.handle_catalog_written(now, write.id, result);
+    }
+
+    fn route_cluster(&mut self, _now: Now, request: ClusterRequest) -> Result<(), ClusterRequest> {
+        match &self.shell.cluster {
+            Some(link) => {
+                link.send(request);
+                Ok(())
+            }
+            // Not a member: the driver refuses it (`driver::refuse_cluster`).
+            None => Err(request),
+        }
+    }
+
+    fn check_token(&mut self, now: Now, check: TokenCheck) {
+        self.shell.check_token(self.core, now, check);
+    }
+
+    fn pump_log(&mut self, now: Now) -> ControlFlow<()> {
+        self.shell.pump_log(self.core, now);
+        ControlFlow::Continue(())
+    }
+
+    fn stream_ready(&mut self, stream: StreamId) {
+        if let Some(writer) = self.shell.writers.borrow().get(&stream) {
+            writer.notify_one();
+        }
+    }
+
+    fn drained(&mut self, _now: Now) {
+        let shell = self.shell;
+        let core = &mut *self.core;
+        if core.has_log_work() {
+            shell.timers_changed.notify_one();
+        }
+        if let Some(deadline) = core.poll_timeout()
+            && shell.next_deadline.get().is_none_or(|next| deadline < next)
+        {
+            shell.timers_changed.notify_one();
+        }
+        shell
+            .exported
+            .borrow_mut()
+            .export(core.counters(), &shell.metrics, &shell.core_metrics);
     }
 }
 

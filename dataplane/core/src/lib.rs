@@ -11,6 +11,10 @@
 //! is the IO shell that feeds it; the simulation (`dataplane/sim`) feeds many of them on a
 //! logical clock, with the storage crate's fault backend, and replays any failure from a seed.
 //!
+//! [`driver`] is the drain every caller runs after each input (the order in which outputs are
+//! carried out, and its rounds), through an [`Effects`] implementation of its own: the shell,
+//! the simulation and the fuzz machine share it.
+//!
 //! Two modules carry out storage outputs and are shared by the shell and the simulation, so
 //! both do exactly the same thing: [`durable`] (the core's log, driven by
 //! [`Core::pump_log`]) and [`catalog`] (`catalog.json`, written on core 0's
@@ -26,6 +30,7 @@ mod cluster;
 mod config;
 mod core;
 mod counters;
+pub mod driver;
 pub mod durable;
 mod message;
 mod publish;
@@ -45,6 +50,7 @@ pub use crate::config::{
 };
 pub use crate::core::{CatalogWrite, Core, Event, Flow, Transmit};
 pub use crate::counters::CoreCounters;
+pub use crate::driver::{DRAIN_ROUNDS_MAX, Effects};
 pub use crate::durable::{DurableLog, DurableSettings, PumpReport, RecoverySummary, log_dir};
 pub use crate::message::{AdminRequest, CoreMessage};
 pub use crate::security::{AuthRefusal, ConnectionLimits, Limit, OPERATIONS, Security, TokenCheck};

@@ -5,13 +5,16 @@
 //! random interleaving, and a logical clock. Everything random comes from the seed.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::ops::ControlFlow;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use felix_auth::{Access, Operation, Policy, Principal, Rules};
+use felix_core::driver::{self, Effects};
 use felix_core::{
-    Catalog, ConnectionLimits, Core, CoreConfig, CoreMessage, DurableLog, DurableSettings,
-    IngressSettings, Now, REMOTE_DELIVERY_CREDITS, Security,
+    Catalog, CatalogWrite, ClusterRequest, ConnectionLimits, Core, CoreConfig, CoreMessage,
+    DurableLog, DurableSettings, IngressSettings, Now, REMOTE_DELIVERY_CREDITS, Security, StreamId,
+    TokenCheck,
 };
 use felix_engine::{EngineConfig, LogShardId};
 use felix_storage::{BackendChoice, FaultBackend, FaultHandle, FsyncMode, PowerCut};
@@ -345,62 +348,27 @@ impl World {
 
     // ---- the shell's part ----
 
-    /// What the broker shell does after every input on core `index`: outbox into the mesh
-    /// (what does not fit waits), catalogue writes (core 0; some fail), the log when it has
-    /// work. Then every core's invariants are checked.
+    /// What the broker shell does after every input on core `index`: felix-core's driver
+    /// (`dataplane/core/src/driver.rs`, the shell's own drain: its rounds, its order, the log
+    /// pumped at most once per input) with the simulation's effects ([`SimEffects`]): outbox
+    /// into the mesh (what does not fit waits), catalogue writes (core 0; some fail), cluster
+    /// requests refused (not a member), the log pumped on the fault backend. Then every core's
+    /// invariants are checked.
     pub fn drain(&mut self, index: u16) {
         if self.halted {
             return;
         }
         let now = self.now();
-        for _ in 0..8 {
-            let mut more = false;
-            self.send_messages(index);
-            while let Some(write) = self.cores[usize::from(index)].core.poll_catalog_write() {
-                let result = if self.rng.chance(self.shape.fault_rate * 10) {
-                    self.stats.catalog_failures += 1;
-                    Err("injected: no space left on the catalogue's disk".to_owned())
-                } else {
-                    self.catalog
-                        .apply(&write.change)
-                        .map_err(|error| felix_storage::ErrorChain(&error).to_string())
-                };
-                self.trace.line(format!(
-                    "  core{index} catalogue {:?}: {}",
-                    write.change,
-                    if result.is_ok() { "written" } else { "failed" }
-                ));
-                self.cores[usize::from(index)]
-                    .core
-                    .handle_catalog_written(now, write.id, result);
-                more = true;
-            }
-            if self.cores[usize::from(index)].core.has_log_work() {
-                self.pump(index);
-                if self.halted {
-                    return;
-                }
-                more = true;
-            }
-            while self.cores[usize::from(index)].core.poll_event().is_some() {}
-            if !more {
-                break;
-            }
-        }
-        self.check_invariants();
+        let _ = driver::drain(&mut SimEffects { world: self, index }, now);
     }
 
+    /// Moves core `from`'s outbox into the mesh while the queues have room (the driver's
+    /// `send_messages`, as the broker's pump does when room is freed).
     fn send_messages(&mut self, from: u16) {
-        let cores = self.shape.cores;
-        for to in (0..cores).filter(|&to| to != from) {
-            let queue = usize::from(from) * usize::from(cores) + usize::from(to);
-            while self.mesh[queue].len() < self.shape.mesh_capacity {
-                let Some(message) = self.cores[usize::from(from)].core.poll_message(to) else {
-                    break;
-                };
-                self.mesh[queue].push_back(message);
-            }
-        }
+        driver::send_messages(&mut SimEffects {
+            world: self,
+            index: from,
+        });
     }
 
     /// Pumps a core's log; a fatal error halts the broker (the process would exit).
@@ -714,6 +682,80 @@ impl World {
                     && sim.fault.held_fetches() == 0
                     && !sim.core.has_log_work()
             })
+    }
+}
+
+/// What the simulation does for each output of the driver (`dataplane/core/src/driver.rs`)
+/// of core `index`.
+struct SimEffects<'a> {
+    world: &'a mut World,
+    index: u16,
+}
+
+impl Effects for SimEffects<'_> {
+    fn core(&mut self) -> &mut Core {
+        &mut self.world.cores[usize::from(self.index)].core
+    }
+
+    fn send(&mut self, to: u16, message: CoreMessage) -> Result<(), CoreMessage> {
+        let cores = usize::from(self.world.shape.cores);
+        let queue = &mut self.world.mesh[usize::from(self.index) * cores + usize::from(to)];
+        if queue.len() >= self.world.shape.mesh_capacity {
+            return Err(message);
+        }
+        queue.push_back(message);
+        Ok(())
+    }
+
+    fn write_catalog(&mut self, now: Now, write: CatalogWrite) {
+        let world = &mut *self.world;
+        let index = self.index;
+        let result = if world.rng.chance(world.shape.fault_rate * 10) {
+            world.stats.catalog_failures += 1;
+            Err("injected: no space left on the catalogue's disk".to_owned())
+        } else {
+            world
+                .catalog
+                .apply(&write.change)
+                .map_err(|error| felix_storage::ErrorChain(&error).to_string())
+        };
+        world.trace.line(format!(
+            "  core{index} catalogue {:?}: {}",
+            write.change,
+            if result.is_ok() { "written" } else { "failed" }
+        ));
+        world.cores[usize::from(index)]
+            .core
+            .handle_catalog_written(now, write.id, result);
+    }
+
+    fn route_cluster(&mut self, _now: Now, request: ClusterRequest) -> Result<(), ClusterRequest> {
+        // The simulated broker is not a cluster member: the driver refuses it.
+        Err(request)
+    }
+
+    fn check_token(&mut self, _now: Now, _check: TokenCheck) {
+        panic!(
+            "core {}: a token check, but the simulation's clients send no token",
+            self.index
+        );
+    }
+
+    fn pump_log(&mut self, _now: Now) -> ControlFlow<()> {
+        self.world.pump(self.index);
+        if self.world.halted {
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
+        }
+    }
+
+    fn stream_ready(&mut self, _stream: StreamId) {
+        // Every stream may be read at any step anyway.
+    }
+
+    fn drained(&mut self, _now: Now) {
+        self.world.check_invariants();
     }
 }
 
