@@ -27,16 +27,24 @@ sdk-test:
 
 # The seeded simulation of the per-core state machines (dataplane/sim, docs/design/simulation.md):
 # SEEDS seeds from FIRST, STEPS steps each (200 x 1500 by default: well under a minute here);
-# `SEED=<n> make sim` replays one seed and prints its whole step log. Exits non-zero on a
-# failure, after printing the seed, its last steps and the replay command.
+# `SEED=<n> make sim` replays one seed and prints its whole step log. Then the cluster run
+# (three brokers, each with its cores and cluster member, over a simulated peer network with
+# loss, partitions and kills with power cuts): CLUSTER_SIM_SEEDS seeds from FIRST;
+# `CLUSTER_SIM_SEED=<n> make sim` replays one. Exits non-zero on a failure, after printing the
+# seed, its last steps and the replay command.
 SEEDS ?= 200
 FIRST ?= 0
 STEPS ?= 1500
+# Seeds of the cluster run (three brokers with cores and members, `felix-sim --cluster`).
+CLUSTER_SIM_SEEDS ?= 200
 sim: deps
-	@if [ -n "$(SEED)" ]; then \
+	@if [ -n "$(CLUSTER_SIM_SEED)" ]; then \
+		$(CARGO) run -q -p felix-sim -- --cluster --seed $(CLUSTER_SIM_SEED) --log all; \
+	elif [ -n "$(SEED)" ]; then \
 		$(CARGO) run -q -p felix-sim -- --seed $(SEED) --steps $(STEPS) --log all; \
 	else \
-		$(CARGO) run -q -p felix-sim -- --seeds $(SEEDS) --first $(FIRST) --steps $(STEPS); \
+		$(CARGO) run -q -p felix-sim -- --seeds $(SEEDS) --first $(FIRST) --steps $(STEPS) && \
+		$(CARGO) run -q -p felix-sim -- --cluster --seeds $(CLUSTER_SIM_SEEDS) --first $(FIRST); \
 	fi
 
 # The cluster's long runs (docs/cluster.md): the seeded simulations of the control plane and of

@@ -185,6 +185,8 @@ pub struct Groups<B: Backend = SystemBackend> {
     fetches: Vec<(u64, DataFrame)>,
     next_request: u64,
     open_backend: OpenBackend<B>,
+    /// Fixed election timeouts in ticks for every group started here ([`Groups::fix_timeouts`]).
+    fixed_election_tick: Option<usize>,
 }
 
 impl<B: Backend> std::fmt::Debug for Groups<B> {
@@ -235,7 +237,15 @@ impl<B: Backend> Groups<B> {
             fetches: Vec::new(),
             next_request: 1,
             open_backend,
+            fixed_election_tick: None,
         }
+    }
+
+    /// Every group started from now on times elections out after exactly `ticks` ticks
+    /// instead of a random draw by raft-rs's own generator: a simulation draws `ticks` per
+    /// member from its seed, so its runs replay exactly.
+    pub fn fix_timeouts(&mut self, ticks: usize) {
+        self.fixed_election_tick = Some(ticks);
     }
 
     /// Starts the groups of durable shards placed on this member that are not running, and
@@ -300,6 +310,10 @@ impl<B: Backend> Groups<B> {
             let records = ShardRecords::open_with(&records_at, &self.records_config, backend)
                 .map_err(store_error)?;
             let mut config = NodeConfig::new(self.id, placement.replicas.clone());
+            if let Some(ticks) = self.fixed_election_tick {
+                config.election_tick = ticks;
+                config.randomized_timeouts = false;
+            }
             config.compact_after = self.records_config.compact_after;
             let node = Node::with_machine(&config, store, ShardState::default())?;
             tracing::info!(

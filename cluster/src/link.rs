@@ -339,7 +339,8 @@ pub fn publish_refusal(error: &PublishError) -> ClusterRefusal {
         | PublishError::Timeout(_)
         | PublishError::Stopped
         | PublishError::OwnerUnreachable { .. }
-        | PublishError::NotOwner { .. } => ErrorCode::Unavailable,
+        | PublishError::NotOwner { .. }
+        | PublishError::OffsetsUnknown => ErrorCode::Unavailable,
     };
     ClusterRefusal {
         code,

@@ -16,7 +16,7 @@
 //! The broker's `felix-cluster` thread (`service.rs`) is a thin loop around it: it waits for
 //! the next input, hands it in, and carries out the outputs on the peer transport.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -58,6 +58,10 @@ pub struct MemberConfig {
     /// number that differs per run): its proposals and publishes are told from an earlier
     /// run's by it.
     pub boot: u64,
+    /// Election timeouts fixed at this many ticks (the control plane's and every shard
+    /// group's) instead of drawn by raft-rs's own generator: a simulation draws them per
+    /// member from its seed so its runs replay. `None` in a broker.
+    pub fixed_election_tick: Option<usize>,
 }
 
 /// A request from a caller (a data-plane core, a tool): answered exactly once, through
@@ -178,7 +182,7 @@ pub struct Member<B: Backend = SystemBackend> {
     /// Data frames to send at the end of the round, by member.
     out: Vec<(u64, DataFrame)>,
     subscriptions: Subscriptions,
-    waiting: HashMap<u64, Waiting>,
+    waiting: BTreeMap<u64, Waiting>,
     tick_count: u64,
     next_tick: Instant,
     registered_sequence: Option<u64>,
@@ -225,8 +229,12 @@ impl<B: Backend> Member<B> {
         voters.push(id);
         let mut node_config = NodeConfig::new(id, voters);
         node_config.boot = config.boot;
+        if let Some(ticks) = config.fixed_election_tick {
+            node_config.election_tick = ticks;
+            node_config.randomized_timeouts = false;
+        }
         let node = Node::new(&node_config, store)?;
-        let groups = Groups::with_backends(
+        let mut groups = Groups::with_backends(
             id,
             config.boot,
             config.dir.with_file_name("shards"),
@@ -234,6 +242,9 @@ impl<B: Backend> Member<B> {
             config.records,
             open_backend,
         );
+        if let Some(ticks) = config.fixed_election_tick {
+            groups.fix_timeouts(ticks);
+        }
         let mut member = Member {
             id,
             entry: config.member,
@@ -243,7 +254,7 @@ impl<B: Backend> Member<B> {
             forwards: Forwards::default(),
             out: Vec::new(),
             subscriptions: Subscriptions::default(),
-            waiting: HashMap::new(),
+            waiting: BTreeMap::new(),
             tick_count: 0,
             next_tick: now + TICK,
             registered_sequence: None,

@@ -17,7 +17,7 @@
 //! Data frames travel on the peer connections with the group id [`DATA_GROUP`], beside the Raft
 //! messages (best effort, like them).
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, BufMut, Bytes};
@@ -284,7 +284,7 @@ struct Forward {
 /// This member's publishes forwarded to other members' in-memory shards.
 #[derive(Debug, Default)]
 pub struct Forwards {
-    waiting: HashMap<u64, Forward>,
+    waiting: BTreeMap<u64, Forward>,
     next_request: u64,
 }
 

@@ -65,6 +65,11 @@ pub enum PublishError {
     OwnerUnreachable { member: u64 },
     #[error("member {member} does not own the shard (its placement changed?)")]
     NotOwner { member: u64 },
+    #[error(
+        "the batch was committed, but its offsets are no longer known (this member caught up \
+         from a snapshot past it)"
+    )]
+    OffsetsUnknown,
 }
 
 /// Called exactly once with a publish's outcome, on the cluster thread (it must not block).
@@ -187,10 +192,17 @@ impl Producer {
         };
         self.pending_bytes -= pending.data.len();
         if let Some(answer) = pending.answer {
-            answer.answer(Ok(PublishAck {
-                first_offset: applied.first_offset,
-                count: applied.count,
-            }));
+            // A batch has at least one record: a count of 0 is a duplicate older than the
+            // offsets the shard keeps (`shard::RECENT_BATCHES`). It is in the shard, where is
+            // not known: never acknowledged with offsets it does not have.
+            answer.answer(if applied.count == 0 {
+                Err(PublishError::OffsetsUnknown)
+            } else {
+                Ok(PublishAck {
+                    first_offset: applied.first_offset,
+                    count: applied.count,
+                })
+            });
         }
     }
 

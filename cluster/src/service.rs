@@ -584,6 +584,7 @@ async fn serve(
                 dir: config.dir.clone(),
                 records: config.records,
                 boot,
+                fixed_election_tick: None,
             },
             std::time::Instant::now(),
             system_backends(),

@@ -162,12 +162,21 @@ pub enum ReadError {
     Failed(String),
 }
 
-/// A producer's last applied batch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// Batches per producer whose offsets a shard keeps, so a retry of any of them (not only
+/// the last) is answered with its offsets: a member that caught up from a snapshot never saw
+/// its own batches applied, and re-proposes the ones still pending.
+pub const RECENT_BATCHES: usize = 64;
+
+/// A producer's last applied batch, and the offsets of its [`RECENT_BATCHES`] latest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ProducerState {
     pub sequence: u64,
     pub first_offset: u64,
     pub count: u32,
+    /// `(sequence, first_offset, count)` of the latest batches, oldest first (absent in
+    /// snapshots of brokers before it).
+    #[serde(default)]
+    pub recent: std::collections::VecDeque<(u64, u64, u32)>,
 }
 
 /// The applied state of a replicated shard.
@@ -268,20 +277,27 @@ impl Machine for ShardState {
             duplicate: false,
             out_of_order: false,
         };
-        let last = self
-            .producers
-            .get(&producer)
-            .copied()
-            .filter(|_| sequence != 0);
+        let last = self.producers.get(&producer).filter(|_| sequence != 0);
         match last {
             Some(last) if sequence <= last.sequence => {
                 applied.duplicate = true;
-                if sequence == last.sequence {
-                    applied.first_offset = last.first_offset;
-                    applied.count = last.count;
-                } else {
-                    // Older than the last batch: applied long ago; its offsets are not kept.
-                    applied.count = 0;
+                let kept = last
+                    .recent
+                    .iter()
+                    .find(|(kept, ..)| *kept == sequence)
+                    .map(|(_, first, count)| (*first, *count));
+                match kept {
+                    Some((first, count)) => {
+                        applied.first_offset = first;
+                        applied.count = count;
+                    }
+                    None if sequence == last.sequence => {
+                        applied.first_offset = last.first_offset;
+                        applied.count = last.count;
+                    }
+                    // Older than the batches kept: applied long ago, its offsets are not
+                    // known any more (count 0: the producer answers that, never an ack).
+                    None => applied.count = 0,
                 }
                 return Ok(applied);
             }
@@ -302,14 +318,19 @@ impl Machine for ShardState {
             _ => {}
         }
         if sequence != 0 {
-            self.producers.insert(
-                producer,
-                ProducerState {
-                    sequence,
-                    first_offset: self.next_offset,
-                    count,
-                },
-            );
+            let state = self.producers.entry(producer).or_insert(ProducerState {
+                sequence,
+                first_offset: self.next_offset,
+                count,
+                recent: std::collections::VecDeque::new(),
+            });
+            state.sequence = sequence;
+            state.first_offset = self.next_offset;
+            state.count = count;
+            if state.recent.len() == RECENT_BATCHES {
+                state.recent.pop_front();
+            }
+            state.recent.push_back((sequence, self.next_offset, count));
         }
         if count > 0 {
             self.spans.push(Span {
@@ -356,6 +377,43 @@ mod tests {
                     payload: Bytes::from(vec![i as u8; i * 3]),
                 })
                 .collect(),
+        }
+    }
+
+    /// A retry of any of a producer's latest batches is answered with its own offsets (a
+    /// member that caught up from a snapshot re-proposes batches it never saw applied); an
+    /// older one is marked as offsets unknown (count 0), which the producer never acks.
+    #[test]
+    fn retries_of_the_latest_batches_get_their_own_offsets() {
+        let mut state = ShardState::default();
+        let mut index = 0;
+        let mut offsets = Vec::new();
+        for sequence in 1..=100 {
+            index += 1;
+            let applied = state
+                .apply(index, &batch(7, sequence, 2).encode())
+                .expect("applied");
+            offsets.push(applied.first_offset);
+        }
+        let restored = ShardState::restore(&state.snapshot()).expect("restored");
+        for state in [&mut state.clone(), &mut restored.clone()] {
+            let kept = 100 - RECENT_BATCHES as u64 + 1;
+            for sequence in [kept, 60, 99, 100] {
+                index += 1;
+                let retry = state
+                    .apply(index, &batch(7, sequence, 2).encode())
+                    .expect("applied");
+                assert!(retry.duplicate);
+                assert_eq!(retry.count, 2, "sequence {sequence}");
+                assert_eq!(retry.first_offset, offsets[sequence as usize - 1]);
+            }
+            index += 1;
+            let old = state
+                .apply(index, &batch(7, kept - 1, 2).encode())
+                .expect("applied");
+            assert!(old.duplicate);
+            assert_eq!(old.count, 0, "older than the batches kept");
+            assert_eq!(state.next_offset(), 200, "no retry took offsets");
         }
     }
 

@@ -13,7 +13,7 @@
 //! per subscriber, so a slow subscriber never lags out: it reads behind, from the log, until
 //! the records it wants are compacted away ([`SubscribeError::TooOld`]).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 
 use felix_storage::{Backend, SystemBackend};
 
@@ -225,9 +225,9 @@ pub const RESOLVE_TICKS_MAX: u64 = 50;
 /// The subscriptions served by this member's cluster thread.
 #[derive(Debug, Default)]
 pub struct Subscriptions {
-    open: HashMap<u64, Subscription>,
+    open: BTreeMap<u64, Subscription>,
     /// Fetches in flight: request to (subscription, cursor).
-    fetches: HashMap<u64, (u64, usize)>,
+    fetches: BTreeMap<u64, (u64, usize)>,
     next_request: u64,
 }
 
@@ -533,7 +533,7 @@ impl Subscriptions {
     /// Ends every subscription: the service stops.
     pub fn stop_all(&mut self) {
         self.fetches.clear();
-        for (_, mut subscription) in self.open.drain() {
+        for (_, mut subscription) in std::mem::take(&mut self.open) {
             subscription
                 .sink
                 .event(SubscriptionEvent::Ended(SubscribeError::Stopped));

@@ -115,6 +115,7 @@ impl World {
                 ..RecordsConfig::default()
             },
             boot: id * 1_000 + process.runs,
+            fixed_election_tick: Some(10 + usize::try_from(id).expect("small") * 3),
         };
         process.member = Some(Member::open(config, now, open).expect("member opens"));
     }

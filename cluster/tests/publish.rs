@@ -138,6 +138,7 @@ fn acked_batches_survive_a_leader_restart(fsync: Fsync) {
                                 PublishError::NoSuchStream { .. } => "no_stream",
                                 PublishError::OwnerUnreachable { .. }
                                 | PublishError::NotOwner { .. } => "in_memory",
+                                PublishError::OffsetsUnknown => "offsets_unknown",
                             };
                             *refused.entry(kind.to_owned()).or_default() += 1;
                         }

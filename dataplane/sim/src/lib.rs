@@ -16,10 +16,16 @@
 //! step for step ([`Outcome::digest`]). A failure prints the seed, the steps leading to it
 //! and the command that replays it.
 //!
+//! The cluster run (`cluster.rs`, `felix-sim --cluster`): three brokers, each with cores of
+//! the real machine and the real cluster member, over a simulated peer network with loss,
+//! partitions and broker kills with power cuts; audited for acknowledged records kept
+//! exactly once, identical copies and dense offsets.
+//!
 //! Threads: a run lives on one thread (the machines are not `Send`); the runner runs seeds
 //! on a few threads side by side.
 
 mod client;
+pub mod cluster;
 mod oracle;
 pub mod rng;
 mod trace;
@@ -39,6 +45,8 @@ use crate::world::World;
 /// Steps of one run by default: long enough for streams to be created, loaded, deleted and
 /// crashed under, short enough that 200 seeds fit in CI's few minutes.
 pub const STEPS_DEFAULT: u64 = 1500;
+/// Steps of one cluster run by default (5 ms of simulated time each: 20 s).
+pub const CLUSTER_STEPS_DEFAULT: u64 = 4000;
 /// Drain rounds at the end of a run before it must be quiet: each round delivers every
 /// message, completes every round and reads every stream, so a correct broker is quiet
 /// after a few; hitting the bound means something keeps itself busy (a livelock).
@@ -366,6 +374,73 @@ pub fn run_seeds(
     });
     let (mut outcomes, mut failures) = results.into_inner().unwrap_or_else(|p| p.into_inner());
     outcomes.sort_by_key(|outcome: &Outcome| outcome.seed);
+    failures.sort_by_key(|failure: &Failure| failure.seed);
+    (outcomes, failures)
+}
+
+/// What a passing cluster run did.
+#[derive(Debug, Clone)]
+pub struct ClusterOutcome {
+    pub seed: u64,
+    pub digest: u64,
+    pub stats: cluster::ClusterStats,
+}
+
+/// Runs one seed of the cluster run (`cluster.rs`). `echo`: print every step as it happens.
+pub fn run_cluster_seed(seed: u64, steps: u64, echo: bool) -> Result<ClusterOutcome, Failure> {
+    let mut world = cluster::ClusterWorld::new(seed, steps, Trace::new(TRACE_LINES_KEPT, echo));
+    let result = catch_unwind(AssertUnwindSafe(|| cluster::run(&mut world)));
+    match result {
+        Ok(()) => Ok(ClusterOutcome {
+            seed,
+            digest: world.trace.digest(),
+            stats: world.stats.clone(),
+        }),
+        Err(panic) => {
+            let message = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                .unwrap_or_else(|| "a panic without a message".to_owned());
+            Err(Failure {
+                seed,
+                message,
+                tail: world.trace.tail().cloned().collect(),
+                steps_logged: world.trace.written,
+            })
+        }
+    }
+}
+
+/// Runs cluster seeds `first..first + count` on `threads` threads.
+pub fn run_cluster_seeds(
+    first: u64,
+    count: u64,
+    steps: u64,
+    threads: usize,
+) -> (Vec<ClusterOutcome>, Vec<Failure>) {
+    let next = std::sync::atomic::AtomicU64::new(first);
+    let results = std::sync::Mutex::new((Vec::new(), Vec::new()));
+    std::thread::scope(|scope| {
+        for _ in 0..threads.max(1) {
+            scope.spawn(|| {
+                loop {
+                    let seed = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if seed >= first + count {
+                        return;
+                    }
+                    let result = run_cluster_seed(seed, steps, false);
+                    let mut results = results.lock().unwrap_or_else(|poison| poison.into_inner());
+                    match result {
+                        Ok(outcome) => results.0.push(outcome),
+                        Err(failure) => results.1.push(failure),
+                    }
+                }
+            });
+        }
+    });
+    let (mut outcomes, mut failures) = results.into_inner().unwrap_or_else(|p| p.into_inner());
+    outcomes.sort_by_key(|outcome: &ClusterOutcome| outcome.seed);
     failures.sort_by_key(|failure: &Failure| failure.seed);
     (outcomes, failures)
 }

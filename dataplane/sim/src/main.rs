@@ -1,8 +1,10 @@
 //! `felix-sim`: runs seeds of the simulation (`make sim`).
 //!
 //! ```text
-//! felix-sim [--seeds N] [--first S] [--seed S] [--steps K] [--threads T] [--log all]
+//! felix-sim [--cluster] [--seeds N] [--first S] [--seed S] [--steps K] [--threads T] [--log all]
 //! ```
+//! `--cluster` runs the cluster run (three brokers with their cores and cluster members,
+//! `cluster.rs`) instead of the single broker's.
 //! `--seed S` runs one seed (and prints its step log with `--log all`); `--seeds N` runs
 //! `S..S+N` from `--first S` (default 0). A failure prints the seed, its last steps and the
 //! command that replays it, and the exit status is 1.
@@ -10,7 +12,10 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
-use felix_sim::{STEPS_DEFAULT, Stats, run_seed, run_seeds};
+use felix_sim::{
+    CLUSTER_STEPS_DEFAULT, STEPS_DEFAULT, Stats, run_cluster_seed, run_cluster_seeds, run_seed,
+    run_seeds,
+};
 
 struct Options {
     first: u64,
@@ -19,6 +24,7 @@ struct Options {
     threads: usize,
     echo: bool,
     single: bool,
+    cluster: bool,
 }
 
 fn parse() -> Result<Options, String> {
@@ -29,7 +35,9 @@ fn parse() -> Result<Options, String> {
         threads: std::thread::available_parallelism().map_or(1, usize::from),
         echo: false,
         single: false,
+        cluster: false,
     };
+    let mut steps_given = false;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let mut value = |name: &str| args.next().ok_or_else(|| format!("{name} needs a value"));
@@ -45,7 +53,11 @@ fn parse() -> Result<Options, String> {
                 options.count = 1;
                 options.single = true;
             }
-            "--steps" => options.steps = number(value("--steps")?, "--steps")?,
+            "--steps" => {
+                options.steps = number(value("--steps")?, "--steps")?;
+                steps_given = true;
+            }
+            "--cluster" => options.cluster = true,
             "--threads" => {
                 options.threads =
                     usize::try_from(number(value("--threads")?, "--threads")?).unwrap_or(1);
@@ -53,13 +65,16 @@ fn parse() -> Result<Options, String> {
             "--log" => options.echo = value("--log")? == "all",
             "--help" | "-h" => {
                 return Err(
-                    "usage: felix-sim [--seeds N] [--first S] [--seed S] [--steps K] \
+                    "usage: felix-sim [--cluster] [--seeds N] [--first S] [--seed S] [--steps K] \
                             [--threads T] [--log all]"
                         .to_owned(),
                 );
             }
             other => return Err(format!("unknown argument {other:?} (try --help)")),
         }
+    }
+    if options.cluster && !steps_given {
+        options.steps = CLUSTER_STEPS_DEFAULT;
     }
     Ok(options)
 }
@@ -73,6 +88,9 @@ fn main() -> ExitCode {
         }
     };
     let started = Instant::now();
+    if options.cluster {
+        return cluster_main(&options, started);
+    }
     let (outcomes, failures) = if options.single {
         match run_seed(options.first, options.steps, options.echo) {
             Ok(outcome) => (vec![outcome], Vec::new()),
@@ -141,6 +159,63 @@ fn main() -> ExitCode {
         total.durable_checked,
         total.denied,
         total.fetches
+    );
+    if failures.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+/// `--cluster`: runs cluster seeds and prints what they exercised.
+fn cluster_main(options: &Options, started: Instant) -> ExitCode {
+    let (outcomes, failures) = if options.single {
+        match run_cluster_seed(options.first, options.steps, options.echo) {
+            Ok(outcome) => (vec![outcome], Vec::new()),
+            Err(failure) => (Vec::new(), vec![failure]),
+        }
+    } else {
+        run_cluster_seeds(options.first, options.count, options.steps, options.threads)
+    };
+    for failure in &failures {
+        eprintln!(
+            "\nfelix-sim --cluster: seed {} FAILED after {} logged steps: {}",
+            failure.seed, failure.steps_logged, failure.message
+        );
+        eprintln!("--- the last {} lines of its step log:", failure.tail.len());
+        for line in &failure.tail {
+            eprintln!("{line}");
+        }
+        eprintln!(
+            "--- replay: CLUSTER_SIM_SEED={} make sim   (or felix-sim --cluster --seed {} --steps {} --log all)",
+            failure.seed, failure.seed, options.steps
+        );
+    }
+    let mut total = felix_sim::cluster::ClusterStats::default();
+    for outcome in &outcomes {
+        total.publishes += outcome.stats.publishes;
+        total.acked += outcome.stats.acked;
+        total.refused += outcome.stats.refused;
+        total.kills += outcome.stats.kills;
+        total.partitions += outcome.stats.partitions;
+        total.records += outcome.stats.records;
+        if options.single {
+            println!("seed {} digest {:016x}", outcome.seed, outcome.digest);
+        }
+    }
+    println!(
+        "felix-sim --cluster: {} seeds from {} x {} steps: {} passed, {} failed in {:.1} s",
+        outcomes.len() + failures.len(),
+        options.first,
+        options.steps,
+        outcomes.len(),
+        failures.len(),
+        started.elapsed().as_secs_f64()
+    );
+    println!(
+        "felix-sim --cluster: exercised {} publishes ({} acked, {} refused), {} records audited, \
+         {} broker kills with power cuts, {} partitions",
+        total.publishes, total.acked, total.refused, total.records, total.kills, total.partitions
     );
     if failures.is_empty() {
         ExitCode::SUCCESS
