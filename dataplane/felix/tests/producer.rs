@@ -1,6 +1,7 @@
 //! Idempotent producers against a real broker process (docs/semantics.md, "Idempotent
 //! producers"): a second `Client` with the same producer id re-sending the same batches gets
-//! the original offsets and stores nothing; reading the shard back shows every record once.
+//! the original offsets and stores nothing, also after the broker was SIGKILLed and
+//! restarted; reading the shards back shows every record once.
 
 mod support;
 
@@ -125,14 +126,16 @@ fn resending_a_producers_batches_stores_them_once() {
     }
 }
 
-// The same across a SIGKILL and restart of the broker, on a durable stream. Not built yet:
-// the per-shard producer tables are not recovered from the durable log (docs/semantics.md,
-// "Idempotent producers"), so after the restart the re-sent batch 1 of each shard is stored
-// again and the later ones are refused with out_of_sequence.
+// Proves the same across a SIGKILL and restart of the broker, on a durable stream of a 2-core
+// broker: the producer tables are rebuilt from the producer journals in the durable log
+// (docs/storage-format.md, "Producer journals"), so the re-sent batches get their original
+// offsets and reading the shards back shows each record once.
 #[test]
-#[ignore = "producer state is not yet recovered from the durable log at restart"]
 fn resending_after_sigkill_and_restart_stores_them_once() {
-    let mut broker = BrokerProcess::start(&[("FELIX_DURABLE_FSYNC_MODE", "on_commit")]);
+    let mut broker = BrokerProcess::start(&[
+        ("FELIX_DATAPLANE_CORES", "2"),
+        ("FELIX_DURABLE_FSYNC_MODE", "on_commit"),
+    ]);
     let runtime = runtime();
     let first = runtime.block_on(async {
         let client = broker.client().await;
@@ -148,5 +151,69 @@ fn resending_after_sigkill_and_restart_stores_them_once() {
         let again = publish_all(&broker).await;
         assert_eq!(again, first, "the original offsets after the restart");
         assert_each_once(&read_back(&broker).await);
+    });
+}
+
+// Proves the client's retries: with an ingress queue of one job on a 2-core broker and a
+// naive client (every publish enters the core its connection landed on; a shard of the other
+// core holds the job until that core answers), pipelined acked publishes to both shards are
+// refused (ingress_budget_exhausted) and the ones behind them on a shard refused as
+// out_of_sequence; the client sends each again with the same sequence until stored, so every
+// publish is acked and each shard holds each of its records once, in order.
+#[test]
+fn refused_publishes_are_retried_and_stored_once_in_order() {
+    const PUBLISHES: usize = 200;
+    let broker = BrokerProcess::start(&[
+        ("FELIX_DATAPLANE_CORES", "2"),
+        ("FELIX_INGRESS_QUEUE_DEPTH", "1"),
+    ]);
+    runtime().block_on(async {
+        let mut config = broker.naive_client_config();
+        config.publish_retries = 10_000;
+        config.publish_retry_backoff = std::time::Duration::from_millis(1);
+        let client = within(Client::connect(config)).await.expect("connects");
+        within(client.create_stream(STREAM, 2, StreamKind::InMemory))
+            .await
+            .expect("created");
+        // A key of each shard (one per core).
+        let key_of = |shard: u32| {
+            (0..)
+                .map(|i| format!("k{i}"))
+                .find(|key| felix_wire::shard_for_key(key.as_bytes(), 2) == shard)
+                .expect("a key of the shard")
+        };
+        let keys = [key_of(0), key_of(1)];
+        let mut pending = Vec::new();
+        for i in 0..PUBLISHES {
+            let records = [record(keys[i % 2].clone(), format!("record {i}"))];
+            pending.push(
+                within(client.publish_pipelined(STREAM, &records))
+                    .await
+                    .expect("sent"),
+            );
+        }
+        let mut offsets = Vec::new();
+        for ack in pending {
+            let acks = within(ack).await.expect("acked after retries");
+            offsets.push((acks[0].shard, acks[0].first_offset));
+        }
+        let expected: Vec<(u32, u64)> = (0..PUBLISHES)
+            .map(|i| ((i % 2) as u32, (i / 2) as u64))
+            .collect();
+        assert_eq!(offsets, expected, "each publish stored once, in order");
+        client.close().await;
+        let content = read_back(&broker).await;
+        for shard in 0..2 {
+            let payloads: Vec<Bytes> = (0..PUBLISHES)
+                .filter(|i| i % 2 == shard)
+                .map(|i| Bytes::from(format!("record {i}")))
+                .collect();
+            assert_eq!(content.get(&(shard as u32)), Some(&payloads));
+        }
+        support::eventually("refusals in the metrics", || {
+            support::metric_value(&broker.metrics(), "felix_publishes_refused_total")
+                .is_some_and(|refused| refused > 0)
+        })
+        .await;
     });
 }
