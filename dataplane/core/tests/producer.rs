@@ -543,3 +543,113 @@ fn a_batch_refused_by_a_full_disk_is_not_remembered_across_a_restart() {
         "stored, not a false duplicate"
     );
 }
+
+#[test]
+fn a_batch_cut_by_a_full_disk_between_two_rounds_is_not_remembered_across_a_restart() {
+    // Proves the journal's rollback record where it matters: a producer batch larger than a
+    // write round has its journal record and first records written by one round and the rest
+    // refused by the next (ENOSPC); its offsets then go to a plain publish. After a restart,
+    // the producer's retry of that batch is stored again at new offsets, not answered with the
+    // offsets the plain publish's records took (the journal record alone would vouch for them).
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut broker = Broker::new(1, ingress());
+    let (backend, fault) = FaultBackend::new(false).expect("fault backend");
+    let mut config = settings().log_config(dir.path(), 0);
+    config.max_round_bytes = 4096;
+    config.max_pending_bytes = 4096;
+    let mut log = DurableLog::open(0, config, backend).expect("log");
+    let conn = broker.connect(0);
+    let create = Frame::CreateStream(felix_wire::CreateStream {
+        request_id: 1,
+        name: "d".to_owned(),
+        shard_count: 1,
+        kind: StreamKind::Durable,
+    });
+    assert_eq!(broker.feed(0, conn.requests, create), Flow::Blocked);
+    let write = broker.cores[0].poll_catalog_write().expect("catalogue");
+    let felix_core::CatalogChange::Add(entry) = write.change.clone() else {
+        panic!("{write:?}");
+    };
+    let now = broker.now();
+    broker.cores[0].handle_catalog_written(now, write.id, Ok(()));
+    assert_eq!(broker.read(0, conn.requests).len(), 1, "StreamInfo");
+    let pump = |broker: &mut Broker, log: &mut DurableLog<FaultBackend>| {
+        let now = broker.now();
+        broker.cores[0].pump_log(log, now).expect("pumped");
+    };
+    let settle = |broker: &mut Broker, log: &mut DurableLog<FaultBackend>| {
+        for _ in 0..64 {
+            pump(broker, log);
+            if !fault.complete_next() {
+                break;
+            }
+        }
+        pump(broker, log);
+        broker.read(0, conn.requests)
+    };
+    let big = "x".repeat(1000);
+    let batch_two: Vec<Record> = (0..8).map(|i| record("k", &format!("{i}{big}"))).collect();
+    // Batch 1, stored.
+    assert_eq!(
+        broker.feed(
+            0,
+            conn.requests,
+            produce(2, "d", 4, 1, 0, vec![record("k", "one")]),
+        ),
+        Flow::Continue
+    );
+    let frames = settle(&mut broker, &mut log);
+    assert_eq!(ack_of(&frames[0])[0].first_offset, 0);
+    // Batch 2: the first round (its journal record, its first records) is written, the next
+    // one fails with ENOSPC.
+    assert_eq!(
+        broker.feed(
+            0,
+            conn.requests,
+            produce(3, "d", 4, 2, 0, batch_two.clone()),
+        ),
+        Flow::Continue
+    );
+    pump(&mut broker, &mut log);
+    assert!(fault.complete_next(), "the first round");
+    fault.fail_next_write(libc::ENOSPC, 0);
+    let frames = settle(&mut broker, &mut log);
+    assert_eq!(error_of(&frames[0]).0, ErrorCode::StorageFull, "{frames:?}");
+    let cut = next_offset(&mut broker, &conn, "d", 0);
+    assert!(
+        cut > 1 && cut < 9,
+        "batch 2 was cut inside: next offset {cut}"
+    );
+    // Its offsets go to a plain publish reaching past where batch 2 would have ended.
+    let plain: Vec<Record> = (0..10)
+        .map(|i| record("k", &format!("plain {i}")))
+        .collect();
+    assert_eq!(
+        broker.feed(
+            0,
+            conn.requests,
+            support::publish(4, AckMode::Acked, "d", plain),
+        ),
+        Flow::Continue
+    );
+    let frames = settle(&mut broker, &mut log);
+    assert_eq!(ack_of(&frames[0])[0].first_offset, cut, "{frames:?}");
+    drop(log);
+    drop(broker);
+    let (mut broker, conn, mut log) = reopened(dir.path(), &entry);
+    let retry = durable_answer(
+        &mut broker,
+        &conn,
+        &mut log,
+        produce(5, "d", 4, 2, 0, batch_two),
+    );
+    assert_eq!(
+        ack_of(&retry)[0],
+        ShardAck {
+            shard: 0,
+            first_offset: cut + 10,
+            count: 8
+        },
+        "stored again, not a false duplicate"
+    );
+}
