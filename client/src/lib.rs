@@ -161,9 +161,10 @@ pub struct ClientConfig {
     /// that sends the same batches in the same order again has them deduplicated.
     pub producer_id: Option<u64>,
     /// Times an acked publish is sent again, with the same sequence, after a retryable
-    /// answer (`unavailable`, `ingress_budget_exhausted`, `out_of_sequence` naming an
-    /// earlier batch still missing); 0 turns retries off. Only idempotent publishes are
-    /// retried. Default [`DEFAULT_PUBLISH_RETRIES`].
+    /// answer (`ingress_budget_exhausted`, `unavailable` naming the batch's sequence: its
+    /// original is still being stored, `out_of_sequence` naming an earlier batch still
+    /// missing); 0 turns retries off. Only idempotent publishes are retried. Default
+    /// [`DEFAULT_PUBLISH_RETRIES`].
     pub publish_retries: u32,
     /// Wait before the first retry; it doubles per retry up to [`PUBLISH_RETRY_BACKOFF_MAX`].
     /// Default [`DEFAULT_PUBLISH_RETRY_BACKOFF`].
@@ -1512,13 +1513,17 @@ impl RetryPolicy {
 }
 
 /// Whether an idempotent publish answered `error` is worth sending again as it is: the broker
-/// could not take it now (`unavailable`, `ingress_budget_exhausted`), or an earlier batch of
-/// the producer on that shard is still missing (`out_of_sequence` naming a sequence below
-/// this one: the earlier batch's own retry fills the gap).
+/// took nothing of it (`ingress_budget_exhausted`), its original is still being stored
+/// (`unavailable` naming its sequence in `detail`; a replicated stream's `unavailable`, detail
+/// 0, may still commit the records and is not retried: cluster streams do not deduplicate
+/// yet), or an earlier batch of the producer on that shard is still missing
+/// (`out_of_sequence` naming a sequence below this one: the earlier batch's own retry fills
+/// the gap).
 fn retryable(error: &ClientError, sequence: u64) -> bool {
     match error {
         ClientError::Server { code, detail, .. } => match code {
-            ErrorCode::Unavailable | ErrorCode::IngressBudgetExhausted => true,
+            ErrorCode::IngressBudgetExhausted => true,
+            ErrorCode::Unavailable => *detail != 0,
             ErrorCode::OutOfSequence => *detail != 0 && *detail < sequence,
             _ => false,
         },

@@ -698,9 +698,11 @@ impl Core {
                 self.counters.producer_duplicates += 1;
                 Some(Ok(vec![ack]))
             }
+            // `detail` = the sequence: an `unavailable` a client may retry as it is (a
+            // replicated stream's, which stores nothing twice only by luck, has detail 0).
             Verdict::InFlight => Some(Err(EngineError::new(
                 ErrorCode::Unavailable,
-                0,
+                tag.sequence,
                 format!(
                     "batch {} of producer {:016x} on shard {} is still being stored; publish it \
                      again",

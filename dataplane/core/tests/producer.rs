@@ -319,7 +319,11 @@ fn a_durable_retry_before_the_commit_is_unavailable_then_gets_the_original_ack()
     broker.cores[0].pump_log(&mut log, now).expect("pumped");
     assert!(broker.read(0, conn.requests).is_empty(), "not yet synced");
     let early = answer(&mut broker, &conn, produce(3, "d", 9, 1, 0, batch.clone()));
-    assert_eq!(error_of(&early).0, ErrorCode::Unavailable);
+    assert_eq!(
+        error_of(&early),
+        (ErrorCode::Unavailable, 1),
+        "detail: its sequence"
+    );
     assert!(fault.complete_next());
     broker.cores[0].pump_log(&mut log, now).expect("pumped");
     let frames = broker.read(0, conn.requests);
