@@ -360,33 +360,57 @@ pub struct Client {
     producer: Option<Arc<ProducerState>>,
 }
 
-/// An idempotent producer's numbering: per `(stream, shard)`, the producer id its batches
+/// An idempotent producer's numbering: per stream and shard, the producer id its batches
 /// carry and the last sequence given.
 #[derive(Debug)]
 struct ProducerState {
     id: u64,
-    shards: Mutex<FxHashMap<(String, u32), (u64, u64)>>,
+    /// Stream name -> per shard `(producer id, last sequence)`; `(0, 0)` until first used.
+    shards: Mutex<FxHashMap<String, Vec<(u64, u64)>>>,
 }
 
 impl ProducerState {
-    /// The producer id and the next sequence for `stream`'s `shard`.
+    /// The producer id and the next sequence for `stream`'s `shard`: one lookup by name, no
+    /// allocation after a stream's first batch.
     fn next(&self, stream: &str, shard: u32) -> (u64, u64) {
-        let mut shards = self.shards.lock().unwrap_or_else(PoisonError::into_inner);
-        // One lookup per batch; the key is allocated on a shard's first batch only.
-        if let Some((producer, last)) = shards.get_mut(&(stream.to_owned(), shard)) {
-            *last += 1;
-            return (*producer, *last);
+        let mut streams = self.shards.lock().unwrap_or_else(PoisonError::into_inner);
+        if !streams.contains_key(stream) {
+            streams.insert(stream.to_owned(), Vec::new());
         }
-        shards.insert((stream.to_owned(), shard), (self.id, 1));
-        (self.id, 1)
+        let Some(shards) = streams.get_mut(stream) else {
+            return (self.id, 0);
+        };
+        let slot = shard as usize;
+        if shards.len() <= slot {
+            shards.resize(slot + 1, (0, 0));
+        }
+        let entry = &mut shards[slot];
+        if entry.0 == 0 {
+            entry.0 = self.id;
+        }
+        entry.1 += 1;
+        *entry
     }
 
-    /// The broker forgot `producer` on this shard (`out_of_sequence` with detail 0: an
-    /// eviction or a restart that lost it): the shard's later batches go out under a fresh
-    /// random id from sequence 1, unless that happened already.
-    fn forgotten(&self, stream: &str, shard: u32, producer: u64) {
-        let mut shards = self.shards.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(entry) = shards.get_mut(&(stream.to_owned(), shard))
+    /// Whether `stream`'s `shard` still goes out as `producer`.
+    fn current(&self, stream: &str, shard: u32, producer: u64) -> bool {
+        let streams = self.shards.lock().unwrap_or_else(PoisonError::into_inner);
+        streams
+            .get(stream)
+            .and_then(|shards| shards.get(shard as usize))
+            .is_some_and(|entry| entry.0 == producer)
+    }
+
+    /// A batch of `producer` on this shard ended in an error (refused for good, or
+    /// `out_of_sequence` with detail 0: the broker forgot the producer): its sequence is a
+    /// gap the broker would refuse every later batch for, so the shard's later batches go out
+    /// under a fresh random id from sequence 1, unless that happened already. Batches
+    /// pipelined behind it under the old id are refused (`out_of_sequence`), not retried.
+    fn abandon(&self, stream: &str, shard: u32, producer: u64) {
+        let mut streams = self.shards.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(entry) = streams
+            .get_mut(stream)
+            .and_then(|shards| shards.get_mut(shard as usize))
             && entry.0 == producer
         {
             *entry = (random_producer_id(), 0);
@@ -1470,8 +1494,21 @@ impl RetryPolicy {
     /// records, a new request id) after a retryable one, at most `retries` times.
     async fn settle(
         &self,
-        mut answer: oneshot::Receiver<Answer>,
+        answer: oneshot::Receiver<Answer>,
         part: SentPart,
+    ) -> Result<Vec<ShardAck>, ClientError> {
+        let result = self.attempts(answer, &part).await;
+        if result.is_err() {
+            self.producer
+                .abandon(&part.stream, part.shard, part.producer);
+        }
+        result
+    }
+
+    async fn attempts(
+        &self,
+        mut answer: oneshot::Receiver<Answer>,
+        part: &SentPart,
     ) -> Result<Vec<ShardAck>, ClientError> {
         let mut attempts = 0;
         let mut wait = self.backoff;
@@ -1483,16 +1520,11 @@ impl RetryPolicy {
                 Ok(Err(failure)) => failure.to_error(),
                 Err(_) => ClientError::Closed("the connection ended before the ack".to_owned()),
             };
-            if let ClientError::Server {
-                code: ErrorCode::OutOfSequence,
-                detail: 0,
-                ..
-            } = error
-            {
-                self.producer
-                    .forgotten(&part.stream, part.shard, part.producer);
-            }
-            if attempts >= self.retries || !retryable(&error, part.sequence) {
+            // Another batch of the shard failed for good: the shard went on under a new id.
+            let abandoned = !self
+                .producer
+                .current(&part.stream, part.shard, part.producer);
+            if attempts >= self.retries || abandoned || !retryable(&error, part.sequence) {
                 return Err(error);
             }
             attempts += 1;
