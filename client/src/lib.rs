@@ -792,6 +792,34 @@ impl Parts<'_> {
     }
 }
 
+/// An idempotent publish's records by shard: all of one shard (borrowed as they are), or
+/// split by shard (batch order kept within each), each part with its destination.
+enum ShardParts<'r> {
+    One(Dest, u32, &'r [Record]),
+    Split(Vec<(Dest, u32, Vec<Record>)>),
+}
+
+impl ShardParts<'_> {
+    fn iter(&self) -> impl Iterator<Item = (Dest, u32, &[Record])> {
+        let (one, split) = match self {
+            ShardParts::One(dest, shard, records) => (Some((*dest, *shard, *records)), &[][..]),
+            ShardParts::Split(parts) => (None, parts.as_slice()),
+        };
+        one.into_iter().chain(
+            split
+                .iter()
+                .map(|(dest, shard, records)| (*dest, *shard, records.as_slice())),
+        )
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            ShardParts::One(..) => 1,
+            ShardParts::Split(parts) => parts.len(),
+        }
+    }
+}
+
 /// Payloads at least this long go to QUIC as chunks of their own (a vectored write), not
 /// copied into the frame; shorter ones are cheaper to copy than to carry as a chunk: s2n-quic
 /// pays per chunk boundary when it fills packets. Measured with callgrind (docs/performance.md,
@@ -1082,8 +1110,8 @@ impl Client {
         ack: AckMode,
         stream: &str,
         records: &[Record],
-        producer: Option<(u64, u64, u32)>,
-    ) -> Result<Vec<Bytes>, ClientError> {
+        producer: Option<(&ProducerState, u32)>,
+    ) -> Result<(Vec<Bytes>, (u64, u64)), ClientError> {
         let limits = &self.primary.hello.limits;
         let mut records_len = 0usize;
         let mut copied_len = 0usize;
@@ -1112,23 +1140,43 @@ impl Client {
                 copied_len += len;
             }
         }
+        let producer_len = if producer.is_some() {
+            felix_wire::PRODUCER_FIELDS_LEN
+        } else {
+            0
+        };
+        let body_len = felix_wire::encoded_publish_len(stream, 0, 0) - felix_wire::FRAME_HEADER_LEN
+            + producer_len
+            + records_len;
+        if body_len > limits.max_frame_bytes as usize {
+            return Err(ClientError::InvalidArgument(format!(
+                "a publish of {body_len} bytes exceeds the broker's frame limit of {}; send smaller batches",
+                limits.max_frame_bytes
+            )));
+        }
         let mut buf = BytesMut::new();
         // The count was checked against max_batch_records (a u32) in check_batch.
         let record_count = u32::try_from(records.len()).unwrap_or(u32::MAX);
+        // Every check is done: the sequence is taken only for a frame that goes out (a
+        // sequence taken and not sent would be a gap the broker refuses later batches for).
+        let mut numbered = (0, 0);
         match producer {
-            Some((producer, sequence, shard)) => felix_wire::encode_producer_publish_header(
-                &felix_wire::ProducerHeader {
-                    request_id,
-                    ack,
-                    producer,
-                    sequence,
-                    shard,
-                },
-                stream,
-                record_count,
-                records_len,
-                &mut buf,
-            ),
+            Some((producer, shard)) => {
+                numbered = producer.next(stream, shard);
+                felix_wire::encode_producer_publish_header(
+                    &felix_wire::ProducerHeader {
+                        request_id,
+                        ack,
+                        producer: numbered.0,
+                        sequence: numbered.1,
+                        shard,
+                    },
+                    stream,
+                    record_count,
+                    records_len,
+                    &mut buf,
+                );
+            }
             None => felix_wire::encode_publish_header(
                 request_id,
                 ack,
@@ -1137,13 +1185,6 @@ impl Client {
                 records_len,
                 &mut buf,
             ),
-        }
-        let body_len = buf.len() - felix_wire::FRAME_HEADER_LEN + records_len;
-        if body_len > limits.max_frame_bytes as usize {
-            return Err(ClientError::InvalidArgument(format!(
-                "a publish of {body_len} bytes exceeds the broker's frame limit of {}; send smaller batches",
-                limits.max_frame_bytes
-            )));
         }
         buf.reserve(copied_len);
         let mut chunks = Vec::with_capacity(chunk_count);
@@ -1159,7 +1200,7 @@ impl Client {
         if !buf.is_empty() {
             chunks.push(buf.freeze());
         }
-        Ok(chunks)
+        Ok((chunks, numbered))
     }
 
     /// Takes budget for `bytes` (the whole budget for a batch larger than it).
@@ -1194,7 +1235,8 @@ impl Client {
         for (dest, records) in parts.iter() {
             let conn = self.conn(dest.core).await?;
             let request_id = self.next_request_id();
-            let chunks = self.encode_publish(request_id, AckMode::Acked, stream, records, None)?;
+            let (chunks, _) =
+                self.encode_publish(request_id, AckMode::Acked, stream, records, None)?;
             let bytes = chunks.iter().map(Bytes::len).sum();
             let permit = self.acquire_budget(bytes).await?;
             let answer = conn.shared.register(request_id, Some(permit))?;
@@ -1227,37 +1269,63 @@ impl Client {
     /// A batch split by shard (batch order kept within each), each with its destination, for
     /// idempotent publishing; `None` when the stream's routing is unknown (the publish then
     /// goes out plain, and the broker answers it).
-    async fn shard_parts(
+    async fn shard_parts<'r>(
         &self,
         stream: &str,
-        records: &[Record],
-    ) -> Result<Option<Vec<(Dest, u32, Vec<Record>)>>, ClientError> {
+        records: &'r [Record],
+    ) -> Result<Option<ShardParts<'r>>, ClientError> {
         self.check_batch(stream, records)?;
         let Some(route) = self.route(stream).await.filter(|route| !route.is_empty()) else {
             return Ok(None);
         };
         let shard_count = u32::try_from(route.len()).unwrap_or(u32::MAX);
-        let mut parts: Vec<(Dest, u32, Vec<Record>)> = Vec::new();
-        for record in records {
-            let shard = felix_wire::shard_for_key(&record.key, shard_count);
-            match parts.iter_mut().find(|(_, part, _)| *part == shard) {
-                Some((_, _, part)) => part.push(record.clone()),
-                None => parts.push((Dest::default(), shard, vec![record.clone()])),
+        let shard_of = |record: &Record| felix_wire::shard_for_key(&record.key, shard_count);
+        let first = records.first().map_or(0, shard_of);
+        let mut parts = if records.iter().all(|record| shard_of(record) == first) {
+            // The common case: one shard, the records borrowed as they are.
+            ShardParts::One(Dest::default(), first, records)
+        } else {
+            let mut split: Vec<(Dest, u32, Vec<Record>)> = Vec::new();
+            for record in records {
+                let shard = shard_of(record);
+                match split.iter_mut().find(|(_, part, _)| *part == shard) {
+                    Some((_, _, part)) => part.push(record.clone()),
+                    None => split.push((Dest::default(), shard, vec![record.clone()])),
+                }
+            }
+            ShardParts::Split(split)
+        };
+        match &mut parts {
+            ShardParts::One(dest, shard, _) => {
+                *dest = self.shard_dest(stream, &route, *shard).await?
+            }
+            ShardParts::Split(split) => {
+                for (dest, shard, _) in split {
+                    *dest = self.shard_dest(stream, &route, *shard).await?;
+                }
             }
         }
-        for (dest, shard, _) in &mut parts {
-            let core = if self.cores.is_empty() {
-                None
-            } else {
-                Some(route[*shard as usize])
-            };
-            let mut one = [Dest::default()];
-            self.conn(core)
-                .await?
-                .assign_streams(stream, core, &[*shard], &[core], &mut one);
-            *dest = one[0];
-        }
         Ok(Some(parts))
+    }
+
+    /// Where `stream`'s `shard` is published: its owner core's connection (core-aware) and
+    /// the shard's publish stream there.
+    async fn shard_dest(
+        &self,
+        stream: &str,
+        route: &[u16],
+        shard: u32,
+    ) -> Result<Dest, ClientError> {
+        let core = if self.cores.is_empty() {
+            None
+        } else {
+            route.get(shard as usize).copied()
+        };
+        let mut one = [Dest::default()];
+        self.conn(core)
+            .await?
+            .assign_streams(stream, core, &[shard], &[core], &mut one);
+        Ok(one[0])
     }
 
     /// Sends one `ProducerPublish` per shard part, each with the shard's next sequence; the
@@ -1267,19 +1335,19 @@ impl Client {
         &self,
         producer: &Arc<ProducerState>,
         stream: &str,
-        parts: Vec<(Dest, u32, Vec<Record>)>,
+        parts: ShardParts<'_>,
     ) -> Result<PendingAck, ClientError> {
         let mut sent = Vec::with_capacity(parts.len());
-        for (dest, shard, records) in &parts {
+        let name: Arc<str> = Arc::from(stream);
+        for (dest, shard, records) in parts.iter() {
             let conn = self.conn(dest.core).await?;
             let request_id = self.next_request_id();
-            let (producer_id, sequence) = producer.next(stream, *shard);
-            let chunks = self.encode_publish(
+            let (chunks, (producer_id, sequence)) = self.encode_publish(
                 request_id,
                 AckMode::Acked,
                 stream,
                 records,
-                Some((producer_id, sequence, *shard)),
+                Some((producer, shard)),
             )?;
             let bytes = chunks.iter().map(Bytes::len).sum();
             let permit = self.acquire_budget(bytes).await?;
@@ -1292,8 +1360,8 @@ impl Client {
                     writer: writer.clone(),
                     shared: Arc::clone(&conn.shared),
                     chunks,
-                    stream: stream.to_owned(),
-                    shard: *shard,
+                    stream: Arc::clone(&name),
+                    shard,
                     producer: producer_id,
                     sequence,
                 },
@@ -1357,7 +1425,8 @@ impl Client {
         let parts = self.parts(stream, records).await?;
         for (dest, records) in parts.iter() {
             let conn = self.conn(dest.core).await?;
-            let chunks = self.encode_publish(0, AckMode::FireAndForget, stream, records, None)?;
+            let (chunks, _) =
+                self.encode_publish(0, AckMode::FireAndForget, stream, records, None)?;
             let bytes = chunks.iter().map(Bytes::len).sum();
             let permit = self.acquire_budget(bytes).await?;
             let writer = conn.publish_writer(dest.stream_index).await?;
@@ -1475,7 +1544,7 @@ struct SentPart {
     writer: mpsc::Sender<WriterCommand>,
     shared: Arc<Shared>,
     chunks: Vec<Bytes>,
-    stream: String,
+    stream: Arc<str>,
     shard: u32,
     producer: u64,
     sequence: u64,
