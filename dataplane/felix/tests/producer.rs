@@ -217,3 +217,48 @@ fn refused_publishes_are_retried_and_stored_once_in_order() {
         .await;
     });
 }
+
+// Proves `felix pub` publishes as an idempotent producer: run twice with the same
+// `--producer-id`, the second run is answered with the first run's offsets and stores
+// nothing; with `--no-idempotence` the same records are stored again.
+#[test]
+fn felix_pub_with_a_producer_id_stores_a_rerun_once() {
+    let broker = BrokerProcess::start(&[]);
+    let created = broker
+        .cli()
+        .args(["stream", "create", "cli-produced", "--shards", "2"])
+        .output()
+        .expect("felix stream create runs");
+    assert!(created.status.success(), "{created:?}");
+    let publish = |extra: &[&str]| {
+        let output = broker
+            .cli()
+            .args(["pub", "cli-produced", "--key", "k", "--batch", "2"])
+            .args(extra)
+            .args(["one", "two", "three"])
+            .output()
+            .expect("felix pub runs");
+        assert!(output.status.success(), "{output:?}");
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    let first = publish(&["--producer-id", "0xfe11c5"]);
+    let shard = felix_wire::shard_for_key(b"k", 2);
+    assert_eq!(
+        first,
+        format!(
+            "acked 2 records: shard {shard} offsets 0..1\nacked 1 record: shard {shard} offset 2\n"
+        )
+    );
+    assert_eq!(
+        publish(&["--producer-id", "fe11c5"]),
+        first,
+        "a rerun: the same offsets"
+    );
+    let plain = publish(&["--no-idempotence"]);
+    assert_eq!(
+        plain,
+        format!(
+            "acked 2 records: shard {shard} offsets 3..4\nacked 1 record: shard {shard} offset 5\n"
+        )
+    );
+}
