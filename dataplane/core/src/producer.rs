@@ -372,3 +372,60 @@ impl Producers {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn batch(producer: u64, sequence: u64, first_offset: u64, count: u32) -> JournalEntry {
+        JournalEntry {
+            log_shard: felix_engine::LogShardId(0),
+            first_offset,
+            count,
+            producer,
+            sequence,
+        }
+    }
+
+    #[test]
+    fn replay_keeps_what_no_rollback_took_back_and_the_shard_holds() {
+        // Proves the journal replay rules: a rollback record drops the batches before it that
+        // reach past its offset (not those wholly below it, nor later ones), a batch reaching
+        // past the data shard's next offset is dropped, and an unknown record is skipped.
+        let records = [
+            batch_record(&batch(1, 1, 0, 2)),
+            batch_record(&batch(1, 2, 2, 3)),
+            rollback_record(3),
+            batch_record(&batch(1, 2, 3, 3)),
+            batch_record(&batch(2, 1, 6, 4)),
+        ];
+        let mut unknown = [0u8; JOURNAL_RECORD_BYTES];
+        unknown[0] = 9;
+        let payloads = records
+            .iter()
+            .map(|record| &record[..])
+            .chain([&unknown[..], &[1u8, 2, 3][..]]);
+        let (batches, skipped) = replay_journal(payloads, 8);
+        let kept: Vec<(u64, u64, u64)> = batches
+            .iter()
+            .map(|batch| (batch.producer, batch.sequence, batch.first_offset))
+            .collect();
+        assert_eq!(kept, vec![(1, 1, 0), (1, 2, 3)]);
+        assert_eq!(skipped, 2);
+    }
+
+    #[test]
+    fn journal_ids_are_apart_from_data_ids_and_map_back() {
+        // Proves a journal's log shard id is never a data shard's, names the same stream and
+        // shard, and a stream with the journal bit keeps none.
+        let data = felix_engine::LogShardId::new(7, 42).expect("valid");
+        let journal = journal_of(data).expect("a journal");
+        assert_ne!(journal, data);
+        assert!(is_journal(journal.0) && !is_journal(data.0));
+        assert_eq!(owning_stream_id(journal.0), 7);
+        assert_eq!(owning_stream_id(data.0), 7);
+        assert_eq!(journal.shard(), 42);
+        let high = felix_engine::LogShardId::new(JOURNAL_STREAM_BIT | 7, 0).expect("valid");
+        assert_eq!(journal_of(high), None);
+    }
+}
