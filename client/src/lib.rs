@@ -83,6 +83,13 @@ const CLOSE_IDLE_TIMEOUT: Duration = Duration::from_secs(1);
 /// Default of [`ClientConfig::max_mtu`]: the broker's default FELIX_MTU_UPPER_BOUND.
 pub const DEFAULT_MAX_MTU: u16 = 4096;
 
+/// Default [`ClientConfig::publish_retries`].
+pub const DEFAULT_PUBLISH_RETRIES: u32 = 8;
+/// Default [`ClientConfig::publish_retry_backoff`].
+pub const DEFAULT_PUBLISH_RETRY_BACKOFF: Duration = Duration::from_millis(20);
+/// The longest wait between two retries of a publish.
+pub const PUBLISH_RETRY_BACKOFF_MAX: Duration = Duration::from_secs(1);
+
 /// Default [`ClientConfig::idle_timeout`] (QUIC's usual 30 s).
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 /// QUIC's minimum datagram size.
@@ -144,6 +151,24 @@ pub struct ClientConfig {
     /// go out well within it; the broker's own idle timeout, if shorter, wins). Default 30 s;
     /// a cluster client that should notice a dead member sooner sets less.
     pub idle_timeout: Duration,
+    /// Publish as an idempotent producer (docs/semantics.md, "Idempotent producers"): acked
+    /// publishes carry this client's producer id and a sequence per shard, so a retry is
+    /// stored once. Used only when the broker echoes the feature in `HelloOk` (else plain
+    /// publishes). Default true.
+    pub idempotent: bool,
+    /// The producer id; `None` (the default) picks one at random per [`Client`]. A `Client`
+    /// numbers each shard's batches from 1, so a new `Client` given the id of an earlier one
+    /// that sends the same batches in the same order again has them deduplicated.
+    pub producer_id: Option<u64>,
+    /// Times an acked publish is sent again, with the same sequence, after a retryable
+    /// answer (`ingress_budget_exhausted`, `unavailable` naming the batch's sequence: its
+    /// original is still being stored, `out_of_sequence` naming an earlier batch still
+    /// missing); 0 turns retries off. Only idempotent publishes are retried. Default
+    /// [`DEFAULT_PUBLISH_RETRIES`].
+    pub publish_retries: u32,
+    /// Wait before the first retry; it doubles per retry up to [`PUBLISH_RETRY_BACKOFF_MAX`].
+    /// Default [`DEFAULT_PUBLISH_RETRY_BACKOFF`].
+    pub publish_retry_backoff: Duration,
 }
 
 impl std::fmt::Debug for ClientConfig {
@@ -162,6 +187,10 @@ impl std::fmt::Debug for ClientConfig {
             .field("identity", &self.identity)
             .field("max_mtu", &self.max_mtu)
             .field("idle_timeout", &self.idle_timeout)
+            .field("idempotent", &self.idempotent)
+            .field("producer_id", &self.producer_id)
+            .field("publish_retries", &self.publish_retries)
+            .field("publish_retry_backoff", &self.publish_retry_backoff)
             .finish()
     }
 }
@@ -183,6 +212,10 @@ impl ClientConfig {
             identity: None,
             max_mtu: DEFAULT_MAX_MTU,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            idempotent: true,
+            producer_id: None,
+            publish_retries: DEFAULT_PUBLISH_RETRIES,
+            publish_retry_backoff: DEFAULT_PUBLISH_RETRY_BACKOFF,
         }
     }
 }
@@ -323,6 +356,77 @@ pub struct Client {
     budget: Arc<Semaphore>,
     budget_permits: u64,
     next_request_id: Arc<AtomicU64>,
+    /// Idempotent publishing: set when configured and the broker echoed the feature.
+    producer: Option<Arc<ProducerState>>,
+}
+
+/// An idempotent producer's numbering: per stream and shard, the producer id its batches
+/// carry and the last sequence given.
+#[derive(Debug)]
+struct ProducerState {
+    id: u64,
+    /// Stream name -> per shard `(producer id, last sequence)`; `(0, 0)` until first used.
+    shards: Mutex<FxHashMap<String, Vec<(u64, u64)>>>,
+}
+
+impl ProducerState {
+    /// The producer id and the next sequence for `stream`'s `shard`: one lookup by name, no
+    /// allocation after a stream's first batch.
+    fn next(&self, stream: &str, shard: u32) -> (u64, u64) {
+        let mut streams = self.shards.lock().unwrap_or_else(PoisonError::into_inner);
+        if !streams.contains_key(stream) {
+            streams.insert(stream.to_owned(), Vec::new());
+        }
+        let Some(shards) = streams.get_mut(stream) else {
+            return (self.id, 0);
+        };
+        let slot = shard as usize;
+        if shards.len() <= slot {
+            shards.resize(slot + 1, (0, 0));
+        }
+        let entry = &mut shards[slot];
+        if entry.0 == 0 {
+            entry.0 = self.id;
+        }
+        entry.1 += 1;
+        *entry
+    }
+
+    /// Whether `stream`'s `shard` still goes out as `producer`.
+    fn current(&self, stream: &str, shard: u32, producer: u64) -> bool {
+        let streams = self.shards.lock().unwrap_or_else(PoisonError::into_inner);
+        streams
+            .get(stream)
+            .and_then(|shards| shards.get(shard as usize))
+            .is_some_and(|entry| entry.0 == producer)
+    }
+
+    /// A batch of `producer` on this shard ended in an error (refused for good, or
+    /// `out_of_sequence` with detail 0: the broker forgot the producer): its sequence is a
+    /// gap the broker would refuse every later batch for, so the shard's later batches go out
+    /// under a fresh random id from sequence 1, unless that happened already. Batches
+    /// pipelined behind it under the old id are refused (`out_of_sequence`), not retried.
+    fn abandon(&self, stream: &str, shard: u32, producer: u64) {
+        let mut streams = self.shards.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(entry) = streams
+            .get_mut(stream)
+            .and_then(|shards| shards.get_mut(shard as usize))
+            && entry.0 == producer
+        {
+            *entry = (random_producer_id(), 0);
+        }
+    }
+}
+
+/// A random 64-bit producer id (docs/semantics.md, "Idempotent producers": the collision
+/// odds). Never 0.
+fn random_producer_id() -> u64 {
+    loop {
+        let id = rand::random::<u64>();
+        if id != 0 {
+            return id;
+        }
+    }
 }
 
 impl std::fmt::Debug for Client {
@@ -450,7 +554,11 @@ impl Conn {
         let hello = Frame::Hello(Hello {
             min_version: felix_wire::PROTOCOL_VERSION,
             max_version: felix_wire::PROTOCOL_VERSION,
-            features: 0,
+            features: if config.idempotent {
+                felix_wire::FEATURE_PRODUCER
+            } else {
+                0
+            },
             client_name: config.client_name.clone(),
             token: config
                 .token
@@ -684,6 +792,34 @@ impl Parts<'_> {
     }
 }
 
+/// An idempotent publish's records by shard: all of one shard (borrowed as they are), or
+/// split by shard (batch order kept within each), each part with its destination.
+enum ShardParts<'r> {
+    One(Dest, u32, &'r [Record]),
+    Split(Vec<(Dest, u32, Vec<Record>)>),
+}
+
+impl ShardParts<'_> {
+    fn iter(&self) -> impl Iterator<Item = (Dest, u32, &[Record])> {
+        let (one, split) = match self {
+            ShardParts::One(dest, shard, records) => (Some((*dest, *shard, *records)), &[][..]),
+            ShardParts::Split(parts) => (None, parts.as_slice()),
+        };
+        one.into_iter().chain(
+            split
+                .iter()
+                .map(|(dest, shard, records)| (*dest, *shard, records.as_slice())),
+        )
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            ShardParts::One(..) => 1,
+            ShardParts::Split(parts) => parts.len(),
+        }
+    }
+}
+
 /// Payloads at least this long go to QUIC as chunks of their own (a vectored write), not
 /// copied into the frame; shorter ones are cheaper to copy than to carry as a chunk: s2n-quic
 /// pays per chunk boundary when it fills packets. Measured with callgrind (docs/performance.md,
@@ -715,6 +851,14 @@ impl Client {
         let budget = Arc::new(Semaphore::new(
             usize::try_from(budget_permits).unwrap_or(usize::MAX),
         ));
+        let producer = (config.idempotent
+            && primary.hello.features & felix_wire::FEATURE_PRODUCER != 0)
+            .then(|| {
+                Arc::new(ProducerState {
+                    id: config.producer_id.unwrap_or_else(random_producer_id),
+                    shards: Mutex::new(FxHashMap::default()),
+                })
+            });
         Ok(Client {
             config,
             endpoint,
@@ -724,6 +868,7 @@ impl Client {
             budget,
             budget_permits,
             next_request_id: Arc::new(AtomicU64::new(1)),
+            producer,
         })
     }
 
@@ -965,7 +1110,8 @@ impl Client {
         ack: AckMode,
         stream: &str,
         records: &[Record],
-    ) -> Result<Vec<Bytes>, ClientError> {
+        producer: Option<(&ProducerState, u32)>,
+    ) -> Result<(Vec<Bytes>, (u64, u64)), ClientError> {
         let limits = &self.primary.hello.limits;
         let mut records_len = 0usize;
         let mut copied_len = 0usize;
@@ -994,23 +1140,51 @@ impl Client {
                 copied_len += len;
             }
         }
-        let mut buf = BytesMut::new();
-        // The count was checked against max_batch_records (a u32) in check_batch.
-        let record_count = u32::try_from(records.len()).unwrap_or(u32::MAX);
-        felix_wire::encode_publish_header(
-            request_id,
-            ack,
-            stream,
-            record_count,
-            records_len,
-            &mut buf,
-        );
-        let body_len = buf.len() - felix_wire::FRAME_HEADER_LEN + records_len;
+        let producer_len = if producer.is_some() {
+            felix_wire::PRODUCER_FIELDS_LEN
+        } else {
+            0
+        };
+        let body_len = felix_wire::encoded_publish_len(stream, 0, 0) - felix_wire::FRAME_HEADER_LEN
+            + producer_len
+            + records_len;
         if body_len > limits.max_frame_bytes as usize {
             return Err(ClientError::InvalidArgument(format!(
                 "a publish of {body_len} bytes exceeds the broker's frame limit of {}; send smaller batches",
                 limits.max_frame_bytes
             )));
+        }
+        let mut buf = BytesMut::new();
+        // The count was checked against max_batch_records (a u32) in check_batch.
+        let record_count = u32::try_from(records.len()).unwrap_or(u32::MAX);
+        // Every check is done: the sequence is taken only for a frame that goes out (a
+        // sequence taken and not sent would be a gap the broker refuses later batches for).
+        let mut numbered = (0, 0);
+        match producer {
+            Some((producer, shard)) => {
+                numbered = producer.next(stream, shard);
+                felix_wire::encode_producer_publish_header(
+                    &felix_wire::ProducerHeader {
+                        request_id,
+                        ack,
+                        producer: numbered.0,
+                        sequence: numbered.1,
+                        shard,
+                    },
+                    stream,
+                    record_count,
+                    records_len,
+                    &mut buf,
+                );
+            }
+            None => felix_wire::encode_publish_header(
+                request_id,
+                ack,
+                stream,
+                record_count,
+                records_len,
+                &mut buf,
+            ),
         }
         buf.reserve(copied_len);
         let mut chunks = Vec::with_capacity(chunk_count);
@@ -1026,7 +1200,7 @@ impl Client {
         if !buf.is_empty() {
             chunks.push(buf.freeze());
         }
-        Ok(chunks)
+        Ok((chunks, numbered))
     }
 
     /// Takes budget for `bytes` (the whole budget for a batch larger than it).
@@ -1051,12 +1225,18 @@ impl Client {
         stream: &str,
         records: &[Record],
     ) -> Result<PendingAck, ClientError> {
+        if let Some(producer) = &self.producer
+            && let Some(parts) = self.shard_parts(stream, records).await?
+        {
+            return self.publish_produced(producer, stream, parts).await;
+        }
         let parts = self.parts(stream, records).await?;
         let mut answers = Vec::with_capacity(parts.len());
         for (dest, records) in parts.iter() {
             let conn = self.conn(dest.core).await?;
             let request_id = self.next_request_id();
-            let chunks = self.encode_publish(request_id, AckMode::Acked, stream, records)?;
+            let (chunks, _) =
+                self.encode_publish(request_id, AckMode::Acked, stream, records, None)?;
             let bytes = chunks.iter().map(Bytes::len).sum();
             let permit = self.acquire_budget(bytes).await?;
             let answer = conn.shared.register(request_id, Some(permit))?;
@@ -1075,6 +1255,153 @@ impl Client {
         Ok(PendingAck {
             answers: answers.into_iter().map(Some).collect(),
             ready: Vec::new(),
+            retrying: None,
+        })
+    }
+
+    /// This client's producer id, when it publishes as an idempotent producer (configured,
+    /// and the broker echoed the feature).
+    #[must_use]
+    pub fn producer_id(&self) -> Option<u64> {
+        self.producer.as_ref().map(|producer| producer.id)
+    }
+
+    /// A batch split by shard (batch order kept within each), each with its destination, for
+    /// idempotent publishing; `None` when the stream's routing is unknown (the publish then
+    /// goes out plain, and the broker answers it).
+    async fn shard_parts<'r>(
+        &self,
+        stream: &str,
+        records: &'r [Record],
+    ) -> Result<Option<ShardParts<'r>>, ClientError> {
+        self.check_batch(stream, records)?;
+        let Some(route) = self.route(stream).await.filter(|route| !route.is_empty()) else {
+            return Ok(None);
+        };
+        let shard_count = u32::try_from(route.len()).unwrap_or(u32::MAX);
+        let shard_of = |record: &Record| felix_wire::shard_for_key(&record.key, shard_count);
+        let first = records.first().map_or(0, shard_of);
+        let mut parts = if records.iter().all(|record| shard_of(record) == first) {
+            // The common case: one shard, the records borrowed as they are.
+            ShardParts::One(Dest::default(), first, records)
+        } else {
+            let mut split: Vec<(Dest, u32, Vec<Record>)> = Vec::new();
+            for record in records {
+                let shard = shard_of(record);
+                match split.iter_mut().find(|(_, part, _)| *part == shard) {
+                    Some((_, _, part)) => part.push(record.clone()),
+                    None => split.push((Dest::default(), shard, vec![record.clone()])),
+                }
+            }
+            ShardParts::Split(split)
+        };
+        match &mut parts {
+            ShardParts::One(dest, shard, _) => {
+                *dest = self.shard_dest(stream, &route, *shard).await?
+            }
+            ShardParts::Split(split) => {
+                for (dest, shard, _) in split {
+                    *dest = self.shard_dest(stream, &route, *shard).await?;
+                }
+            }
+        }
+        Ok(Some(parts))
+    }
+
+    /// Where `stream`'s `shard` is published: its owner core's connection (core-aware) and
+    /// the shard's publish stream there.
+    async fn shard_dest(
+        &self,
+        stream: &str,
+        route: &[u16],
+        shard: u32,
+    ) -> Result<Dest, ClientError> {
+        let core = if self.cores.is_empty() {
+            None
+        } else {
+            route.get(shard as usize).copied()
+        };
+        let mut one = [Dest::default()];
+        self.conn(core)
+            .await?
+            .assign_streams(stream, core, &[shard], &[core], &mut one);
+        Ok(one[0])
+    }
+
+    /// Sends one `ProducerPublish` per shard part, each with the shard's next sequence; the
+    /// returned ack retries retryable answers with the same bytes (see
+    /// [`ClientConfig::publish_retries`]).
+    async fn publish_produced(
+        &self,
+        producer: &Arc<ProducerState>,
+        stream: &str,
+        parts: ShardParts<'_>,
+    ) -> Result<PendingAck, ClientError> {
+        let mut sent = Vec::with_capacity(parts.len());
+        let name: Arc<str> = Arc::from(stream);
+        for (dest, shard, records) in parts.iter() {
+            let conn = self.conn(dest.core).await?;
+            let request_id = self.next_request_id();
+            let (chunks, (producer_id, sequence)) = self.encode_publish(
+                request_id,
+                AckMode::Acked,
+                stream,
+                records,
+                Some((producer, shard)),
+            )?;
+            let bytes = chunks.iter().map(Bytes::len).sum();
+            let permit = self.acquire_budget(bytes).await?;
+            let answer = conn.shared.register(request_id, Some(permit))?;
+            let writer = conn.publish_writer(dest.stream_index).await?;
+            conn.queue(writer, chunks.clone(), None).await?;
+            sent.push((
+                answer,
+                SentPart {
+                    writer: writer.clone(),
+                    shared: Arc::clone(&conn.shared),
+                    chunks,
+                    stream: Arc::clone(&name),
+                    shard,
+                    producer: producer_id,
+                    sequence,
+                },
+            ));
+        }
+        if self.primary.pooled {
+            self.primary.next_pooled.fetch_add(1, Ordering::Relaxed);
+            for cell in &self.cores {
+                if let Some(conn) = cell.get() {
+                    conn.next_pooled.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        let retry = RetryPolicy {
+            retries: self.config.publish_retries,
+            backoff: self.config.publish_retry_backoff,
+            next_request_id: Arc::clone(&self.next_request_id),
+            producer: Arc::clone(producer),
+        };
+        let retrying = async move {
+            let mut acks = Vec::new();
+            let mut failed = None;
+            for (answer, part) in sent {
+                match retry.settle(answer, part).await {
+                    Ok(shards) => acks.extend(shards),
+                    Err(error) => {
+                        failed.get_or_insert(error);
+                    }
+                }
+            }
+            if let Some(error) = failed {
+                return Err(error);
+            }
+            acks.sort_unstable_by_key(|ack: &ShardAck| ack.shard);
+            Ok(acks)
+        };
+        Ok(PendingAck {
+            answers: Vec::new(),
+            ready: Vec::new(),
+            retrying: Some(Box::pin(retrying)),
         })
     }
 
@@ -1098,7 +1425,8 @@ impl Client {
         let parts = self.parts(stream, records).await?;
         for (dest, records) in parts.iter() {
             let conn = self.conn(dest.core).await?;
-            let chunks = self.encode_publish(0, AckMode::FireAndForget, stream, records)?;
+            let (chunks, _) =
+                self.encode_publish(0, AckMode::FireAndForget, stream, records, None)?;
             let bytes = chunks.iter().map(Bytes::len).sum();
             let permit = self.acquire_budget(bytes).await?;
             let writer = conn.publish_writer(dest.stream_index).await?;
@@ -1211,6 +1539,115 @@ impl Client {
     }
 }
 
+/// One sent `ProducerPublish`: what a retry needs to send the same bytes again.
+struct SentPart {
+    writer: mpsc::Sender<WriterCommand>,
+    shared: Arc<Shared>,
+    chunks: Vec<Bytes>,
+    stream: Arc<str>,
+    shard: u32,
+    producer: u64,
+    sequence: u64,
+}
+
+/// How an idempotent publish is retried (docs/semantics.md, "Idempotent producers").
+struct RetryPolicy {
+    retries: u32,
+    backoff: Duration,
+    next_request_id: Arc<AtomicU64>,
+    producer: Arc<ProducerState>,
+}
+
+impl RetryPolicy {
+    /// Waits for one part's answer, sending the part again (same producer, sequence and
+    /// records, a new request id) after a retryable one, at most `retries` times.
+    async fn settle(
+        &self,
+        answer: oneshot::Receiver<Answer>,
+        part: SentPart,
+    ) -> Result<Vec<ShardAck>, ClientError> {
+        let result = self.attempts(answer, &part).await;
+        if result.is_err() {
+            self.producer
+                .abandon(&part.stream, part.shard, part.producer);
+        }
+        result
+    }
+
+    async fn attempts(
+        &self,
+        mut answer: oneshot::Receiver<Answer>,
+        part: &SentPart,
+    ) -> Result<Vec<ShardAck>, ClientError> {
+        let mut attempts = 0;
+        let mut wait = self.backoff;
+        loop {
+            let error = match answer.await {
+                Ok(Ok(Frame::Ack(ack))) => return Ok(ack.shards),
+                Ok(Ok(Frame::Error(error))) => ClientError::from_error_frame(error),
+                Ok(Ok(other)) => unexpected("Ack", &other),
+                Ok(Err(failure)) => failure.to_error(),
+                Err(_) => ClientError::Closed("the connection ended before the ack".to_owned()),
+            };
+            // Another batch of the shard failed for good: the shard went on under a new id.
+            let abandoned = !self
+                .producer
+                .current(&part.stream, part.shard, part.producer);
+            if attempts >= self.retries || abandoned || !retryable(&error, part.sequence) {
+                return Err(error);
+            }
+            attempts += 1;
+            tokio::time::sleep(wait).await;
+            wait = (wait * 2).min(PUBLISH_RETRY_BACKOFF_MAX);
+            let request_id = self.next_request_id.fetch_add(1, Ordering::Relaxed);
+            let chunks = with_request_id(&part.chunks, request_id);
+            answer = part.shared.register(request_id, None)?;
+            part.writer
+                .send(WriterCommand::Frame {
+                    chunks,
+                    permit: None,
+                })
+                .await
+                .map_err(|_| ClientError::Closed("the publish stream is closed".to_owned()))?;
+        }
+    }
+}
+
+/// Whether an idempotent publish answered `error` is worth sending again as it is: the broker
+/// took nothing of it (`ingress_budget_exhausted`), its original is still being stored
+/// (`unavailable` naming its sequence in `detail`; a replicated stream's `unavailable`, detail
+/// 0, may still commit the records and is not retried: cluster streams do not deduplicate
+/// yet), or an earlier batch of the producer on that shard is still missing
+/// (`out_of_sequence` naming a sequence below this one: the earlier batch's own retry fills
+/// the gap).
+fn retryable(error: &ClientError, sequence: u64) -> bool {
+    match error {
+        ClientError::Server { code, detail, .. } => match code {
+            ErrorCode::IngressBudgetExhausted => true,
+            ErrorCode::Unavailable => *detail != 0,
+            ErrorCode::OutOfSequence => *detail != 0 && *detail < sequence,
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
+/// `chunks` (an encoded publish) with its request id replaced: the first chunk always holds
+/// the frame header and the request id right after it.
+fn with_request_id(chunks: &[Bytes], request_id: u64) -> Vec<Bytes> {
+    let mut out = chunks.to_vec();
+    if let Some(first) = out.first_mut() {
+        let at = felix_wire::FRAME_HEADER_LEN;
+        let mut head = BytesMut::from(&first[..]);
+        head[at..at + 8].copy_from_slice(&request_id.to_le_bytes());
+        *first = head.freeze();
+    }
+    out
+}
+
+/// An idempotent publish's answers, retried as needed ([`RetryPolicy`]).
+type Retrying = Pin<Box<dyn Future<Output = Result<Vec<ShardAck>, ClientError>> + Send>>;
+
 /// The ack of a pipelined publish (see [`Client::publish_pipelined`]).
 #[must_use = "the publish is sent; await this to learn its offsets or its error"]
 pub struct PendingAck {
@@ -1218,6 +1655,8 @@ pub struct PendingAck {
     answers: Vec<Option<oneshot::Receiver<Answer>>>,
     /// Answers taken so far.
     ready: Vec<Result<Answer, oneshot::error::RecvError>>,
+    /// An idempotent publish: its parts' answers, retried as needed.
+    retrying: Option<Retrying>,
 }
 
 impl std::fmt::Debug for PendingAck {
@@ -1231,6 +1670,9 @@ impl Future for PendingAck {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = &mut *self;
+        if let Some(retrying) = &mut this.retrying {
+            return retrying.as_mut().poll(cx);
+        }
         let mut waiting = false;
         for slot in &mut this.answers {
             let Some(answer) = slot else { continue };

@@ -360,6 +360,14 @@ impl Core {
             } => self.engine.create_stream(name, *shard_count, *kind),
             AdminRequest::Delete { name } => {
                 let description = self.engine.describe_stream(name)?;
+                if let Some(meta) = self.engine.lookup(name) {
+                    self.producers.forget_stream(meta.handle);
+                }
+                if let Some(stream_id) = self.engine.log_shard(name, 0).map(|id| id.stream_id()) {
+                    // Their queued appends go with the stream.
+                    self.journal
+                        .retain(|entry| entry.log_shard.stream_id() != stream_id);
+                }
                 self.engine.delete_stream(name)?;
                 Ok(description)
             }

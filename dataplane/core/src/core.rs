@@ -20,8 +20,9 @@ use felix_engine::{
     Engine, EngineError, EngineEvent, PublishToken, StreamDescription, SubscriptionId,
 };
 use felix_wire::{
-    ErrorCode, ErrorFrame, FEATURE_TOKEN, Frame, HashKind, HelloOk, Limits, PROTOCOL_VERSION,
-    Publish, ShardAck, ShardInfo, StreamInfo, StreamRoute, StreamSummary, WireError,
+    ErrorCode, ErrorFrame, FEATURE_PRODUCER, FEATURE_TOKEN, Frame, HashKind, HelloOk, Limits,
+    PROTOCOL_VERSION, Publish, ShardAck, ShardInfo, StreamInfo, StreamRoute, StreamSummary,
+    WireError,
 };
 use rustc_hash::FxHashMap as HashMap;
 
@@ -35,6 +36,7 @@ use crate::config::{
 };
 use crate::counters::CoreCounters;
 use crate::message::CoreMessage;
+use crate::producer::{JournalEntry, ProducerTag, Producers};
 use crate::publish::{PendingPublish, Tracked};
 use crate::security::{AuthRefusal, Limit, Security, TokenCheck, operation_index};
 use crate::subscribe::{RemoteSubscription, SubscriptionSlot};
@@ -135,12 +137,15 @@ pub(crate) enum Parked {
     Admission {
         ticket: Ticket,
         publish: Publish,
+        /// The producer of a `ProducerPublish`.
+        producer: Option<ProducerTag>,
         payload_bytes: u64,
     },
     /// An admin request or a describe waiting for other cores (or for the catalogue write).
     Remote,
-    /// A `Hello` whose token the shell is checking.
-    Token,
+    /// A `Hello` whose token the shell is checking; `features` are the ones it will answer
+    /// with besides the token's.
+    Token { features: u64 },
 }
 
 /// Delivered payloads at least this long are written as chunks of their own (a vectored write
@@ -270,6 +275,11 @@ pub struct Core {
     in_call: Option<StreamId>,
     /// Scratch of `run_publish` (each record's shard), kept to avoid an allocation per publish.
     pub(crate) scratch_shards: Vec<u32>,
+    /// Idempotent producers of the shards this core owns.
+    pub(crate) producers: Producers,
+    /// Durable producer batches queued in the engine whose journal records the log pump
+    /// writes before their records, in publish order.
+    pub(crate) journal: std::collections::VecDeque<JournalEntry>,
     /// A durable shard landed on this core since the last log pump: the pump makes sure the
     /// log has its first segment (a core without durable shards takes no disk).
     pub(crate) log_wanted: bool,
@@ -350,6 +360,8 @@ impl Core {
             catalog_writes: VecDeque::new(),
             in_call: None,
             scratch_shards: Vec::new(),
+            producers: Producers::default(),
+            journal: std::collections::VecDeque::new(),
             log_wanted: false,
             appends_held: false,
             reads_held: false,
@@ -378,6 +390,7 @@ impl Core {
         self.counters.ingress_depth = self.admission.depth();
         self.counters.ingress_bytes = self.admission.held_bytes();
         self.counters.ingress_waiting = self.admission.waiting() as u64;
+        self.counters.producer_evictions = self.producers.evictions;
         &self.counters
     }
 
@@ -560,13 +573,21 @@ impl Core {
             return;
         };
         assert!(
-            matches!(state.role, Role::Hello) && matches!(state.parked, Some(Parked::Token)),
+            matches!(state.role, Role::Hello) && matches!(state.parked, Some(Parked::Token { .. })),
             "a token verdict answers a parked hello"
         );
-        state.parked = None;
+        let features = match state.parked.take() {
+            Some(Parked::Token { features }) => features,
+            _ => 0,
+        };
         match verdict {
             Ok(verified) => {
-                self.accept_hello(stream, verified.principal, Some(verified.id), FEATURE_TOKEN);
+                self.accept_hello(
+                    stream,
+                    verified.principal,
+                    Some(verified.id),
+                    FEATURE_TOKEN | features,
+                );
             }
             Err(refusal) => {
                 self.counters.auth_refusal(AuthRefusal::of_token(&refusal));
@@ -680,9 +701,11 @@ impl Core {
                     && PROTOCOL_VERSION <= hello.max_version =>
             {
                 tracing::debug!(client = hello.client_name, "hello");
+                // The features this broker uses besides the token: idempotent producers.
+                let features = hello.features & FEATURE_PRODUCER;
                 if let Some(token) = hello.token {
                     // The shell checks it (off the event loop when it must hash).
-                    self.stream_mut(stream).parked = Some(Parked::Token);
+                    self.stream_mut(stream).parked = Some(Parked::Token { features });
                     self.token_checks.push_back(TokenCheck { stream, token });
                     return Flow::Blocked;
                 }
@@ -708,7 +731,7 @@ impl Core {
                     }
                     None => Principal::anonymous(),
                 };
-                self.accept_hello(stream, principal, None, 0);
+                self.accept_hello(stream, principal, None, features);
                 return if self.stream_mut(stream).finishing {
                     Flow::Done
                 } else {
@@ -936,7 +959,7 @@ impl Core {
                 assert!(waiting, "admitted waiters are unparked in the same input");
                 self.counters.withdrawn += 1;
             }
-            Some(Parked::Remote | Parked::Token) | None => {}
+            Some(Parked::Remote | Parked::Token { .. }) | None => {}
         }
         if let Role::Subscription(slot) = state.role {
             self.drop_subscription(*slot);
@@ -1034,6 +1057,7 @@ impl Core {
                 shards,
                 buffers,
                 now_us,
+                producer,
             } => self.publish_for(
                 from,
                 token,
@@ -1043,6 +1067,7 @@ impl Core {
                 &shards,
                 buffers,
                 now_us,
+                producer.map(|tag| *tag),
             ),
             CoreMessage::PublishDone { token, result } => match self.requests.remove(&token) {
                 Some(Request::PublishPart { publish }) => self.resolve_part(now, publish, result),
@@ -1201,11 +1226,22 @@ impl Core {
             .tracked
             .remove(&token.0)
             .expect("every tracked publish is registered when the engine takes it");
+        if let Some(produced) = tracked.produced() {
+            self.producers.settled(
+                produced.key,
+                produced.producer,
+                produced.sequence,
+                token.0,
+                result.is_ok(),
+            );
+        }
         match tracked {
-            Tracked::Local { publish } => {
+            Tracked::Local { publish, .. } => {
                 self.resolve_part(now, publish, result.map(|()| Vec::new()));
             }
-            Tracked::Remote { from, token, acks } => self.send(
+            Tracked::Remote {
+                from, token, acks, ..
+            } => self.send(
                 from,
                 CoreMessage::PublishDone {
                     token,
@@ -1219,7 +1255,15 @@ impl Core {
 
     fn handle_request(&mut self, now: Now, stream: StreamId, frame: Frame) -> Flow {
         match frame {
-            Frame::Publish(publish) => self.handle_publish(now, stream, publish),
+            Frame::Publish(publish) => self.handle_publish(now, stream, publish, None),
+            Frame::ProducerPublish(produced) => {
+                let tag = ProducerTag {
+                    producer: produced.producer,
+                    sequence: produced.sequence,
+                    shard: produced.shard,
+                };
+                self.handle_publish(now, stream, produced.publish, Some(tag))
+            }
             Frame::CreateStream(create) => self.request_admin(
                 stream,
                 create.request_id,

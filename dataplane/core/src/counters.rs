@@ -35,6 +35,13 @@ pub struct CoreCounters {
     pub withdrawn: u64,
     /// Messages carrying publish work sent to another core.
     pub cross_core_hops: u64,
+    /// Producer batches answered with their original ack, storing nothing (retries), on the
+    /// shards this core owns.
+    pub producer_duplicates: u64,
+    /// Producer batches refused with `OutOfSequence` on the shards this core owns.
+    pub producer_out_of_sequence: u64,
+    /// Producers forgotten to make room (`PRODUCERS_PER_SHARD_MAX` per shard).
+    pub producer_evictions: u64,
     /// Errors by code, indexed like [`ErrorCode::ALL`] (answered to a client or not).
     pub errors: [u64; ErrorCode::ALL.len()],
     /// Records written to subscribers of this core.

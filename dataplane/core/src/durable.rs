@@ -35,7 +35,7 @@
 //! holding only their records give their space back at once) and applies retention. The
 //! offline `felix log` commands use [`log_dirs`] and [`catalogued_shards`].
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::os::fd::BorrowedFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -51,6 +51,11 @@ use felix_storage::{
 use crate::catalog::{Catalog, CatalogEntry};
 use crate::config::Now;
 use crate::core::Core;
+use crate::producer::{self, JournalEntry};
+
+/// A log record's framing (docs/storage-format.md, "Record frame"): what a producer journal
+/// record costs besides its payload.
+const JOURNAL_FRAME_OVERHEAD: usize = 28;
 
 /// Log reads tried per `pump` (new ones and waiting ones retried): each answers at most 1 MiB
 /// (`LOG_READ_BYTES_MAX`) from memory (`Log::try_read` never blocks on the disk), so 16 bound
@@ -141,6 +146,13 @@ pub fn log_dirs(data_dir: &Path) -> std::io::Result<Vec<(usize, PathBuf)>> {
 #[must_use]
 pub fn describe_log_shard(shard: u32) -> String {
     let id = LogShardId(shard);
+    if producer::is_journal(shard) {
+        return format!(
+            "stream id {} shard {} (producer journal)",
+            producer::owning_stream_id(shard),
+            id.shard()
+        );
+    }
     format!("stream id {} shard {}", id.stream_id(), id.shard())
 }
 
@@ -153,7 +165,8 @@ pub fn catalogued_shards(catalog: &Catalog) -> impl Fn(u32) -> bool + use<> {
     let live: HashSet<u32> = catalog.entries().map(|entry| entry.stream_id).collect();
     let next = catalog.next_stream_id();
     move |shard| {
-        let stream_id = LogShardId(shard).stream_id();
+        // A producer journal lives as long as its stream's records.
+        let stream_id = producer::owning_stream_id(shard);
         stream_id >= next || live.contains(&stream_id)
     }
 }
@@ -201,6 +214,9 @@ pub struct DurableLog<B: Backend = SystemBackend> {
     /// How many of `waiting_reads` (from the front) to retry: set to all of them when fetched
     /// chunks arrive.
     retries_due: usize,
+    /// Data log shards rolled back (a refused write) whose producer journal must record the
+    /// rollback before the shard's next record: data log shard -> the offset it went back to.
+    rollbacks: HashMap<u32, u64>,
 }
 
 impl DurableLog<SystemBackend> {
@@ -249,6 +265,7 @@ impl<B: Backend> DurableLog<B> {
             seen_live: HashSet::new(),
             waiting_reads: VecDeque::new(),
             retries_due: 0,
+            rollbacks: HashMap::new(),
         })
     }
 
@@ -283,6 +300,7 @@ impl<B: Backend> DurableLog<B> {
     fn move_appends(
         &mut self,
         engine: &mut Engine,
+        journal: &mut VecDeque<JournalEntry>,
         report: &mut PumpReport,
     ) -> Result<bool, StorageError> {
         // Bounded by the engine's queue, which only publishes (not this loop) grow.
@@ -294,9 +312,53 @@ impl<B: Backend> DurableLog<B> {
                 ref key,
                 ref payload,
             } = *request;
-            if !self.log.can_append(key.len(), payload.len()) {
+            // Producer journal records go right before the record they concern (module
+            // `producer`, docs/storage-format.md "Producer journals"): none on the usual path.
+            let rollback = if self.rollbacks.is_empty() {
+                None
+            } else {
+                self.rollbacks.get(&log_shard.0).copied()
+            };
+            let entry = journal
+                .front()
+                .filter(|entry| entry.log_shard == log_shard && entry.first_offset == offset)
+                .copied();
+            let extra = (usize::from(rollback.is_some()) + usize::from(entry.is_some()))
+                * (producer::JOURNAL_RECORD_BYTES + JOURNAL_FRAME_OVERHEAD);
+            if !self.log.can_append(key.len(), payload.len() + extra) {
                 // No room: leave it, and every later append, queued for a later pump.
                 return Ok(true);
+            }
+            let journal_shard = producer::journal_of(log_shard);
+            if let Some(from) = rollback {
+                if let Some(journal_shard) = journal_shard {
+                    let record = producer::rollback_record(from);
+                    match self.append_journal(journal_shard, timestamp_us, &record) {
+                        Ok(()) => {}
+                        Err(StorageError::PendingFull { .. }) => return Ok(true),
+                        Err(error) if error.is_fatal() => return Err(error),
+                        Err(error) => {
+                            self.refuse(engine, journal, report, log_shard, offset, &error);
+                            continue;
+                        }
+                    }
+                }
+                self.rollbacks.remove(&log_shard.0);
+            }
+            if let Some(entry) = entry {
+                if let Some(journal_shard) = journal_shard {
+                    let record = producer::batch_record(&entry);
+                    match self.append_journal(journal_shard, timestamp_us, &record) {
+                        Ok(()) => {}
+                        Err(StorageError::PendingFull { .. }) => return Ok(true),
+                        Err(error) if error.is_fatal() => return Err(error),
+                        Err(error) => {
+                            self.refuse(engine, journal, report, log_shard, offset, &error);
+                            continue;
+                        }
+                    }
+                }
+                journal.pop_front();
             }
             match self
                 .log
@@ -313,19 +375,72 @@ impl<B: Backend> DurableLog<B> {
                 Err(error) => {
                     // Not stored: roll the shard back here (this also drops its later queued
                     // appends); its publishes fail and nothing of it is acknowledged.
-                    tracing::warn!(
-                        core = self.core,
-                        shard = log_shard.shard(),
-                        offset,
-                        error = %felix_storage::ErrorChain(&error),
-                        "durable append refused"
-                    );
-                    report.refused += 1;
-                    engine.handle_rejected(log_shard, offset);
+                    self.refuse(engine, journal, report, log_shard, offset, &error);
                 }
             }
         }
+        // Nothing queued: a journal entry left has no record to precede any more (its
+        // appends were dropped with a deleted stream).
+        journal.clear();
         Ok(false)
+    }
+
+    /// Appends a producer journal record to `journal_shard` at its next offset.
+    fn append_journal(
+        &mut self,
+        journal_shard: LogShardId,
+        timestamp_us: u64,
+        record: &[u8],
+    ) -> Result<(), StorageError> {
+        let next = self
+            .log
+            .shard_offsets(journal_shard.0)
+            .map_or(0, |offsets| offsets.next);
+        self.log
+            .append(journal_shard.0, next, timestamp_us, &[], record)
+    }
+
+    /// A record of `log_shard` at `offset` could not be stored: the shard rolls back there
+    /// (its publishes fail, nothing of them is acknowledged), its queued journal entries from
+    /// there are dropped, and its journal will record the rollback.
+    fn refuse(
+        &mut self,
+        engine: &mut Engine,
+        journal: &mut VecDeque<JournalEntry>,
+        report: &mut PumpReport,
+        log_shard: LogShardId,
+        offset: u64,
+        error: &StorageError,
+    ) {
+        tracing::warn!(
+            core = self.core,
+            shard = log_shard.shard(),
+            offset,
+            error = %felix_storage::ErrorChain(error),
+            "durable append refused"
+        );
+        report.refused += 1;
+        self.rolled_back(engine, journal, log_shard, offset);
+    }
+
+    /// Data log shard `log_shard` rolled back to `offset` (in the log already, or refused
+    /// here): the engine rolls back too, and the producer journal forgets what was past it.
+    fn rolled_back(
+        &mut self,
+        engine: &mut Engine,
+        journal: &mut VecDeque<JournalEntry>,
+        log_shard: LogShardId,
+        offset: u64,
+    ) {
+        engine.handle_rejected(log_shard, offset);
+        if producer::is_journal(log_shard.0) {
+            return;
+        }
+        journal.retain(|entry| !(entry.log_shard == log_shard && entry.first_offset >= offset));
+        if producer::journal_of(log_shard).is_some() {
+            let from = self.rollbacks.entry(log_shard.0).or_insert(offset);
+            *from = (*from).min(offset);
+        }
     }
 
     /// Steps 1-4 of a pump on `engine` (the engine's finished publishes stay queued in
@@ -333,9 +448,21 @@ impl<B: Backend> DurableLog<B> {
     /// memory; the rest is read by the log's reader thread and answered at a later pump). An error is fatal: the caller must not send
     /// any ack it has not sent yet.
     pub fn pump(&mut self, engine: &mut Engine, now: Instant) -> Result<PumpReport, StorageError> {
+        self.pump_journaled(engine, &mut VecDeque::new(), now)
+    }
+
+    /// [`DurableLog::pump`], with `journal`: the engine's queued producer batches of durable
+    /// shards, in publish order, whose journal records go to the log right before their first
+    /// records (module `producer`).
+    pub fn pump_journaled(
+        &mut self,
+        engine: &mut Engine,
+        journal: &mut VecDeque<JournalEntry>,
+        now: Instant,
+    ) -> Result<PumpReport, StorageError> {
         let mut report = PumpReport::default();
         // 1. Appends, in publish order, while the log's pending bound has room.
-        report.held = self.move_appends(engine, &mut report)?;
+        report.held = self.move_appends(engine, journal, &mut report)?;
         // 2. Reap the finished round and start the next.
         self.log.drive(now)?;
         // 3. Route the events.
@@ -361,7 +488,7 @@ impl<B: Backend> DurableLog<B> {
                 LogEvent::Rejected { ranges, error } => {
                     tracing::warn!(core = self.core, error = %felix_storage::ErrorChain(&error), "durable appends rejected");
                     for range in ranges {
-                        engine.handle_rejected(LogShardId(range.shard), range.first);
+                        self.rolled_back(engine, journal, LogShardId(range.shard), range.first);
                     }
                 }
             }
@@ -373,7 +500,7 @@ impl<B: Backend> DurableLog<B> {
         //     appends past it, before anything more of those shards goes to the log (events
         //     left for the next pump: the held appends wait for it too).
         if report.held && !events_left {
-            report.held = self.move_appends(engine, &mut report)?;
+            report.held = self.move_appends(engine, journal, &mut report)?;
         }
         // 4. Log reads for catching-up subscriptions; every read is answered, now or (when
         //    its bytes are not in memory) once the log's reader thread fetched them: first
@@ -567,7 +694,7 @@ impl<B: Backend> DurableLog<B> {
         self.seen_live.extend(live.iter().copied());
         let seen = &self.seen_live;
         let report = self.log.release_shards(|shard| {
-            let stream_id = LogShardId(shard).stream_id();
+            let stream_id = producer::owning_stream_id(shard);
             live.contains(&stream_id)
                 || !(stream_id < catalogued_below || seen.contains(&stream_id))
         })?;
@@ -630,9 +757,20 @@ impl<B: Backend> DurableLog<B> {
     /// written and synced (whatever the mode) or `timeout` passes. Completions are not
     /// answered: the connections are gone by then.
     pub fn shutdown(&mut self, engine: &mut Engine, timeout: Duration) -> Result<(), StorageError> {
+        self.shutdown_journaled(engine, &mut VecDeque::new(), timeout)
+    }
+
+    /// [`DurableLog::shutdown`] with the core's queued producer journal entries (see
+    /// [`DurableLog::pump_journaled`]).
+    pub fn shutdown_journaled(
+        &mut self,
+        engine: &mut Engine,
+        journal: &mut VecDeque<JournalEntry>,
+        timeout: Duration,
+    ) -> Result<(), StorageError> {
         let deadline = Instant::now() + timeout;
         // Appends held back by the pending bound move in as the flushes make room.
-        while self.pump(engine, Instant::now())?.held {
+        while self.pump_journaled(engine, journal, Instant::now())?.held {
             self.log
                 .flush(deadline.saturating_duration_since(Instant::now()))?;
         }
@@ -662,8 +800,71 @@ impl Core {
             log.restore(&mut self.engine, entry)
                 .map_err(|error| (entry.name.clone(), error))?;
             self.durable_shards_landed(entry.shards);
+            self.restore_producers(log, entry);
         }
         Ok(())
+    }
+
+    /// Rebuilds the producers of `entry`'s shards in this core's log from their journals'
+    /// newest [`producer::JOURNAL_TAIL_RECORDS`] records (start-up). A journal that cannot
+    /// be read is skipped with a warning: its producers are then unknown (a retry of theirs
+    /// is refused with `OutOfSequence`, except a first batch).
+    fn restore_producers<B: Backend>(&mut self, log: &DurableLog<B>, entry: &CatalogEntry) {
+        let Some(meta) = self.engine.lookup(&entry.name) else {
+            return;
+        };
+        for shard in 0..entry.shards {
+            let Some(data) = LogShardId::new(entry.stream_id, shard) else {
+                continue;
+            };
+            let Some(journal) = producer::journal_of(data) else {
+                continue;
+            };
+            let Some(offsets) = log.log.shard_offsets(journal.0) else {
+                continue;
+            };
+            let data_next = log.log.shard_offsets(data.0).map_or(0, |o| o.next);
+            let from = offsets
+                .oldest
+                .max(offsets.next.saturating_sub(producer::JOURNAL_TAIL_RECORDS));
+            let mut payloads = Vec::new();
+            let mut at = from;
+            let read = loop {
+                if at >= offsets.next {
+                    break Ok(());
+                }
+                match log.log.read(journal.0, at, 4096, 1 << 20) {
+                    Ok(records) if records.is_empty() => break Ok(()),
+                    Ok(records) => {
+                        at = records.last().map_or(at, |record| record.offset + 1);
+                        payloads.extend(records.into_iter().map(|record| record.payload));
+                    }
+                    Err(error) => break Err(error),
+                }
+            };
+            if let Err(error) = read {
+                tracing::warn!(
+                    core = log.core,
+                    stream = entry.name,
+                    shard,
+                    error = %felix_storage::ErrorChain(&error),
+                    "producer journal unreadable: its producers are forgotten"
+                );
+                continue;
+            }
+            let (batches, skipped) =
+                producer::replay_journal(payloads.iter().map(|payload| &payload[..]), data_next);
+            if skipped > 0 {
+                tracing::warn!(
+                    core = log.core,
+                    stream = entry.name,
+                    shard,
+                    skipped,
+                    "producer journal records not understood were skipped"
+                );
+            }
+            self.producers.restore((meta.handle, shard), &batches);
+        }
     }
 
     /// Pumps `log` (see the module docs) and answers what completed. An error is fatal.
@@ -675,7 +876,7 @@ impl Core {
         if std::mem::take(&mut self.log_wanted) {
             log.ensure_segment();
         }
-        let report = log.pump(&mut self.engine, now.at)?;
+        let report = log.pump_journaled(&mut self.engine, &mut self.journal, now.at)?;
         self.appends_held = report.held;
         self.reads_held = report.reads_held;
         self.settle(now);
@@ -703,7 +904,7 @@ impl Core {
         log: &mut DurableLog<B>,
         timeout: Duration,
     ) -> Result<(), StorageError> {
-        log.shutdown(&mut self.engine, timeout)
+        log.shutdown_journaled(&mut self.engine, &mut self.journal, timeout)
     }
 }
 

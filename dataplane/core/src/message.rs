@@ -6,6 +6,7 @@ use felix_engine::{EngineError, RecordBuffers, ShardState, StreamDescription, Su
 use felix_wire::{DeliveredRecord, Record, ShardAck, StartPosition, StreamKind};
 
 use crate::config::StreamId;
+use crate::producer::ProducerTag;
 
 /// A catalogue change, serialized through core 0.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,6 +39,9 @@ pub enum CoreMessage {
         /// What the records keep alive (the frame they were decoded from on the sender).
         buffers: RecordBuffers,
         now_us: u64,
+        /// The producer of a `ProducerPublish` batch (one shard): the owner deduplicates it.
+        /// Boxed: it keeps the message as small as before for plain publishes.
+        producer: Option<Box<ProducerTag>>,
     },
     PublishDone {
         token: u64,

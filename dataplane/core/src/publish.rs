@@ -11,6 +11,8 @@ use felix_auth::Operation;
 use felix_engine::{EngineError, PublishToken, RecordBuffers, StreamMeta};
 use felix_wire::{AckMode, ErrorCode, ErrorFrame, Frame, Publish, Record, ShardAck, StreamKind};
 
+use crate::producer::{JournalEntry, Produced, ProducerTag, Verdict};
+
 use crate::admission::{Decision, Policy, Ticket};
 use crate::cluster::Target;
 use crate::config::{INGRESS_EXHAUSTED_MESSAGE, Now, StreamId};
@@ -59,18 +61,38 @@ impl PendingPublish {
 #[derive(Debug)]
 pub(crate) enum Tracked {
     /// This core's part of pending publish `publish` (its acks are already merged).
-    Local { publish: u64 },
+    Local {
+        publish: u64,
+        /// A producer batch: settled in the producer table once committed or failed.
+        produced: Option<Produced>,
+    },
     /// A part forwarded by core `from`: answer `PublishDone { token }` with `acks`.
     Remote {
         from: u16,
         token: u64,
         acks: Vec<ShardAck>,
+        produced: Option<Produced>,
     },
+}
+
+impl Tracked {
+    /// The producer batch this is, if any.
+    pub(crate) fn produced(&self) -> Option<Produced> {
+        match self {
+            Tracked::Local { produced, .. } | Tracked::Remote { produced, .. } => *produced,
+        }
+    }
 }
 
 impl Core {
     /// A `Publish` frame: admit it, then run it, or park the stream while it waits for room.
-    pub(crate) fn handle_publish(&mut self, now: Now, stream: StreamId, publish: Publish) -> Flow {
+    pub(crate) fn handle_publish(
+        &mut self,
+        now: Now,
+        stream: StreamId,
+        publish: Publish,
+        producer: Option<ProducerTag>,
+    ) -> Flow {
         self.counters.publishes += 1;
         let payload_bytes: u64 = publish
             .records
@@ -99,7 +121,7 @@ impl Core {
             self.policy(now, publish.ack, kind),
         ) {
             Decision::Admitted => {
-                self.run_target(now, stream, publish, target, payload_bytes);
+                self.run_target(now, stream, publish, producer, target, payload_bytes);
                 Flow::Continue
             }
             Decision::Shed => {
@@ -116,6 +138,7 @@ impl Core {
                 self.stream_mut(stream).parked = Some(Parked::Admission {
                     ticket,
                     publish,
+                    producer,
                     payload_bytes,
                 });
                 Flow::Blocked
@@ -163,6 +186,7 @@ impl Core {
         let Some(Parked::Admission {
             ticket: parked,
             publish,
+            producer,
             payload_bytes,
         }) = self.stream_mut(stream).parked.take()
         else {
@@ -171,7 +195,9 @@ impl Core {
         assert_eq!(parked, ticket, "a stream parks one publish at a time");
         self.unpark(stream);
         match self.target(&publish.stream) {
-            Some(target) => self.run_target(now, stream, publish, target, payload_bytes),
+            Some(target) => {
+                self.run_target(now, stream, publish, producer, target, payload_bytes);
+            }
             None => {
                 self.complete_job(now, payload_bytes);
                 let error = EngineError::stream_not_found(&publish.stream);
@@ -199,11 +225,17 @@ impl Core {
         now: Now,
         stream: StreamId,
         publish: Publish,
+        producer: Option<ProducerTag>,
         target: Target,
         payload_bytes: u64,
     ) {
         match target {
-            Target::Local(meta) => self.run_publish(now, stream, publish, meta, payload_bytes),
+            Target::Local(meta) => {
+                self.run_publish(now, stream, publish, producer, meta, payload_bytes);
+            }
+            // Replicated streams: the producer fields are not carried (single broker today,
+            // docs/semantics.md "Idempotent producers"); the records are published as a plain
+            // publish's.
             Target::Cluster(shard_count) => {
                 self.run_cluster_publish(now, stream, publish, shard_count, payload_bytes);
             }
@@ -217,6 +249,7 @@ impl Core {
         now: Now,
         stream: StreamId,
         publish: Publish,
+        producer: Option<ProducerTag>,
         meta: StreamMeta,
         payload_bytes: u64,
     ) {
@@ -241,10 +274,44 @@ impl Core {
         // The decoder sliced every key and payload out of the frame (or of the QUIC chunks it
         // arrived in, copying only what straddles two): each record keeps the whole frame
         // alive, which is what the replay rings charge (RecordBuffers; docs/semantics.md).
+        let producer_len = if producer.is_some() {
+            felix_wire::PRODUCER_FIELDS_LEN
+        } else {
+            0
+        };
         let buffers = RecordBuffers::Shared {
-            len: felix_wire::encoded_publish_len(&name, records.len(), key_payload_bytes) as u64,
+            len: (felix_wire::encoded_publish_len(&name, records.len(), key_payload_bytes)
+                + producer_len) as u64,
         };
         let pending = PendingPublish::new(stream, request_id, ack, payload_bytes, record_count, 0);
+        if let Some(tag) = producer {
+            // One shard per producer batch: the shard named, and every record's key there.
+            let misrouted = shards.iter().position(|&shard| shard != tag.shard);
+            if tag.shard >= meta.shard_count || misrouted.is_some() {
+                self.scratch_shards = shards;
+                self.complete_job(now, payload_bytes);
+                let message = match misrouted {
+                    _ if tag.shard >= meta.shard_count => format!(
+                        "producer_publish names shard {} of a stream of {} shards",
+                        tag.shard, meta.shard_count
+                    ),
+                    Some(index) => format!(
+                        "producer_publish names shard {} but record {index}'s key belongs to \
+                         another shard: a producer batch holds one shard's records",
+                        tag.shard
+                    ),
+                    None => String::new(),
+                };
+                let error = EngineError::new(ErrorCode::InvalidArgument, 0, message);
+                self.answer_publish(stream, request_id, ack, Err(error));
+                return;
+            }
+            if self.owner(tag.shard) == self.index {
+                self.scratch_shards = shards;
+                self.run_produced(now, pending, &name, records, tag, meta, buffers);
+                return;
+            }
+        }
         if local {
             // The common case (a core-aware client): no split, no allocation here.
             let token = if durable { self.token() } else { 0 };
@@ -259,8 +326,13 @@ impl Core {
             self.scratch_shards = shards;
             match result {
                 Ok(acks) if durable => {
-                    self.tracked
-                        .insert(token, Tracked::Local { publish: token });
+                    self.tracked.insert(
+                        token,
+                        Tracked::Local {
+                            publish: token,
+                            produced: None,
+                        },
+                    );
                     self.hold(
                         token,
                         PendingPublish {
@@ -310,6 +382,7 @@ impl Core {
                                 publish_token,
                                 Tracked::Local {
                                     publish: publish_token,
+                                    produced: None,
                                 },
                             );
                         }
@@ -340,6 +413,7 @@ impl Core {
                     shards,
                     buffers,
                     now_us: now.unix_us,
+                    producer: producer.map(Box::new),
                 },
             );
         }
@@ -451,6 +525,7 @@ impl Core {
         shards: &[u32],
         buffers: RecordBuffers,
         now_us: u64,
+        producer: Option<ProducerTag>,
     ) {
         // A stream deleted (and maybe re-created with another shard count) since the sender
         // resolved it is not the stream the part was meant for.
@@ -473,6 +548,24 @@ impl Core {
             shards.iter().all(|&shard| self.owner(shard) == self.index),
             "a forwarded part holds only the receiver's shards"
         );
+        let key = producer.map(|tag| (meta.handle, tag.shard));
+        if let (Some(tag), Some(key)) = (producer, key)
+            && let Some(answer) = self.producer_verdict(key, tag)
+        {
+            self.send(
+                from,
+                CoreMessage::PublishDone {
+                    token,
+                    result: answer,
+                },
+            );
+            return;
+        }
+        let produced = producer.zip(key).map(|(tag, key)| Produced {
+            key,
+            producer: tag.producer,
+            sequence: tag.sequence,
+        });
         if meta.kind != StreamKind::Durable {
             let result = self.engine.publish_routed_from(
                 now_us,
@@ -482,6 +575,9 @@ impl Core {
                 None,
                 buffers,
             );
+            if let (Some(produced), Ok(acks)) = (produced, &result) {
+                self.producer_accepted(produced, acks, 0);
+            }
             self.send(from, CoreMessage::PublishDone { token, result });
             return;
         }
@@ -495,8 +591,19 @@ impl Core {
             buffers,
         ) {
             Ok(acks) => {
-                self.tracked
-                    .insert(tracked, Tracked::Remote { from, token, acks });
+                if let (Some(produced), Some(tag)) = (produced, producer) {
+                    self.producer_accepted(produced, &acks, tracked);
+                    self.journal_batch(stream, tag, &acks);
+                }
+                self.tracked.insert(
+                    tracked,
+                    Tracked::Remote {
+                        from,
+                        token,
+                        acks,
+                        produced,
+                    },
+                );
             }
             Err(error) => self.send(
                 from,
@@ -505,6 +612,146 @@ impl Core {
                     result: Err(error),
                 },
             ),
+        }
+    }
+}
+
+impl Core {
+    /// A producer batch of a shard this core owns (the publish arrived here): deduplicated,
+    /// then stored as a one-part publish.
+    #[allow(clippy::too_many_arguments)]
+    fn run_produced(
+        &mut self,
+        now: Now,
+        pending: PendingPublish,
+        name: &str,
+        records: Vec<Record>,
+        tag: ProducerTag,
+        meta: StreamMeta,
+        buffers: RecordBuffers,
+    ) {
+        let key = (meta.handle, tag.shard);
+        if let Some(answer) = self.producer_verdict(key, tag) {
+            self.complete_job(now, pending.payload_bytes);
+            self.answer_publish(pending.stream, pending.request_id, pending.ack, answer);
+            return;
+        }
+        let produced = Produced {
+            key,
+            producer: tag.producer,
+            sequence: tag.sequence,
+        };
+        let durable = meta.kind == StreamKind::Durable;
+        let token = if durable { self.token() } else { 0 };
+        let mut shards = std::mem::take(&mut self.scratch_shards);
+        shards.clear();
+        shards.resize(records.len(), tag.shard);
+        let result = self.engine.publish_routed_from(
+            now.unix_us,
+            meta.handle,
+            records,
+            &shards,
+            durable.then_some(PublishToken(token)),
+            buffers,
+        );
+        self.scratch_shards = shards;
+        match result {
+            Ok(acks) if durable => {
+                self.producer_accepted(produced, &acks, token);
+                self.journal_batch(name, tag, &acks);
+                self.tracked.insert(
+                    token,
+                    Tracked::Local {
+                        publish: token,
+                        produced: Some(produced),
+                    },
+                );
+                self.hold(
+                    token,
+                    PendingPublish {
+                        parts: 1,
+                        acks,
+                        ..pending
+                    },
+                );
+            }
+            result => {
+                if let Ok(acks) = &result {
+                    self.producer_accepted(produced, acks, 0);
+                }
+                self.complete_job(now, pending.payload_bytes);
+                self.finish_publish(&pending, result);
+            }
+        }
+    }
+
+    /// The owner's verdict on a producer batch: `None` to store it, else the answer it gets
+    /// without storing anything (the original ack, or a refusal).
+    fn producer_verdict(
+        &mut self,
+        key: crate::producer::ShardKey,
+        tag: ProducerTag,
+    ) -> Option<Result<Vec<ShardAck>, EngineError>> {
+        match self.producers.check(key, tag.producer, tag.sequence) {
+            Verdict::New => None,
+            Verdict::Duplicate(ack) => {
+                self.counters.producer_duplicates += 1;
+                Some(Ok(vec![ack]))
+            }
+            // `detail` = the sequence: an `unavailable` a client may retry as it is (a
+            // replicated stream's, which stores nothing twice only by luck, has detail 0).
+            Verdict::InFlight => Some(Err(EngineError::new(
+                ErrorCode::Unavailable,
+                tag.sequence,
+                format!(
+                    "batch {} of producer {:016x} on shard {} is still being stored; publish it \
+                     again",
+                    tag.sequence, tag.producer, tag.shard
+                ),
+            ))),
+            Verdict::OutOfSequence { expected, reason } => {
+                self.counters.producer_out_of_sequence += 1;
+                Some(Err(EngineError::new(
+                    ErrorCode::OutOfSequence,
+                    expected,
+                    format!(
+                        "batch {} of producer {:016x} on shard {} refused: {reason}",
+                        tag.sequence, tag.producer, tag.shard
+                    ),
+                )))
+            }
+        }
+    }
+
+    /// A durable producer batch was queued in the engine (`acks`: its shard's offsets): its
+    /// journal record will precede its records in the log (`DurableLog::pump_journaled`).
+    fn journal_batch(&mut self, stream: &str, tag: ProducerTag, acks: &[ShardAck]) {
+        if tag.sequence == 0 {
+            return;
+        }
+        let (Some(ack), Some(log_shard)) = (acks.first(), self.engine.log_shard(stream, tag.shard))
+        else {
+            return;
+        };
+        self.journal.push_back(JournalEntry {
+            log_shard,
+            first_offset: ack.first_offset,
+            count: ack.count,
+            producer: tag.producer,
+            sequence: tag.sequence,
+        });
+    }
+
+    /// A producer batch got its offsets (`acks`, one entry: its shard's).
+    fn producer_accepted(&mut self, produced: Produced, acks: &[ShardAck], pending: u64) {
+        if let Some(ack) = acks.first() {
+            self.producers.accepted(
+                produced.key,
+                produced.producer,
+                produced.sequence,
+                ack,
+                pending,
+            );
         }
     }
 }

@@ -41,6 +41,15 @@ pub(crate) struct PubArgs {
     /// Fire-and-forget: no acks (errors are not reported either).
     #[arg(long, conflicts_with = "cluster")]
     no_ack: bool,
+    /// Plain publishes: no producer id, so a retried batch may be stored twice, and no
+    /// retries (by default acked publishes go out as an idempotent producer and are retried
+    /// after a retryable answer; docs/semantics.md, "Idempotent producers").
+    #[arg(long, conflicts_with = "cluster")]
+    no_idempotence: bool,
+    /// The producer id (hex) to publish as, instead of a random one: sending the same
+    /// records in the same order again as that producer stores none of them twice.
+    #[arg(long, value_parser = parse_producer_id, conflicts_with = "no_idempotence")]
+    producer_id: Option<u64>,
     /// A cluster's replicated stream: send each shard's records straight to the member
     /// leading it (the cluster client, docs/cluster.md); --ca must trust every member's
     /// certificate. Without it, the member at --addr takes every record (and forwards).
@@ -126,6 +135,16 @@ fn client_config(config: &Config) -> ClientConfig {
 
 pub(crate) async fn connect(config: &Config) -> anyhow::Result<Client> {
     Ok(Client::connect(client_config(config)).await?)
+}
+
+/// A producer id in hex (`0x` optional), not 0.
+fn parse_producer_id(text: &str) -> Result<u64, String> {
+    let digits = text.trim_start_matches("0x");
+    match u64::from_str_radix(digits, 16) {
+        Ok(0) => Err("a producer id is not 0".to_owned()),
+        Ok(id) => Ok(id),
+        Err(error) => Err(format!("a producer id is up to 16 hex digits: {error}")),
+    }
 }
 
 fn kind_name(kind: StreamKind) -> &'static str {
@@ -287,7 +306,13 @@ pub(crate) async fn publish(config: &Config, args: PubArgs) -> anyhow::Result<()
             ClusterClient::connect(client_config(config)).await?,
         ))
     } else {
-        Sender::Plain(Box::new(connect(config).await?))
+        let mut client_config = client_config(config);
+        if args.no_idempotence {
+            client_config.idempotent = false;
+            client_config.publish_retries = 0;
+        }
+        client_config.producer_id = args.producer_id;
+        Sender::Plain(Box::new(Client::connect(client_config).await?))
     };
     let key = Bytes::from(args.key.into_bytes());
     let batch_size = usize::try_from(args.batch).unwrap_or(usize::MAX);

@@ -479,7 +479,11 @@ async fn undecodable_frames_get_error_and_broker_keeps_serving() {
 #[tokio::test]
 async fn metrics_count_payload_and_records() {
     let broker = BrokerProcess::start(&[]);
-    let client = within(felix_client::Client::connect(broker.naive_client_config()))
+    // Plain publishes: one request (one ack) per publish call; an idempotent producer sends
+    // one request per shard a batch touches.
+    let mut config = broker.naive_client_config();
+    config.idempotent = false;
+    let client = within(felix_client::Client::connect(config))
         .await
         .expect("client connects");
     within(client.create_stream("metered", 2, StreamKind::InMemory))

@@ -12,9 +12,10 @@ use crate::{
     Ack, AckMode, CLIENT_NAME_BYTES_MAX, CLUSTER_ADDRESS_BYTES_MAX, CLUSTER_MEMBERS_MAX, CORES_MAX,
     ClusterMap, ClusterMember, ClusterRoute, CreateClusterStream, CreateStream, DeliveredRecord,
     Delivery, ERROR_MESSAGE_BYTES_MAX, ErrorCode, ErrorFrame, FEATURE_TOKEN, FRAME_HEADER_LEN,
-    Frame, FrameType, FsyncMode, HashKind, Hello, HelloOk, LISTED_STREAMS_MAX, Limits, Publish,
-    ReadShard, Record, Records, ShardAck, ShardInfo, ShardSelection, StartPosition, StreamInfo,
-    StreamKind, StreamRoute, StreamSummary, Subscribe, Subscribed, TOKEN_BYTES_MAX, WireError,
+    Frame, FrameType, FsyncMode, HashKind, Hello, HelloOk, LISTED_STREAMS_MAX, Limits,
+    ProducerPublish, Publish, ReadShard, Record, Records, ShardAck, ShardInfo, ShardSelection,
+    StartPosition, StreamInfo, StreamKind, StreamRoute, StreamSummary, Subscribe, Subscribed,
+    TOKEN_BYTES_MAX, WireError,
 };
 
 // Field sizes of the layout (bytes).
@@ -43,6 +44,9 @@ const CLUSTER_ROUTE_LEN_MIN: usize = SHORT_LEN_LEN + LONG_LEN_LEN;
 const CLUSTER_LEADER_LEN: usize = 2;
 /// Key length + payload length; the key and payload bytes follow.
 pub const PUBLISH_RECORD_OVERHEAD: usize = SHORT_LEN_LEN + LONG_LEN_LEN;
+/// Bytes a `ProducerPublish` adds to a `Publish` of the same records: producer (8),
+/// sequence (8) and shard (4).
+pub const PRODUCER_FIELDS_LEN: usize = 8 + 8 + 4;
 /// shard + first_offset + count.
 const SHARD_ACK_LEN: usize = 4 + 8 + 4;
 const SHARD_LEN: usize = 4;
@@ -83,6 +87,31 @@ pub fn encode(frame: &Frame, buf: &mut BytesMut) {
         encode_publish_header(
             publish.request_id,
             publish.ack,
+            &publish.stream,
+            list_len(publish.records.len()),
+            records_len,
+            buf,
+        );
+        for record in &publish.records {
+            encode_record(&record.key, &record.payload, buf);
+        }
+        return;
+    }
+    if let Frame::ProducerPublish(produced) = frame {
+        let publish = &produced.publish;
+        let records_len = publish
+            .records
+            .iter()
+            .map(|r| encoded_record_len(r.key.len(), r.payload.len()))
+            .sum();
+        encode_producer_publish_header(
+            &ProducerHeader {
+                request_id: publish.request_id,
+                ack: publish.ack,
+                producer: produced.producer,
+                sequence: produced.sequence,
+                shard: produced.shard,
+            },
             &publish.stream,
             list_len(publish.records.len()),
             records_len,
@@ -157,6 +186,41 @@ pub fn encode_publish_header(
     buf.put_u64_le(request_id);
     buf.put_u8(ack as u8);
     put_str(buf, stream);
+    buf.put_u32_le(record_count);
+}
+
+/// The fixed fields of a `ProducerPublish` besides its stream name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProducerHeader {
+    pub request_id: u64,
+    pub ack: AckMode,
+    pub producer: u64,
+    pub sequence: u64,
+    pub shard: u32,
+}
+
+/// Fast path for idempotent producers: [`encode_publish_header`] for a `ProducerPublish`
+/// frame. The records follow exactly as in a `Publish` ([`encode_record`]).
+///
+/// # Panics
+/// If `stream` is longer than 65,535 bytes or the body longer than `u32::MAX` bytes.
+pub fn encode_producer_publish_header(
+    header: &ProducerHeader,
+    stream: &str,
+    record_count: u32,
+    records_len: usize,
+    buf: &mut BytesMut,
+) {
+    let fixed_len = REQUEST_ID_LEN + 1 + str_len(stream) + PRODUCER_FIELDS_LEN + LONG_LEN_LEN;
+    let body_len = fixed_len + records_len;
+    buf.reserve(FRAME_HEADER_LEN + fixed_len);
+    put_header(buf, FrameType::ProducerPublish, body_len);
+    buf.put_u64_le(header.request_id);
+    buf.put_u8(header.ack as u8);
+    put_str(buf, stream);
+    buf.put_u64_le(header.producer);
+    buf.put_u64_le(header.sequence);
+    buf.put_u32_le(header.shard);
     buf.put_u32_le(record_count);
 }
 
@@ -359,6 +423,19 @@ fn put_body(frame: &Frame, buf: &mut BytesMut) {
                 encode_record(&record.key, &record.payload, buf);
             }
         }
+        Frame::ProducerPublish(produced) => {
+            let publish = &produced.publish;
+            buf.put_u64_le(publish.request_id);
+            buf.put_u8(publish.ack as u8);
+            put_str(buf, &publish.stream);
+            buf.put_u64_le(produced.producer);
+            buf.put_u64_le(produced.sequence);
+            buf.put_u32_le(produced.shard);
+            put_count(buf, publish.records.len());
+            for record in &publish.records {
+                encode_record(&record.key, &record.payload, buf);
+            }
+        }
         Frame::Ack(ack) => {
             buf.put_u64_le(ack.request_id);
             put_count(buf, ack.shards.len());
@@ -484,6 +561,20 @@ fn body_len(frame: &Frame) -> usize {
                 .map(|r| encoded_record_len(r.key.len(), r.payload.len()))
                 .sum();
             REQUEST_ID_LEN + 1 + str_len(&publish.stream) + LONG_LEN_LEN + records
+        }
+        Frame::ProducerPublish(produced) => {
+            let publish = &produced.publish;
+            let records: usize = publish
+                .records
+                .iter()
+                .map(|r| encoded_record_len(r.key.len(), r.payload.len()))
+                .sum();
+            REQUEST_ID_LEN
+                + 1
+                + str_len(&publish.stream)
+                + PRODUCER_FIELDS_LEN
+                + LONG_LEN_LEN
+                + records
         }
         Frame::Ack(ack) => REQUEST_ID_LEN + LONG_LEN_LEN + SHARD_ACK_LEN * ack.shards.len(),
         Frame::Subscribe(subscribe) => {
@@ -682,7 +773,7 @@ pub fn validate(frame: &Frame, limits: &Limits) -> Result<(), WireError> {
             }
             Ok(())
         }
-        Frame::Publish(publish) => {
+        Frame::Publish(publish) | Frame::ProducerPublish(ProducerPublish { publish, .. }) => {
             check_len("stream name length", publish.stream.len(), name_max)?;
             check_count(
                 "record count",
@@ -996,7 +1087,17 @@ impl<B: Body> Reader<'_, B> {
                 request_id: r.u64("request_id")?,
                 records: r.delivered_records()?,
             }),
-            FrameType::Publish => Frame::Publish(r.publish()?),
+            FrameType::Publish => Frame::Publish(r.publish(false)?.0),
+            FrameType::ProducerPublish => {
+                let (publish, fields) = r.publish(true)?;
+                let (producer, sequence, shard) = fields.unwrap_or_default();
+                Frame::ProducerPublish(ProducerPublish {
+                    publish,
+                    producer,
+                    sequence,
+                    shard,
+                })
+            }
             FrameType::Ack => Frame::Ack(r.ack()?),
             FrameType::Subscribe => Frame::Subscribe(r.subscribe()?),
             FrameType::Subscribed => Frame::Subscribed(Subscribed {
@@ -1407,12 +1508,24 @@ impl<B: Body> Reader<'_, B> {
         })
     }
 
-    fn publish(&mut self) -> Result<Publish, WireError> {
+    /// A `Publish` body, or with `producer` a `ProducerPublish` body (the producer, sequence
+    /// and shard between the stream name and the records, returned apart).
+    #[allow(clippy::type_complexity)]
+    fn publish(&mut self, producer: bool) -> Result<(Publish, Option<(u64, u64, u32)>), WireError> {
         let request_id = self.u64("request_id")?;
         let code = self.u8("ack mode")?;
         let ack = AckMode::from_u8(code)
             .ok_or_else(|| self.malformed(format!("unknown ack mode {code}")))?;
         let stream = self.name()?;
+        let fields = if producer {
+            Some((
+                self.u64("producer")?,
+                self.u64("sequence")?,
+                self.u32("shard")?,
+            ))
+        } else {
+            None
+        };
         let count = self.count(
             "record count",
             self.limits.max_batch_records,
@@ -1425,12 +1538,15 @@ impl<B: Body> Reader<'_, B> {
                 payload: self.payload()?,
             });
         }
-        Ok(Publish {
-            request_id,
-            ack,
-            stream,
-            records,
-        })
+        Ok((
+            Publish {
+                request_id,
+                ack,
+                stream,
+                records,
+            },
+            fields,
+        ))
     }
 
     fn ack(&mut self) -> Result<Ack, WireError> {
@@ -1527,6 +1643,7 @@ impl<B: Body> Reader<'_, B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::FEATURE_PRODUCER;
 
     fn decoder() -> Decoder {
         Decoder::new(Limits::DEFAULT)
@@ -1874,5 +1991,60 @@ mod tests {
                 .iter()
                 .all(|t| FrameType::from_u8(*t as u8) == Some(*t))
         );
+    }
+
+    // A ProducerPublish cut inside its producer, sequence or shard field is Malformed, and a
+    // record count over the limit is LimitExceeded, as in a Publish.
+    #[test]
+    fn producer_publish_refusals() {
+        let frame = Frame::ProducerPublish(ProducerPublish {
+            publish: Publish {
+                request_id: 1,
+                ack: AckMode::Acked,
+                stream: "s".into(),
+                records: vec![Record {
+                    key: Bytes::from_static(b"k"),
+                    payload: Bytes::from_static(b"v"),
+                }],
+            },
+            producer: 5,
+            sequence: 2,
+            shard: 0,
+        });
+        let mut whole = BytesMut::new();
+        encode(&frame, &mut whole);
+        let body = whole.split_off(FRAME_HEADER_LEN).freeze();
+        let fields = REQUEST_ID_LEN + 1 + 2 + 1;
+        for cut in fields..fields + PRODUCER_FIELDS_LEN {
+            let err = decoder()
+                .decode_body(FrameType::ProducerPublish as u8, body.slice(..cut))
+                .unwrap_err();
+            assert_eq!(err.code(), ErrorCode::Malformed, "cut at {cut}");
+        }
+        let mut limits = Limits::DEFAULT;
+        limits.max_batch_records = 0;
+        let err = validate(&frame, &limits).unwrap_err();
+        assert_eq!(err.code(), ErrorCode::LimitExceeded);
+        assert_eq!(
+            Decoder::new(limits).decode_body(FrameType::ProducerPublish as u8, body),
+            Err(err)
+        );
+    }
+
+    // The producer feature bit is carried by Hello like any other, next to a token or not.
+    #[test]
+    fn hello_carries_the_producer_feature() {
+        for token in [None, Some(Bytes::from_static(b"felix_a_b"))] {
+            let frame = Frame::Hello(Hello {
+                min_version: 1,
+                max_version: 1,
+                features: FEATURE_PRODUCER | (u64::from(token.is_some()) * FEATURE_TOKEN),
+                client_name: "c".into(),
+                token,
+            });
+            let mut buf = BytesMut::new();
+            encode(&frame, &mut buf);
+            assert_eq!(decoder().decode(&mut buf), Ok(Some(frame)));
+        }
     }
 }

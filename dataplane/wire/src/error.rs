@@ -20,6 +20,11 @@ pub enum ErrorCode {
     StreamExists = 11,
     /// A well-formed request with a bad argument (bad name, shard out of range, ...).
     InvalidArgument = 12,
+    /// A `ProducerPublish` whose sequence skips ahead of the producer's next one on that
+    /// shard (an earlier batch is missing), or that the shard no longer remembers; nothing was
+    /// stored. `detail` carries the sequence the shard expects next (0: it knows no batch of
+    /// the producer).
+    OutOfSequence = 13,
     /// The requested position is older than what the shard still holds;
     /// `detail` carries the oldest offset still held.
     TooOld = 20,
@@ -50,7 +55,7 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// All codes, for tests and documentation.
-    pub const ALL: [ErrorCode; 19] = [
+    pub const ALL: [ErrorCode; 20] = [
         ErrorCode::Malformed,
         ErrorCode::UnsupportedVersion,
         ErrorCode::FrameTooLarge,
@@ -60,6 +65,7 @@ impl ErrorCode {
         ErrorCode::StreamNotFound,
         ErrorCode::StreamExists,
         ErrorCode::InvalidArgument,
+        ErrorCode::OutOfSequence,
         ErrorCode::TooOld,
         ErrorCode::SubscriberLagged,
         ErrorCode::IngressBudgetExhausted,
@@ -92,6 +98,7 @@ impl ErrorCode {
             ErrorCode::StreamNotFound => "stream_not_found",
             ErrorCode::StreamExists => "stream_exists",
             ErrorCode::InvalidArgument => "invalid_argument",
+            ErrorCode::OutOfSequence => "out_of_sequence",
             ErrorCode::TooOld => "too_old",
             ErrorCode::SubscriberLagged => "subscriber_lagged",
             ErrorCode::IngressBudgetExhausted => "ingress_budget_exhausted",

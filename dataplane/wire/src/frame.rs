@@ -26,6 +26,7 @@ pub enum FrameType {
     Records = 0x1c,
     Publish = 0x20,
     Ack = 0x21,
+    ProducerPublish = 0x22,
     Subscribe = 0x30,
     Subscribed = 0x31,
     Delivery = 0x32,
@@ -34,7 +35,7 @@ pub enum FrameType {
 
 impl FrameType {
     /// Every frame type of protocol v1, in code order.
-    pub const ALL: [FrameType; 21] = [
+    pub const ALL: [FrameType; 22] = [
         FrameType::Hello,
         FrameType::HelloOk,
         FrameType::CreateStream,
@@ -52,6 +53,7 @@ impl FrameType {
         FrameType::Records,
         FrameType::Publish,
         FrameType::Ack,
+        FrameType::ProducerPublish,
         FrameType::Subscribe,
         FrameType::Subscribed,
         FrameType::Delivery,
@@ -79,6 +81,7 @@ impl FrameType {
             0x1c => FrameType::Records,
             0x20 => FrameType::Publish,
             0x21 => FrameType::Ack,
+            0x22 => FrameType::ProducerPublish,
             0x30 => FrameType::Subscribe,
             0x31 => FrameType::Subscribed,
             0x32 => FrameType::Delivery,
@@ -108,6 +111,7 @@ impl FrameType {
             FrameType::Records => "records",
             FrameType::Publish => "publish",
             FrameType::Ack => "ack",
+            FrameType::ProducerPublish => "producer_publish",
             FrameType::Subscribe => "subscribe",
             FrameType::Subscribed => "subscribed",
             FrameType::Delivery => "delivery",
@@ -214,9 +218,14 @@ impl Default for Limits {
 
 /// `Hello::features` bit: a bearer token follows the client name (`Hello::token`).
 pub const FEATURE_TOKEN: u64 = 1 << 0;
+/// `Hello::features` bit: the client sends `ProducerPublish` frames (idempotent producers,
+/// docs/wire-protocol.md section 4.16). A broker that takes them echoes the bit in
+/// `HelloOk::features`; a client must not send `ProducerPublish` to a broker that did not
+/// (an older broker ends the stream with `UnknownFrameType`), it sends plain `Publish` instead.
+pub const FEATURE_PRODUCER: u64 = 1 << 1;
 /// Every feature bit this version defines; a server ignores the others and answers with the
 /// bits it used (`HelloOk::features`).
-pub const FEATURES_KNOWN: u64 = FEATURE_TOKEN;
+pub const FEATURES_KNOWN: u64 = FEATURE_TOKEN | FEATURE_PRODUCER;
 
 /// First frame of a connection, client to server, on the first bidirectional stream.
 #[derive(Clone, PartialEq, Eq)]
@@ -412,6 +421,23 @@ pub struct Publish {
     pub records: Vec<Record>,
 }
 
+/// A publish by an idempotent producer (frame `ProducerPublish`): every record of `publish`
+/// belongs to shard `shard` (its key hashes there), and the batch is the producer's
+/// `sequence`-th on that shard. A batch whose sequence the shard already stored is answered
+/// with the original ack and stores nothing (docs/semantics.md, "Idempotent producers").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProducerPublish {
+    /// Request id, ack mode, stream and records, as in a plain `Publish`.
+    pub publish: Publish,
+    /// The producer's id, chosen at random by the client (64 bits).
+    pub producer: u64,
+    /// The producer's batch number on this shard: 1 for its first batch, one more per batch;
+    /// 0 asks for no deduplication.
+    pub sequence: u64,
+    /// The one shard every record belongs to.
+    pub shard: u32,
+}
+
 /// Offsets given to the records of one shard in one publish: they are
 /// `first_offset .. first_offset + count`, in the order the records appeared in the batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -530,6 +556,7 @@ pub enum Frame {
     Records(Records),
     Publish(Publish),
     Ack(Ack),
+    ProducerPublish(ProducerPublish),
     Subscribe(Subscribe),
     Subscribed(Subscribed),
     Delivery(Delivery),
@@ -558,6 +585,7 @@ impl Frame {
             Frame::Records(_) => FrameType::Records,
             Frame::Publish(_) => FrameType::Publish,
             Frame::Ack(_) => FrameType::Ack,
+            Frame::ProducerPublish(_) => FrameType::ProducerPublish,
             Frame::Subscribe(_) => FrameType::Subscribe,
             Frame::Subscribed(_) => FrameType::Subscribed,
             Frame::Delivery(_) => FrameType::Delivery,
@@ -586,6 +614,7 @@ impl Frame {
             Frame::StreamInfo(f) => Some(f.request_id),
             Frame::Publish(f) => Some(f.request_id),
             Frame::Ack(f) => Some(f.request_id),
+            Frame::ProducerPublish(f) => Some(f.publish.request_id),
             Frame::Subscribe(f) => Some(f.request_id),
             Frame::Subscribed(f) => Some(f.request_id),
             Frame::Error(f) => Some(f.request_id),

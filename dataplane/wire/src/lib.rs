@@ -16,9 +16,10 @@ mod error;
 mod frame;
 
 pub use codec::{
-    Decoder, PUBLISH_RECORD_OVERHEAD, encode, encode_delivery_vectored, encode_publish_header,
-    encode_record, encode_record_head, encoded_len, encoded_publish_len, encoded_record_len,
-    header_body_len, validate,
+    Decoder, PRODUCER_FIELDS_LEN, PUBLISH_RECORD_OVERHEAD, ProducerHeader, encode,
+    encode_delivery_vectored, encode_producer_publish_header, encode_publish_header, encode_record,
+    encode_record_head, encoded_len, encoded_publish_len, encoded_record_len, header_body_len,
+    validate,
 };
 pub use error::{ErrorCode, WireError};
 pub use frame::*;

@@ -159,6 +159,20 @@ fn hostile_bodies(n: u32) -> Vec<(&'static str, FrameType, Bytes)> {
             }),
         ),
         (
+            "producer_publish records",
+            FrameType::ProducerPublish,
+            body(|b| {
+                b.put_u64_le(1);
+                b.put_u8(0);
+                b.put_u16_le(0);
+                b.put_u64_le(9);
+                b.put_u64_le(1);
+                b.put_u32_le(0);
+                b.put_u32_le(n);
+                b.put_slice(&tail);
+            }),
+        ),
+        (
             "ack shards",
             FrameType::Ack,
             body(|b| {

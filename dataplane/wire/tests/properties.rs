@@ -5,9 +5,10 @@
 use bytes::{Bytes, BytesMut};
 use felix_wire::{
     Ack, AckMode, CreateStream, Decoder, DeliveredRecord, Delivery, ErrorCode, ErrorFrame,
-    FRAME_HEADER_LEN, Frame, FrameType, FsyncMode, HashKind, Hello, HelloOk, Limits, Publish,
-    Record, ShardAck, ShardInfo, ShardSelection, StartPosition, StreamInfo, StreamKind,
-    StreamRoute, StreamSummary, Subscribe, Subscribed, encode, encode_delivery_vectored,
+    FRAME_HEADER_LEN, Frame, FrameType, FsyncMode, HashKind, Hello, HelloOk, Limits,
+    PRODUCER_FIELDS_LEN, ProducerHeader, ProducerPublish, Publish, Record, ShardAck, ShardInfo,
+    ShardSelection, StartPosition, StreamInfo, StreamKind, StreamRoute, StreamSummary, Subscribe,
+    Subscribed, encode, encode_delivery_vectored, encode_producer_publish_header,
     encode_publish_header, encode_record, encode_record_head, encoded_len, encoded_publish_len,
     encoded_record_len, validate,
 };
@@ -299,6 +300,9 @@ fn frame_of(t: FrameType, sz: Sizes) -> BoxedStrategy<Frame> {
             })
             .boxed(),
         FrameType::Publish => publish(sz).prop_map(Frame::Publish).boxed(),
+        FrameType::ProducerPublish => producer_publish(sz)
+            .prop_map(Frame::ProducerPublish)
+            .boxed(),
         FrameType::Ack => {
             let shard = (any::<u32>(), any::<u64>(), any::<u32>()).prop_map(
                 |(shard, first_offset, count)| ShardAck {
@@ -390,6 +394,17 @@ fn publish(sz: Sizes) -> impl Strategy<Value = Publish> {
             stream,
             records,
         })
+}
+
+fn producer_publish(sz: Sizes) -> impl Strategy<Value = ProducerPublish> {
+    (publish(sz), any::<u64>(), any::<u64>(), any::<u32>()).prop_map(
+        |(publish, producer, sequence, shard)| ProducerPublish {
+            publish,
+            producer,
+            sequence,
+            shard,
+        },
+    )
 }
 
 /// Any frame type, with sizes up to `sz`.
@@ -488,6 +503,7 @@ roundtrip_tests! {
     roundtrip_done => FrameType::Done,
     roundtrip_publish => FrameType::Publish,
     roundtrip_ack => FrameType::Ack,
+    roundtrip_producer_publish => FrameType::ProducerPublish,
     roundtrip_subscribe => FrameType::Subscribe,
     roundtrip_subscribed => FrameType::Subscribed,
     roundtrip_delivery => FrameType::Delivery,
@@ -621,6 +637,49 @@ proptest! {
         prop_assert_eq!(&fast[..], &encoded(&frame)[..]);
         // The length a receiver computes for the buffer a decoded publish's records keep alive.
         prop_assert_eq!(whole, encoded_len(&frame));
+    }
+
+    // The producer fast path writes what encode(ProducerPublish) writes, and that is the plain
+    // Publish of the same records with producer, sequence and shard between the stream name
+    // and the record count (docs/wire-protocol.md, 4.16): a ProducerPublish is a Publish plus
+    // PRODUCER_FIELDS_LEN bytes.
+    #[test]
+    fn producer_publish_fast_path_and_layout(produced in producer_publish(VALID)) {
+        let publish = &produced.publish;
+        let records_len: usize = publish
+            .records
+            .iter()
+            .map(|r| encoded_record_len(r.key.len(), r.payload.len()))
+            .sum();
+        let count = u32::try_from(publish.records.len()).expect("at most VALID.records");
+        let mut fast = BytesMut::new();
+        encode_producer_publish_header(
+            &ProducerHeader {
+                request_id: publish.request_id,
+                ack: publish.ack,
+                producer: produced.producer,
+                sequence: produced.sequence,
+                shard: produced.shard,
+            },
+            &publish.stream,
+            count,
+            records_len,
+            &mut fast,
+        );
+        for record in &publish.records {
+            encode_record(&record.key, &record.payload, &mut fast);
+        }
+        let frame = Frame::ProducerPublish(produced.clone());
+        prop_assert_eq!(&fast[..], &encoded(&frame)[..]);
+        let plain = encoded(&Frame::Publish(publish.clone()));
+        prop_assert_eq!(fast.len(), plain.len() + PRODUCER_FIELDS_LEN);
+        prop_assert_eq!(fast[4], 0x22);
+        let fields = FRAME_HEADER_LEN + 8 + 1 + 2 + publish.stream.len();
+        prop_assert_eq!(&fast[FRAME_HEADER_LEN..fields], &plain[FRAME_HEADER_LEN..fields]);
+        prop_assert_eq!(&fast[fields..fields + 8], &produced.producer.to_le_bytes()[..]);
+        prop_assert_eq!(&fast[fields + 8..fields + 16], &produced.sequence.to_le_bytes()[..]);
+        prop_assert_eq!(&fast[fields + 16..fields + 20], &produced.shard.to_le_bytes()[..]);
+        prop_assert_eq!(&fast[fields + 20..], &plain[fields..]);
     }
 
     // The vectored fast path (record heads in the frame, payloads as chunks of their own)

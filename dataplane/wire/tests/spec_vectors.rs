@@ -3,8 +3,8 @@
 
 use bytes::{Bytes, BytesMut};
 use felix_wire::{
-    Ack, AckMode, Decoder, Frame, Hello, Limits, Publish, Record, ShardAck, encode, fnv1a_64,
-    shard_for_key,
+    Ack, AckMode, Decoder, Frame, Hello, Limits, ProducerPublish, Publish, Record, ShardAck,
+    encode, fnv1a_64, shard_for_key,
 };
 
 /// Parses the document's hex dump notation ("11 00 00 00 01 ...").
@@ -87,6 +87,34 @@ fn publish_dump() {
         &publish,
         "22 00 00 00 20 00
          07 00 00 00 00 00 00 00 00 06 00 6f 72 64 65 72 73
+         01 00 00 00 02 00 6b 31 05 00 00 00 68 65 6c 6c 6f",
+    );
+}
+
+// The document's ProducerPublish hex dump (the same record as producer 0x1122334455667788's
+// third batch on shard 17) is exactly what the encoder writes.
+#[test]
+fn producer_publish_dump() {
+    let publish = Frame::ProducerPublish(ProducerPublish {
+        publish: Publish {
+            request_id: 7,
+            ack: AckMode::Acked,
+            stream: "orders".into(),
+            records: vec![Record {
+                key: Bytes::from_static(b"k1"),
+                payload: Bytes::from_static(b"hello"),
+            }],
+        },
+        producer: 0x1122_3344_5566_7788,
+        sequence: 3,
+        shard: 17,
+    });
+    assert_eq!(shard_for_key(b"k1", 48), 17);
+    check(
+        &publish,
+        "36 00 00 00 22 00
+         07 00 00 00 00 00 00 00 00 06 00 6f 72 64 65 72 73
+         88 77 66 55 44 33 22 11 03 00 00 00 00 00 00 00 11 00 00 00
          01 00 00 00 02 00 6b 31 05 00 00 00 68 65 6c 6c 6f",
     );
 }
