@@ -283,6 +283,8 @@ fn client_config(addr: std::net::SocketAddr, ca: &Path) -> ClientConfig {
     config.client_name = "felix-bench-cluster".to_owned();
     // One connection to the member the arm names, whatever the shard map says.
     config.core_aware = false;
+    // Plain publishes, as the recorded figures (docs/performance.md).
+    config.idempotent = false;
     config
 }
 

@@ -391,6 +391,9 @@ fn client_config(endpoint: &BrokerEndpoint, name: &str, budget: u64) -> ClientCo
     c.ca = Some(endpoint.ca.clone());
     c.publish_inflight_bytes = budget;
     c.client_name = format!("felix-bench/{} {name}", env!("CARGO_PKG_VERSION"));
+    // Plain publishes, as every figure in docs/performance.md was measured (an idempotent
+    // producer sends one frame per shard and logs 57 bytes more per batch).
+    c.idempotent = false;
     c
 }
 

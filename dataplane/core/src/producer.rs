@@ -18,7 +18,8 @@ use rustc_hash::FxHashMap;
 pub const WINDOW: usize = 5;
 
 /// Producers remembered per shard; beyond it the least recently used one is forgotten (its
-/// retries then get `OutOfSequence` with `detail` 0).
+/// retries then get `OutOfSequence` with `detail` 1: the shard takes it as a new producer,
+/// whose first batch is 1).
 pub const PRODUCERS_PER_SHARD_MAX: usize = 1024;
 
 /// The producer fields of a `ProducerPublish`: carried with its records to the shard's owner.
@@ -76,8 +77,8 @@ pub(crate) enum Verdict {
     /// Stored before but not yet committed (durable): answer `Unavailable`, store nothing;
     /// a later retry gets the original ack.
     InFlight,
-    /// Refused with `OutOfSequence`, `detail` = `expected` (0: the producer is unknown on
-    /// this shard, or forgotten), nothing stored.
+    /// Refused with `OutOfSequence`, `detail` = `expected` (1 when the producer is unknown on
+    /// this shard, or forgotten: a new producer starts at 1), nothing stored.
     OutOfSequence { expected: u64, reason: &'static str },
 }
 
@@ -105,8 +106,10 @@ impl Producers {
             return if sequence == 1 {
                 Verdict::New
             } else {
+                // Expected 1: a client whose batch 1 was refused (ingress full) while its
+                // batches 2.. were on their way retries them behind batch 1's own retry.
                 Verdict::OutOfSequence {
-                    expected: 0,
+                    expected: 1,
                     reason: "this shard knows no batch of the producer (a first batch is \
                              sequence 1; a producer forgotten after a restart or an eviction \
                              starts again with a new id)",

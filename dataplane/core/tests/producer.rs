@@ -141,7 +141,7 @@ fn a_sequence_that_skips_ahead_is_refused_and_stores_nothing() {
     let gap = answer(&mut broker, &conn, produce(2, "s", 5, 3, 0, one()));
     assert_eq!(error_of(&gap), (ErrorCode::OutOfSequence, 2));
     let unknown = answer(&mut broker, &conn, produce(3, "s", 6, 2, 0, one()));
-    assert_eq!(error_of(&unknown), (ErrorCode::OutOfSequence, 0));
+    assert_eq!(error_of(&unknown), (ErrorCode::OutOfSequence, 1));
     assert_eq!(next_offset(&mut broker, &conn, "s", 0), 1);
     assert_eq!(broker.cores[0].counters().producer_out_of_sequence, 2);
     // The missing batch 2, then 3, are taken.
@@ -190,7 +190,8 @@ fn the_window_remembers_the_last_batches_of_a_producer() {
 fn the_least_recently_used_producer_is_forgotten_at_the_cap() {
     // Proves a shard remembers at most PRODUCERS_PER_SHARD_MAX producers: the next one
     // evicts the least recently used (counted), whose retry is then refused with
-    // OutOfSequence detail 0, while a recently used one is still deduplicated.
+    // OutOfSequence detail 1 (taken for a new producer), while a recently used one is still
+    // deduplicated.
     let mut broker = Broker::new(1, ingress());
     let conn = broker.connect(0);
     broker.create(&conn, "m", 1, StreamKind::InMemory);
@@ -215,7 +216,7 @@ fn the_least_recently_used_producer_is_forgotten_at_the_cap() {
     // Producer 2 is unknown now: its next batch is refused, nothing stored.
     assert_eq!(
         error_of(&send(&mut broker, 2, 2)),
-        (ErrorCode::OutOfSequence, 0)
+        (ErrorCode::OutOfSequence, 1)
     );
     assert_eq!(next_offset(&mut broker, &conn, "m", 0), cap + 1);
 }

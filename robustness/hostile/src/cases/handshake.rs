@@ -4,7 +4,9 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use felix_wire::{AckMode, ErrorCode, FEATURE_TOKEN, Frame, Hello, ShardSelection, StartPosition};
+use felix_wire::{
+    AckMode, ErrorCode, FEATURE_TOKEN, FEATURES_KNOWN, Frame, Hello, ShardSelection, StartPosition,
+};
 
 use super::framing::expect_refused_handshake;
 use super::{Ctx, ensure};
@@ -94,7 +96,7 @@ pub(crate) async fn hello_edge_cases(ctx: &mut Ctx) -> Result<(), String> {
     let accepted = [
         (
             "every unknown feature bit",
-            !FEATURE_TOKEN,
+            !FEATURES_KNOWN,
             "felix-hostile".to_owned(),
         ),
         ("feature bit 63", 1u64 << 63, "felix-hostile".to_owned()),
