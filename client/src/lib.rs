@@ -1615,9 +1615,8 @@ impl RetryPolicy {
 
 /// Whether an idempotent publish answered `error` is worth sending again as it is: the broker
 /// took nothing of it (`ingress_budget_exhausted`), its original is still being stored
-/// (`unavailable` naming its sequence in `detail`; a replicated stream's `unavailable`, detail
-/// 0, may still commit the records and is not retried: cluster streams do not deduplicate
-/// yet), or an earlier batch of the producer on that shard is still missing
+/// or a replicated stream's batch not committed in time (`unavailable` naming its sequence in
+/// `detail`: a retry is applied once either way), or an earlier batch of the producer on that shard is still missing
 /// (`out_of_sequence` naming a sequence below this one: the earlier batch's own retry fills
 /// the gap).
 fn retryable(error: &ClientError, sequence: u64) -> bool {

@@ -469,6 +469,7 @@ impl<B: Backend> Groups<B> {
         deadline: std::time::Instant,
         timeout: std::time::Duration,
         answer: PublishAnswer,
+        client: Option<(u64, u64)>,
     ) {
         let Some(found) = self.groups.get_mut(&group) else {
             answer.answer(Err(PublishError::NotReplicatedHere {
@@ -477,7 +478,10 @@ impl<B: Backend> Groups<B> {
             }));
             return;
         };
-        match found.producer.add(records, deadline, timeout, answer) {
+        match found
+            .producer
+            .add(records, deadline, timeout, answer, client)
+        {
             Ok((sequence, data)) => {
                 // Without a known leader the batch waits for the next tick's retry.
                 if found.node.propose_data(data).is_ok() {

@@ -175,6 +175,7 @@ fn publish_request(part: ClusterPublish, now: Instant, events: &EventSink) -> Re
         shard,
         records,
         unix_us,
+        producer,
     } = part;
     let records = records
         .into_iter()
@@ -191,6 +192,7 @@ fn publish_request(part: ClusterPublish, now: Instant, events: &EventSink) -> Re
         records,
         deadline: now + CLUSTER_COMMIT_TIMEOUT,
         timeout: CLUSTER_COMMIT_TIMEOUT,
+        producer,
         answer: PublishAnswer::new(move |result| {
             let result = result
                 .map(|ack| ShardAck {
@@ -198,7 +200,17 @@ fn publish_request(part: ClusterPublish, now: Instant, events: &EventSink) -> Re
                     first_offset: ack.first_offset,
                     count: ack.count,
                 })
-                .map_err(|error| publish_refusal(&error));
+                .map_err(|error| {
+                    let mut refusal = publish_refusal(&error);
+                    // An idempotent producer's batch: a retry is applied once, so the client
+                    // may send it again (`unavailable` naming its sequence, as on a single
+                    // broker, docs/wire-protocol.md).
+                    if let (Some((_, sequence)), ErrorCode::Unavailable) = (producer, refusal.code)
+                    {
+                        refusal.detail = sequence;
+                    }
+                    refusal
+                });
             events(LinkEvent::Part(token, result));
         }),
     }

@@ -81,6 +81,9 @@ pub enum Request {
         deadline: Instant,
         timeout: Duration,
         answer: PublishAnswer,
+        /// The client's idempotent producer id and sequence (`ProducerPublish`): the shard
+        /// applies the batch once however often it is retried, through any member.
+        producer: Option<(u64, u64)>,
     },
     /// Read committed records of a replicated shard from this member's copy.
     Read {
@@ -445,6 +448,7 @@ impl<B: Backend> Member<B> {
                 deadline,
                 timeout,
                 answer,
+                producer,
             } => {
                 let answer = self.defer_publish(answer);
                 let placed = crate::memory::shard_key(self.node.state(), &stream, shard);
@@ -477,7 +481,7 @@ impl<B: Backend> Member<B> {
                 match shard_group(self.node.state(), &stream, shard) {
                     Ok(group) if self.groups.holds(group) => {
                         self.groups
-                            .publish(group, records, deadline, timeout, answer);
+                            .publish(group, records, deadline, timeout, answer, producer);
                     }
                     Ok(_) => {
                         answer.answer(Err(PublishError::NotReplicatedHere { stream, shard }));

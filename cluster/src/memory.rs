@@ -595,6 +595,7 @@ fn batch(records: Vec<ShardRecord>) -> Vec<u8> {
     Batch {
         producer: 0,
         sequence: 0,
+        client: None,
         records,
     }
     .encode()

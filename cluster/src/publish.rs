@@ -148,6 +148,7 @@ impl Producer {
         deadline: Instant,
         timeout: Duration,
         answer: PublishAnswer,
+        client: Option<(u64, u64)>,
     ) -> Result<(u64, Vec<u8>), (PublishAnswer, usize)> {
         if self.pending.len() >= PENDING_BATCHES_MAX || self.pending_bytes >= PENDING_BYTES_MAX {
             return Err((answer, self.pending.len()));
@@ -157,6 +158,7 @@ impl Producer {
         let data = Batch {
             producer: self.id,
             sequence,
+            client,
             records,
         }
         .encode();
@@ -285,11 +287,11 @@ mod tests {
         let later = now + Duration::from_secs(60);
         let timeout = Duration::from_secs(60);
         let (_, first) = producer
-            .add(records(2), later, timeout, answer_into(&answers, 1))
+            .add(records(2), later, timeout, answer_into(&answers, 1), None)
             .unwrap_or_else(|_| panic!("room"));
         producer.proposed(1, 0);
         let (_, second) = producer
-            .add(records(3), later, timeout, answer_into(&answers, 2))
+            .add(records(3), later, timeout, answer_into(&answers, 2), None)
             .unwrap_or_else(|_| panic!("room"));
         producer.proposed(2, 0);
         // The first proposal is lost: the second is applied first and refused.
@@ -344,7 +346,13 @@ mod tests {
         let now = Instant::now();
         let timeout = Duration::from_millis(10);
         let (_, data) = producer
-            .add(records(1), now + timeout, timeout, answer_into(&answers, 1))
+            .add(
+                records(1),
+                now + timeout,
+                timeout,
+                answer_into(&answers, 1),
+                None,
+            )
             .unwrap_or_else(|_| panic!("room"));
         producer.proposed(1, 0);
         let _ = producer.due(1, now + Duration::from_secs(1));
@@ -371,14 +379,19 @@ mod tests {
                         records(1),
                         later,
                         Duration::ZERO,
-                        answer_into(&answers, tag)
+                        answer_into(&answers, tag),
+                        None,
                     )
                     .is_ok()
             );
         }
-        let Err((answer, pending)) =
-            producer.add(records(1), later, Duration::ZERO, answer_into(&answers, 0))
-        else {
+        let Err((answer, pending)) = producer.add(
+            records(1),
+            later,
+            Duration::ZERO,
+            answer_into(&answers, 0),
+            None,
+        ) else {
             panic!("a full producer refuses");
         };
         assert_eq!(pending, PENDING_BATCHES_MAX);

@@ -403,6 +403,7 @@ impl Service {
             shard,
             records,
             deadline: std::time::Instant::now() + timeout,
+            producer: None,
             timeout,
             answer,
         };

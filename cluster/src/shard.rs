@@ -21,6 +21,14 @@ use crate::node::Machine;
 
 /// Bytes before the records of an encoded batch: producer, sequence, record count.
 const BATCH_HEADER_BYTES: usize = 8 + 8 + 4;
+/// Set in an encoded batch's record count when the client's producer id and sequence follow
+/// the count (16 bytes): a batch published through `ProducerPublish` (docs/wire-protocol.md).
+const CLIENT_FLAG: u32 = 1 << 31;
+/// Bytes of the client's producer id and sequence.
+const CLIENT_BYTES: usize = 8 + 8;
+/// An encoded batch's header: producer, sequence, record count, the client's producer id and
+/// sequence.
+type FullHeader = (u64, u64, u32, Option<(u64, u64)>);
 /// Bytes before each record's key: key length, payload length, timestamp.
 const RECORD_HEADER_BYTES: usize = 2 + 4 + 8;
 
@@ -38,6 +46,9 @@ pub struct Batch {
     pub producer: u64,
     /// The producer's batch number on this shard, from 1, one more per batch.
     pub sequence: u64,
+    /// The client's producer id and sequence, when the client published it as an idempotent
+    /// producer: the shard applies each once, however many members it was retried through.
+    pub client: Option<(u64, u64)>,
     pub records: Vec<ShardRecord>,
 }
 
@@ -50,10 +61,19 @@ impl Batch {
             .iter()
             .map(|r| RECORD_HEADER_BYTES + r.key.len() + r.payload.len())
             .sum();
-        let mut out = Vec::with_capacity(BATCH_HEADER_BYTES + body);
+        let mut out = Vec::with_capacity(BATCH_HEADER_BYTES + CLIENT_BYTES + body);
         out.put_u64(self.producer);
         out.put_u64(self.sequence);
-        out.put_u32(u32::try_from(self.records.len()).expect("a batch below 2^32 records"));
+        let count = u32::try_from(self.records.len()).expect("a batch below 2^31 records");
+        assert!(count < CLIENT_FLAG, "a batch below 2^31 records");
+        match self.client {
+            Some((producer, sequence)) => {
+                out.put_u32(count | CLIENT_FLAG);
+                out.put_u64(producer);
+                out.put_u64(sequence);
+            }
+            None => out.put_u32(count),
+        }
         for record in &self.records {
             out.put_u16(u16::try_from(record.key.len()).expect("a key below 64 KiB"));
             out.put_u32(u32::try_from(record.payload.len()).expect("a payload below 4 GiB"));
@@ -66,17 +86,32 @@ impl Batch {
 
     /// Reads only the header: producer, sequence and record count.
     pub fn header(data: &[u8]) -> Result<(u64, u64, u32), String> {
+        let (producer, sequence, count, _) = Batch::full_header(data)?;
+        Ok((producer, sequence, count))
+    }
+
+    /// The header with the client's producer id and sequence, if any, and where the records
+    /// start.
+    fn full_header(data: &[u8]) -> Result<FullHeader, String> {
         if data.len() < BATCH_HEADER_BYTES {
             return Err(format!("a batch of {} bytes has no header", data.len()));
         }
         let mut buf = data;
-        Ok((buf.get_u64(), buf.get_u64(), buf.get_u32()))
+        let (producer, sequence, count) = (buf.get_u64(), buf.get_u64(), buf.get_u32());
+        if count & CLIENT_FLAG == 0 {
+            return Ok((producer, sequence, count, None));
+        }
+        if buf.len() < CLIENT_BYTES {
+            return Err("a batch's client producer fields are cut short".to_owned());
+        }
+        let client = (buf.get_u64(), buf.get_u64());
+        Ok((producer, sequence, count & !CLIENT_FLAG, Some(client)))
     }
 
     /// Decodes an entry's data; the records share `data`'s buffer.
     pub fn decode(data: &Bytes) -> Result<Batch, String> {
-        let (producer, sequence, count) = Batch::header(data)?;
-        let mut at = BATCH_HEADER_BYTES;
+        let (producer, sequence, count, client) = Batch::full_header(data)?;
+        let mut at = BATCH_HEADER_BYTES + if client.is_some() { CLIENT_BYTES } else { 0 };
         let mut records = Vec::with_capacity(usize::try_from(count).unwrap_or(0).min(1 << 16));
         for index in 0..count {
             let short = || format!("record {index} of {count} runs past the batch's end");
@@ -106,6 +141,7 @@ impl Batch {
         Ok(Batch {
             producer,
             sequence,
+            client,
             records,
         })
     }
@@ -185,6 +221,10 @@ pub struct ShardState {
     applied: u64,
     next_offset: u64,
     producers: BTreeMap<u64, ProducerState>,
+    /// Clients' idempotent producers (`Batch::client`): each batch applied once, whichever
+    /// members it was proposed through (absent in snapshots of brokers before them).
+    #[serde(default)]
+    clients: BTreeMap<u64, ProducerState>,
     /// The spans of entries applied since the last snapshot, in offset order (records before
     /// the first span were compacted away).
     spans: Vec<Span>,
@@ -258,6 +298,37 @@ impl ShardState {
     }
 }
 
+/// Notes batch `sequence` of `producer` at `first..first + count`: the producer's last is the
+/// highest sequence seen, and the offsets of the batches within [`RECENT_BATCHES`] of it are
+/// kept.
+fn remember(
+    producers: &mut BTreeMap<u64, ProducerState>,
+    producer: u64,
+    sequence: u64,
+    first: u64,
+    count: u32,
+) {
+    let state = producers.entry(producer).or_insert(ProducerState {
+        sequence,
+        first_offset: first,
+        count,
+        recent: std::collections::VecDeque::new(),
+    });
+    if sequence >= state.sequence {
+        state.sequence = sequence;
+        state.first_offset = first;
+        state.count = count;
+    }
+    state.recent.push_back((sequence, first, count));
+    let last = state.sequence;
+    state
+        .recent
+        .retain(|(kept, ..)| kept + RECENT_BATCHES as u64 > last);
+    while state.recent.len() > RECENT_BATCHES {
+        state.recent.pop_front();
+    }
+}
+
 impl Machine for ShardState {
     type Applied = ShardApplied;
 
@@ -266,7 +337,7 @@ impl Machine for ShardState {
     }
 
     fn apply(&mut self, index: u64, data: &[u8]) -> Result<ShardApplied, String> {
-        let (producer, sequence, count) = Batch::header(data)?;
+        let (producer, sequence, count, client) = Batch::full_header(data)?;
         self.applied = index;
         let mut applied = ShardApplied {
             index,
@@ -317,20 +388,46 @@ impl Machine for ShardState {
             }
             _ => {}
         }
-        if sequence != 0 {
-            let state = self.producers.entry(producer).or_insert(ProducerState {
-                sequence,
-                first_offset: self.next_offset,
-                count,
-                recent: std::collections::VecDeque::new(),
-            });
-            state.sequence = sequence;
-            state.first_offset = self.next_offset;
-            state.count = count;
-            if state.recent.len() == RECENT_BATCHES {
-                state.recent.pop_front();
+        // A client's retry through another member (or through this one after its member
+        // producer gave up): the member's batch counts as applied, with the original's
+        // offsets; none are taken. Clients' batches may commit out of order (retried through
+        // different members), so a sequence below the last is new unless seen, within the
+        // window; below the window its fate is unknown (count 0: never acknowledged).
+        if let Some((id, client_sequence)) = client.filter(|(_, s)| *s != 0)
+            && let Some(state) = self.clients.get(&id)
+        {
+            let seen = state
+                .recent
+                .iter()
+                .find(|(kept, ..)| *kept == client_sequence)
+                .map(|(_, first, count)| (*first, *count));
+            let too_old = client_sequence + RECENT_BATCHES as u64 <= state.sequence;
+            if seen.is_some() || too_old {
+                let (first, kept) = seen.unwrap_or((0, 0));
+                remember(&mut self.producers, producer, sequence, first, kept);
+                applied.duplicate = true;
+                applied.first_offset = first;
+                applied.count = kept;
+                return Ok(applied);
             }
-            state.recent.push_back((sequence, self.next_offset, count));
+        }
+        if sequence != 0 {
+            remember(
+                &mut self.producers,
+                producer,
+                sequence,
+                self.next_offset,
+                count,
+            );
+        }
+        if let Some((id, client_sequence)) = client.filter(|(_, s)| *s != 0) {
+            remember(
+                &mut self.clients,
+                id,
+                client_sequence,
+                self.next_offset,
+                count,
+            );
         }
         if count > 0 {
             self.spans.push(Span {
@@ -370,6 +467,7 @@ mod tests {
         Batch {
             producer,
             sequence,
+            client: None,
             records: (0..n)
                 .map(|i| ShardRecord {
                     timestamp_us: i as u64,

@@ -115,7 +115,7 @@ impl World {
                 ..RecordsConfig::default()
             },
             boot: id * 1_000 + process.runs,
-            fixed_election_tick: Some(10 + usize::try_from(id).expect("small") * 3),
+            fixed_election_tick: None,
         };
         process.member = Some(Member::open(config, now, open).expect("member opens"));
     }
@@ -321,6 +321,19 @@ impl World {
         id: u64,
         acks: &Answers<Result<PublishAck, PublishError>>,
     ) {
+        self.publish_as(through, shard, name, id, acks, None);
+    }
+
+    /// [`World::publish`] as a client's idempotent producer `(id, sequence)`.
+    fn publish_as(
+        &mut self,
+        through: u64,
+        shard: u32,
+        name: &str,
+        id: u64,
+        acks: &Answers<Result<PublishAck, PublishError>>,
+        producer: Option<(u64, u64)>,
+    ) {
         let sink = Arc::clone(acks);
         let request = Request::Publish {
             stream: STREAM.to_owned(),
@@ -332,6 +345,7 @@ impl World {
             }],
             deadline: self.now + Duration::from_secs(3),
             timeout: Duration::from_secs(3),
+            producer,
             answer: PublishAnswer::new(move |result| sink.lock().unwrap().push((id, result))),
         };
         let now = self.now;
@@ -429,6 +443,7 @@ fn simulate(seed: u64) {
                     stream: STREAM.to_owned(),
                     shard,
                     records,
+                    producer: None,
                     deadline: world.now + Duration::from_secs(3),
                     timeout: Duration::from_secs(3),
                     answer: PublishAnswer::new(move |result| {
@@ -613,4 +628,61 @@ fn a_leader_cut_off_cannot_ack_while_the_majority_elects_and_acks() {
         );
     }
     assert!(names.iter().filter(|n| *n == "minority").count() <= 1);
+}
+
+/// A client's idempotent producer retrying one batch through every member at once (the
+/// original and two retries racing, each member proposing it under its own producer): the
+/// shard applies it once, and every answer names the same offsets; its next batch is new.
+#[test]
+fn a_client_batch_retried_through_every_member_is_applied_once() {
+    let mut world = World::with_stream(11, 1);
+    let all: Vec<u64> = (1..=MEMBERS).collect();
+    world.run_until("a shard leader", Duration::from_secs(30), |w| {
+        w.shard_leader(0, &all).is_some()
+    });
+    let acks: Answers<Result<PublishAck, PublishError>> = Arc::default();
+    for (i, through) in all.iter().enumerate() {
+        world.publish_as(*through, 0, "once", i as u64, &acks, Some((42, 1)));
+    }
+    world.run_until("every answer", Duration::from_secs(30), |_| {
+        acks.lock().unwrap().len() == all.len()
+    });
+    let answers = std::mem::take(&mut *acks.lock().unwrap());
+    let offsets: BTreeSet<u64> = answers
+        .iter()
+        .map(|(id, result)| match result {
+            Ok(ack) => {
+                assert_eq!(ack.count, 1, "answer {id}");
+                ack.first_offset
+            }
+            Err(error) => panic!("answer {id}: {error}"),
+        })
+        .collect();
+    assert_eq!(
+        offsets.len(),
+        1,
+        "every answer names the one copy: {answers:?}"
+    );
+    world.publish_as(2, 0, "next", 9, &acks, Some((42, 2)));
+    world.run_until("the next batch", Duration::from_secs(30), |_| {
+        acks.lock().unwrap().len() == 1
+    });
+    world.run_until("every copy agrees", Duration::from_secs(30), |w| {
+        let ends: BTreeSet<Option<u64>> = all
+            .iter()
+            .map(|id| {
+                w.member(*id)
+                    .and_then(|m| m.status().shards.first().map(|s| s.next_offset))
+            })
+            .collect();
+        ends.len() == 1 && ends.first().copied().flatten() == Some(2)
+    });
+    for id in &all {
+        let names: Vec<String> = world
+            .read_all(*id, 0)
+            .iter()
+            .map(|(_, record)| String::from_utf8_lossy(&record.payload).into_owned())
+            .collect();
+        assert_eq!(names, ["once", "next"], "member {id}");
+    }
 }

@@ -288,6 +288,7 @@ fn a_group_compacts_once_its_entries_hold_too_many_bytes() {
         let batch = Batch {
             producer: 9,
             sequence,
+            client: None,
             records: vec![ShardRecord {
                 timestamp_us: sequence,
                 key: bytes::Bytes::new(),

@@ -20,6 +20,7 @@ fn batch(producer: u64, sequence: u64, n: usize) -> Batch {
     Batch {
         producer,
         sequence,
+        client: None,
         records: (0..n)
             .map(|i| ShardRecord {
                 timestamp_us: 1_000 + i as u64,
@@ -189,6 +190,7 @@ fn retention_deletes_the_oldest_segments_and_reads_below_them_are_refused() {
         .map(|s| Batch {
             producer: 9,
             sequence: s,
+            client: None,
             records: (0..8)
                 .map(|i| ShardRecord {
                     timestamp_us: s * 100 + i,

@@ -56,6 +56,7 @@ fn batch(producer: u64, sequence: u64) -> Batch {
     Batch {
         producer,
         sequence,
+        client: None,
         records: (0..count)
             .map(|i| ShardRecord {
                 timestamp_us: sequence,

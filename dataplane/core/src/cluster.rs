@@ -45,6 +45,10 @@ pub struct ClusterPublish {
     pub records: Vec<Record>,
     /// Broker time at admission, microseconds since the Unix epoch (the records' timestamp).
     pub unix_us: u64,
+    /// The client's idempotent producer id and sequence (`ProducerPublish`, one shard): the
+    /// replicated shard applies the batch once however often it is retried, through any
+    /// member.
+    pub producer: Option<(u64, u64)>,
 }
 
 /// The cluster as this member's service last described it.
@@ -391,6 +395,7 @@ impl Core {
         now: Now,
         stream: StreamId,
         publish: Publish,
+        producer: Option<crate::producer::ProducerTag>,
         shard_count: u32,
         payload_bytes: u64,
     ) {
@@ -433,6 +438,7 @@ impl Core {
                     shard,
                     records,
                     unix_us: now.unix_us,
+                    producer: producer.map(|tag| (tag.producer, tag.sequence)),
                 }));
         }
         self.hold(publish_token, pending);

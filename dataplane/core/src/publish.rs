@@ -233,11 +233,17 @@ impl Core {
             Target::Local(meta) => {
                 self.run_publish(now, stream, publish, producer, meta, payload_bytes);
             }
-            // Replicated streams: the producer fields are not carried (single broker today,
-            // docs/semantics.md "Idempotent producers"); the records are published as a plain
-            // publish's.
+            // Replicated streams: the producer fields go with the batch to the shard's Raft
+            // group, which applies it once (cluster/src/shard.rs).
             Target::Cluster(shard_count) => {
-                self.run_cluster_publish(now, stream, publish, shard_count, payload_bytes);
+                self.run_cluster_publish(
+                    now,
+                    stream,
+                    publish,
+                    producer,
+                    shard_count,
+                    payload_bytes,
+                );
             }
         }
     }

@@ -36,8 +36,8 @@ use felix_core::{
 use felix_engine::EngineConfig;
 use felix_storage::{BackendChoice, FaultBackend, FaultHandle, FsyncMode, PowerCut};
 use felix_wire::{
-    AckMode, CreateClusterStream, Decoder, ErrorCode, Frame, Hello, Limits, PROTOCOL_VERSION,
-    Publish, Record, StreamKind,
+    AckMode, CreateClusterStream, Decoder, ErrorCode, FEATURE_PRODUCER, Frame, Hello, Limits,
+    PROTOCOL_VERSION, ProducerPublish, Publish, Record, StreamKind,
 };
 
 use crate::rng::Rng;
@@ -84,6 +84,8 @@ impl ClusterShape {
 #[derive(Debug, Clone, Default)]
 pub struct ClusterStats {
     pub publishes: u64,
+    /// Idempotent batches sent again (after `unavailable`, or their broker's kill).
+    pub retries: u64,
     pub acked: u64,
     pub refused: u64,
     pub kills: u64,
@@ -185,11 +187,16 @@ impl Effects for NodeEffects<'_> {
     }
 }
 
-/// A batch a client published: its records' names, and the answer.
+/// A batch a client published: its records' names, the frame (sent again as it is when
+/// retried), the answer.
 #[derive(Debug, Clone)]
 struct Batch {
+    client: usize,
     names: Vec<String>,
+    frame: Frame,
     outcome: Option<Result<Vec<felix_wire::ShardAck>, ErrorCode>>,
+    /// Times it was sent again.
+    retries: u32,
 }
 
 /// A client's connection to one core of one broker.
@@ -210,6 +217,11 @@ struct Conn {
 struct SimClient {
     conn: Option<Conn>,
     next_request: u64,
+    /// The next sequence of this client's idempotent producer on each shard.
+    sequences: BTreeMap<u32, u64>,
+    /// Publishes to send again (their answer was a retryable refusal, or their connection
+    /// went with its broker): the same producer id and sequence, so applied once.
+    retry: VecDeque<u64>,
 }
 
 /// The whole cluster run.
@@ -402,9 +414,13 @@ impl ClusterWorld {
         node.mesh.clear();
         node.catalog = None;
         node.events.lock().expect("lock").clear();
-        for client in &mut self.clients {
-            if client.conn.as_ref().is_some_and(|conn| conn.node == id) {
-                client.conn = None;
+        for client in 0..self.clients.len() {
+            if self.clients[client]
+                .conn
+                .as_ref()
+                .is_some_and(|conn| conn.node == id)
+            {
+                self.lose_conn(client);
             }
         }
         self.stats.kills += 1;
@@ -457,10 +473,10 @@ impl ClusterWorld {
             self.advance(id);
             self.deliver_events(id);
         }
-        // Clients act while the run makes faults; quiet, they only wait for their answers.
-        if faults && self.rng.chance(300) {
+        // Clients publish while the run makes faults; quiet, they only send their retries.
+        if self.rng.chance(300) {
             let client = self.rng.index(self.clients.len());
-            self.client_act(client);
+            self.client_act(client, faults);
         }
         for client in 0..self.clients.len() {
             self.client_io(client);
@@ -640,8 +656,9 @@ impl ClusterWorld {
 
     // ---- clients ----
 
-    /// A client acts: connects, creates the stream (the first time), or publishes a batch.
-    fn client_act(&mut self, client: usize) {
+    /// A client acts: connects, creates the stream (the first time), sends a batch again, or
+    /// (`publishing`) publishes a new one.
+    fn client_act(&mut self, client: usize, publishing: bool) {
         let ready = self.clients[client]
             .conn
             .as_ref()
@@ -660,6 +677,21 @@ impl ClusterWorld {
         {
             return;
         }
+        if let Some(request_id) = self.clients[client].retry.pop_front() {
+            let batch = self.batches.get_mut(&request_id).expect("a publish");
+            batch.retries += 1;
+            let frame = batch.frame.clone();
+            self.stats.retries += 1;
+            self.trace
+                .line(format!("c{client} sends #{request_id} again"));
+            let conn = self.clients[client].conn.as_mut().expect("ready");
+            conn.waiting.insert(request_id);
+            conn.to_send.push_back(frame);
+            return;
+        }
+        if !publishing {
+            return;
+        }
         self.clients[client].next_request += 1;
         let request_id = (client as u64) << 40 | self.clients[client].next_request;
         let frame = if self.created {
@@ -667,27 +699,54 @@ impl ClusterWorld {
             let batch = self.next_batch;
             self.next_batch += 1;
             let names: Vec<String> = (0..count).map(|i| format!("b{batch}-r{i}")).collect();
+            // Half the batches go as an idempotent producer's, to one shard (retried until
+            // acked), half as plain publishes spread by key (never retried).
+            let shard = self
+                .rng
+                .chance(500)
+                .then(|| u32::try_from(self.rng.below(u64::from(SHARDS))).expect("a shard"));
             let records = names
                 .iter()
                 .map(|name| Record {
-                    key: Bytes::from(format!("k{}", self.rng.below(8))),
+                    key: Bytes::from(match shard {
+                        Some(shard) => key_of(shard),
+                        None => format!("k{}", self.rng.below(8)),
+                    }),
                     payload: Bytes::from(name.clone()),
                 })
                 .collect();
-            self.batches.insert(
-                request_id,
-                Batch {
-                    names,
-                    outcome: None,
-                },
-            );
-            self.stats.publishes += 1;
-            Frame::Publish(Publish {
+            let publish = Publish {
                 request_id,
                 ack: AckMode::Acked,
                 stream: STREAM.to_owned(),
                 records,
-            })
+            };
+            let frame = match shard {
+                Some(shard) => {
+                    let next = self.clients[client].sequences.entry(shard).or_insert(1);
+                    let sequence = *next;
+                    *next += 1;
+                    Frame::ProducerPublish(ProducerPublish {
+                        publish,
+                        producer: client as u64 + 1,
+                        sequence,
+                        shard,
+                    })
+                }
+                None => Frame::Publish(publish),
+            };
+            self.batches.insert(
+                request_id,
+                Batch {
+                    client,
+                    names,
+                    frame: frame.clone(),
+                    outcome: None,
+                    retries: 0,
+                },
+            );
+            self.stats.publishes += 1;
+            frame
         } else {
             self.creates.insert(request_id);
             Frame::CreateClusterStream(CreateClusterStream {
@@ -708,6 +767,23 @@ impl ClusterWorld {
         conn.to_send.push_back(frame);
     }
 
+    /// The client's connection is gone (its broker was killed): its idempotent publishes
+    /// still unanswered are sent again on the next connection.
+    fn lose_conn(&mut self, client: usize) {
+        let Some(conn) = self.clients[client].conn.take() else {
+            return;
+        };
+        for request_id in conn.waiting {
+            if self
+                .batches
+                .get(&request_id)
+                .is_some_and(|batch| matches!(batch.frame, Frame::ProducerPublish(_)))
+            {
+                self.clients[client].retry.push_back(request_id);
+            }
+        }
+    }
+
     fn connect(&mut self, client: usize) {
         let live: Vec<u64> = (1..=BROKERS).filter(|id| self.nodes[id].alive()).collect();
         let node = live[self.rng.index(live.len())];
@@ -723,7 +799,7 @@ impl ClusterWorld {
         to_send.push_back(Frame::Hello(Hello {
             min_version: PROTOCOL_VERSION,
             max_version: PROTOCOL_VERSION,
-            features: 0,
+            features: FEATURE_PRODUCER,
             client_name: format!("sim-{client}"),
             token: None,
         }));
@@ -750,7 +826,7 @@ impl ClusterWorld {
         };
         let (node, core, stream) = (conn.node, conn.core, conn.stream);
         if self.nodes[&node].runs != conn.run || !self.nodes[&node].alive() {
-            self.clients[client].conn = None;
+            self.lose_conn(client);
             return;
         }
         loop {
@@ -784,9 +860,10 @@ impl ClusterWorld {
             self.answer(client, frame);
         }
         if transmit.finish {
-            let conn = self.clients[client].conn.take().expect("open");
+            let id = self.clients[client].conn.as_ref().expect("open").id;
+            self.lose_conn(client);
             let sim = &mut self.nodes.get_mut(&node).expect("a broker").cores[usize::from(core)];
-            sim.core.handle_connection_closed(conn.id);
+            sim.core.handle_connection_closed(id);
             self.drain(node, usize::from(core));
         }
     }
@@ -827,8 +904,20 @@ impl ClusterWorld {
                 conn.waiting.remove(&error.request_id);
                 if let Some(batch) = self.batches.get_mut(&error.request_id) {
                     assert!(batch.outcome.is_none(), "one answer per publish");
-                    batch.outcome = Some(Err(error.code));
                     self.stats.refused += 1;
+                    // An idempotent batch is sent again until acked: whatever the refusal, a
+                    // retry is applied once (`unavailable` names its sequence).
+                    if let Frame::ProducerPublish(produced) = &batch.frame {
+                        if error.code == ErrorCode::Unavailable {
+                            assert_eq!(
+                                error.detail, produced.sequence,
+                                "an idempotent batch's unavailable names its sequence"
+                            );
+                        }
+                        self.clients[batch.client].retry.push_back(error.request_id);
+                    } else {
+                        batch.outcome = Some(Err(error.code));
+                    }
                 } else if self.creates.contains(&error.request_id) {
                     // Too early (members not registered yet, no leader): asked again later.
                     if error.code == ErrorCode::StreamExists {
@@ -891,10 +980,9 @@ impl ClusterWorld {
                      shard ends per member {ends:?}"
                 );
             }
-            let answered = self
-                .clients
-                .iter()
-                .all(|c| c.conn.as_ref().is_none_or(|conn| conn.waiting.is_empty()));
+            let answered = self.clients.iter().all(|c| {
+                c.retry.is_empty() && c.conn.as_ref().is_none_or(|conn| conn.waiting.is_empty())
+            });
             if answered && self.caught_up() {
                 return;
             }
@@ -1049,7 +1137,26 @@ impl ClusterWorld {
                 assert!(stored.contains_key(name), "acked record {name} lost");
             }
         }
+        // An idempotent producer's batches were sent until acked: every one is there, once
+        // (the check above), however often it was retried.
+        for (request, batch) in &self.batches {
+            if matches!(batch.frame, Frame::ProducerPublish(_)) {
+                assert!(
+                    matches!(batch.outcome, Some(Ok(_))),
+                    "idempotent publish {request} was never acked ({} retries)",
+                    batch.retries
+                );
+            }
+        }
     }
+}
+
+/// A key of shard `shard` of the run's stream.
+fn key_of(shard: u32) -> String {
+    (0..)
+        .map(|n| format!("p{n}"))
+        .find(|key| felix_wire::shard_for_key(key.as_bytes(), SHARDS) == shard)
+        .expect("a key of every shard")
 }
 
 /// Runs one cluster seed: the steps, then quiet, then the audit.

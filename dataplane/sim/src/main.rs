@@ -195,6 +195,7 @@ fn cluster_main(options: &Options, started: Instant) -> ExitCode {
     for outcome in &outcomes {
         total.publishes += outcome.stats.publishes;
         total.acked += outcome.stats.acked;
+        total.retries += outcome.stats.retries;
         total.refused += outcome.stats.refused;
         total.kills += outcome.stats.kills;
         total.partitions += outcome.stats.partitions;
@@ -213,9 +214,15 @@ fn cluster_main(options: &Options, started: Instant) -> ExitCode {
         started.elapsed().as_secs_f64()
     );
     println!(
-        "felix-sim --cluster: exercised {} publishes ({} acked, {} refused), {} records audited, \
-         {} broker kills with power cuts, {} partitions",
-        total.publishes, total.acked, total.refused, total.records, total.kills, total.partitions
+        "felix-sim --cluster: exercised {} publishes ({} acked, {} refused, {} idempotent retries), \
+         {} records audited, {} broker kills with power cuts, {} partitions",
+        total.publishes,
+        total.acked,
+        total.refused,
+        total.retries,
+        total.records,
+        total.kills,
+        total.partitions
     );
     if failures.is_empty() {
         ExitCode::SUCCESS
