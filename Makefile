@@ -49,21 +49,27 @@ sim: deps
 
 # The cluster's long runs (docs/cluster.md): the seeded simulations of the control plane and of
 # a replicated shard with CLUSTER_SEEDS seeds each, and the randomized fault run against three
-# brokers for NEMESIS_SECONDS (make test runs all the cluster tests with 60 seeds and 20 s).
+# brokers for NEMESIS_SECONDS, and the failover run with idempotent producers through
+# FAILOVER_KILLS leader kills (make test runs all the cluster tests with 60 seeds, 20 s and 2
+# kills).
 # Built with the workspace's features, so it reuses make test's build. CLUSTER_SEED=<n> replays
 # one simulation seed, NEMESIS_SEED=<n> one nemesis schedule.
 CLUSTER_SEEDS ?= 1000
 NEMESIS_SECONDS ?= 60
+# Leader kills of the failover run with idempotent producers (make test runs 2).
+FAILOVER_KILLS ?= 10
 .PHONY: cluster-test
 cluster-test: deps
 	FELIX_CLUSTER_SIM_SEEDS=$(if $(CLUSTER_SEED),1,$(CLUSTER_SEEDS)) \
 	FELIX_CLUSTER_SIM_FIRST=$(if $(CLUSTER_SEED),$(CLUSTER_SEED),0) \
 	FELIX_CLUSTER_NEMESIS_SECONDS=$(NEMESIS_SECONDS) \
+	FELIX_FAILOVER_KILLS=$(FAILOVER_KILLS) \
 	$(if $(NEMESIS_SEED),FELIX_CLUSTER_NEMESIS_SEED=$(NEMESIS_SEED)) \
 		$(CARGO) test --workspace --tests -- --exact \
 			control_plane_keeps_raft_safety_under_faults \
 			a_replicated_shard_keeps_every_acked_record_once_in_order \
-			randomized_faults_keep_acked_creations_once_and_in_real_time_order
+			randomized_faults_keep_acked_creations_once_and_in_real_time_order \
+			failover_with_idempotent_producers_stores_every_batch_once
 
 # The Debian package (packaging/, cargo-deb): target/debian/felix_<version>_<arch>.deb with the
 # release binary, /etc/felix/felix.toml, felix.service, completions and the man page. Installs cargo-deb once if it is missing.

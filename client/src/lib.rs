@@ -360,6 +360,18 @@ pub struct Client {
     producer: Option<Arc<ProducerState>>,
 }
 
+/// How a producer's batch is numbered: the producer's next sequence on the shard, or one the
+/// caller gives (`Client::publish_sequenced`).
+#[derive(Clone, Copy)]
+enum Producing<'a> {
+    Next(&'a ProducerState, u32),
+    Given {
+        producer: u64,
+        sequence: u64,
+        shard: u32,
+    },
+}
+
 /// An idempotent producer's numbering: per stream and shard, the producer id its batches
 /// carry and the last sequence given.
 #[derive(Debug)]
@@ -1110,7 +1122,7 @@ impl Client {
         ack: AckMode,
         stream: &str,
         records: &[Record],
-        producer: Option<(&ProducerState, u32)>,
+        producer: Option<Producing<'_>>,
     ) -> Result<(Vec<Bytes>, (u64, u64)), ClientError> {
         let limits = &self.primary.hello.limits;
         let mut records_len = 0usize;
@@ -1161,8 +1173,21 @@ impl Client {
         // sequence taken and not sent would be a gap the broker refuses later batches for).
         let mut numbered = (0, 0);
         match producer {
-            Some((producer, shard)) => {
-                numbered = producer.next(stream, shard);
+            Some(producing) => {
+                let shard = match producing {
+                    Producing::Next(producer, shard) => {
+                        numbered = producer.next(stream, shard);
+                        shard
+                    }
+                    Producing::Given {
+                        producer,
+                        sequence,
+                        shard,
+                    } => {
+                        numbered = (producer, sequence);
+                        shard
+                    }
+                };
                 felix_wire::encode_producer_publish_header(
                     &felix_wire::ProducerHeader {
                         request_id,
@@ -1259,6 +1284,74 @@ impl Client {
         })
     }
 
+    /// Publishes `records`, every one of shard `shard` of `stream`, as batch `sequence` of
+    /// idempotent producer `producer`, and waits for the ack; sent once, never retried here.
+    /// For applications that number their own batches: a batch whose outcome is unknown (its
+    /// connection went with a broker, a cluster answered `unavailable`) is sent again with the
+    /// same producer and sequence, through any connection or cluster member, and is stored
+    /// once (docs/semantics.md, "Idempotent producers"). Keep one producer's sequences per
+    /// shard dense from 1 on a single broker (a gap is refused `out_of_sequence`).
+    ///
+    /// # Errors
+    /// `InvalidArgument` when the broker did not take the producer feature, a record belongs
+    /// to another shard or the stream's routing is unknown; the broker's refusal otherwise.
+    pub async fn publish_sequenced(
+        &self,
+        stream: &str,
+        shard: u32,
+        (producer, sequence): (u64, u64),
+        records: &[Record],
+    ) -> Result<Vec<ShardAck>, ClientError> {
+        if self.primary.hello.features & felix_wire::FEATURE_PRODUCER == 0 {
+            return Err(ClientError::InvalidArgument(
+                "the broker does not take idempotent producers (no producer feature)".to_owned(),
+            ));
+        }
+        self.check_batch(stream, records)?;
+        let Some(route) = self.route(stream).await.filter(|route| !route.is_empty()) else {
+            return Err(ClientError::InvalidArgument(format!(
+                "the routing of stream {stream:?} is unknown"
+            )));
+        };
+        let shard_count = u32::try_from(route.len()).unwrap_or(u32::MAX);
+        if records
+            .iter()
+            .any(|record| felix_wire::shard_for_key(&record.key, shard_count) != shard)
+        {
+            return Err(ClientError::InvalidArgument(format!(
+                "a record of the batch belongs to another shard than {shard}"
+            )));
+        }
+        let dest = self.shard_dest(stream, &route, shard).await?;
+        let conn = self.conn(dest.core).await?;
+        let request_id = self.next_request_id();
+        let (chunks, _) = self.encode_publish(
+            request_id,
+            AckMode::Acked,
+            stream,
+            records,
+            Some(Producing::Given {
+                producer,
+                sequence,
+                shard,
+            }),
+        )?;
+        let bytes = chunks.iter().map(Bytes::len).sum();
+        let permit = self.acquire_budget(bytes).await?;
+        let answer = conn.shared.register(request_id, Some(permit))?;
+        let writer = conn.publish_writer(dest.stream_index).await?;
+        conn.queue(writer, chunks, None).await?;
+        match answer.await {
+            Ok(Ok(Frame::Ack(ack))) => Ok(ack.shards),
+            Ok(Ok(Frame::Error(error))) => Err(ClientError::from_error_frame(error)),
+            Ok(Ok(other)) => Err(unexpected("Ack", &other)),
+            Ok(Err(failure)) => Err(failure.to_error()),
+            Err(_) => Err(ClientError::Closed(
+                "the connection ended before the ack".to_owned(),
+            )),
+        }
+    }
+
     /// This client's producer id, when it publishes as an idempotent producer (configured,
     /// and the broker echoed the feature).
     #[must_use]
@@ -1347,7 +1440,7 @@ impl Client {
                 AckMode::Acked,
                 stream,
                 records,
-                Some((producer, shard)),
+                Some(Producing::Next(producer, shard)),
             )?;
             let bytes = chunks.iter().map(Bytes::len).sum();
             let permit = self.acquire_budget(bytes).await?;
