@@ -286,19 +286,6 @@ pub fn apply(core: &mut Core, now: Now, event: LinkEvent) {
     }
 }
 
-/// Answers a core's request at once with `refusal` (a broker that is not a cluster member, or
-/// whose member stopped): what the member would have answered had it refused.
-pub fn refuse(core: &mut Core, now: Now, request: ClusterRequest, refusal: ClusterRefusal) {
-    match request {
-        ClusterRequest::Admin { token, .. } => core.handle_cluster_admin(token, Err(refusal)),
-        ClusterRequest::Publish(part) => core.handle_cluster_answer(now, part.token, Err(refusal)),
-        ClusterRequest::Subscribe(subscribe) => {
-            core.handle_cluster_subscribed(subscribe.token, Err(refusal));
-        }
-        ClusterRequest::Credit { .. } | ClusterRequest::Unsubscribe { .. } => {}
-    }
-}
-
 /// A cluster subscription's refusal or end as the subscriber hears it.
 #[must_use]
 pub fn subscribe_refusal(error: &SubscribeError) -> ClusterRefusal {

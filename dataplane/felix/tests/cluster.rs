@@ -1844,21 +1844,7 @@ fn acked_publishes_are_on_every_replica_once_after_a_leaders_kill() {
     );
     // The killed member catches up: every member reaches the same end of every shard, with
     // nothing pending anywhere (a refused batch may still commit; the ends are taken after).
-    wait_for(&cluster, &[1, 2, 3], "every copy complete", |statuses| {
-        let ends = |s: &ClusterStatus| {
-            let mut ends: Vec<(u32, u64, usize)> = s
-                .shards
-                .iter()
-                .map(|sh| (sh.shard, sh.next_offset, sh.pending))
-                .collect();
-            ends.sort_unstable();
-            ends
-        };
-        let first = ends(&statuses[0]);
-        first.len() == shards as usize
-            && first.iter().all(|(_, _, pending)| *pending == 0)
-            && statuses.iter().all(|s| ends(s) == first)
-    });
+    wait_for_complete_copies(&cluster, shards);
     let reference = read_copy(&cluster, 1, "payments", shards);
     for id in [2, 3] {
         assert!(
@@ -2304,6 +2290,26 @@ fn records_outlive_raft_compaction_and_a_member_behind_it_fetches_what_it_missed
     }
 }
 
+/// Waits until every member reaches the same end of each of the `shards` shards, with nothing
+/// pending anywhere (a refused batch may still commit: the ends are taken after).
+fn wait_for_complete_copies(cluster: &Cluster, shards: u32) {
+    wait_for(cluster, &[1, 2, 3], "every copy complete", |statuses| {
+        let ends = |s: &ClusterStatus| {
+            let mut ends: Vec<(u32, u64, usize)> = s
+                .shards
+                .iter()
+                .map(|sh| (sh.shard, sh.next_offset, sh.pending))
+                .collect();
+            ends.sort_unstable();
+            ends
+        };
+        let first = ends(&statuses[0]);
+        first.len() == shards as usize
+            && first.iter().all(|(_, _, pending)| *pending == 0)
+            && statuses.iter().all(|s| ends(s) == first)
+    });
+}
+
 /// What one idempotent publisher of the failover run got acknowledged: `(shard, offset,
 /// payload)` per batch of one record.
 type FailoverAcks = Vec<(u32, u64, String)>;
@@ -2467,21 +2473,7 @@ fn failover_with_idempotent_producers_stores_every_batch_once() {
         .into_iter()
         .flat_map(|publisher| publisher.join().expect("publisher"))
         .collect();
-    wait_for(&cluster, &[1, 2, 3], "every copy complete", |statuses| {
-        let ends = |s: &ClusterStatus| {
-            let mut ends: Vec<(u32, u64, usize)> = s
-                .shards
-                .iter()
-                .map(|sh| (sh.shard, sh.next_offset, sh.pending))
-                .collect();
-            ends.sort_unstable();
-            ends
-        };
-        let first = ends(&statuses[0]);
-        first.len() == shards as usize
-            && first.iter().all(|(_, _, pending)| *pending == 0)
-            && statuses.iter().all(|s| ends(s) == first)
-    });
+    wait_for_complete_copies(&cluster, shards);
     let copies: Vec<_> = (1..=3)
         .map(|id| read_copy(&cluster, id, "ledger", shards))
         .collect();

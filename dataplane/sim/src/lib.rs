@@ -70,6 +70,23 @@ pub struct Failure {
     pub steps_logged: u64,
 }
 
+impl Failure {
+    /// A run of `seed` that panicked: its message and the last steps of its `trace`.
+    fn of_panic(seed: u64, panic: &(dyn std::any::Any + Send), trace: &Trace) -> Failure {
+        let message = panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+            .unwrap_or_else(|| "a panic without a message".to_owned());
+        Failure {
+            seed,
+            message,
+            tail: trace.tail().cloned().collect(),
+            steps_logged: trace.written,
+        }
+    }
+}
+
 /// Runs one seed. `echo`: print every step as it happens.
 pub fn run_seed(seed: u64, steps: u64, echo: bool) -> Result<Outcome, Failure> {
     let mut world = World::new(seed, steps, Trace::new(TRACE_LINES_KEPT, echo));
@@ -80,19 +97,7 @@ pub fn run_seed(seed: u64, steps: u64, echo: bool) -> Result<Outcome, Failure> {
             digest: world.trace.digest(),
             stats: world.stats.clone(),
         }),
-        Err(panic) => {
-            let message = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-                .unwrap_or_else(|| "a panic without a message".to_owned());
-            Err(Failure {
-                seed,
-                message,
-                tail: world.trace.tail().cloned().collect(),
-                steps_logged: world.trace.written,
-            })
-        }
+        Err(panic) => Err(Failure::of_panic(seed, panic.as_ref(), &world.trace)),
     }
 }
 
@@ -352,6 +357,24 @@ pub fn run_seeds(
     steps: u64,
     threads: usize,
 ) -> (Vec<Outcome>, Vec<Failure>) {
+    run_many(
+        first,
+        count,
+        threads,
+        |seed| run_seed(seed, steps, false),
+        |o| o.seed,
+    )
+}
+
+/// Runs `run` for seeds `first..first + count` on `threads` threads; returns the outcomes
+/// and the failures, each in seed order.
+fn run_many<O: Send>(
+    first: u64,
+    count: u64,
+    threads: usize,
+    run: impl Fn(u64) -> Result<O, Failure> + Sync,
+    seed_of: impl Fn(&O) -> u64,
+) -> (Vec<O>, Vec<Failure>) {
     let next = std::sync::atomic::AtomicU64::new(first);
     let results = std::sync::Mutex::new((Vec::new(), Vec::new()));
     std::thread::scope(|scope| {
@@ -362,7 +385,7 @@ pub fn run_seeds(
                     if seed >= first + count {
                         return;
                     }
-                    let result = run_seed(seed, steps, false);
+                    let result = run(seed);
                     let mut results = results.lock().unwrap_or_else(|poison| poison.into_inner());
                     match result {
                         Ok(outcome) => results.0.push(outcome),
@@ -373,7 +396,7 @@ pub fn run_seeds(
         }
     });
     let (mut outcomes, mut failures) = results.into_inner().unwrap_or_else(|p| p.into_inner());
-    outcomes.sort_by_key(|outcome: &Outcome| outcome.seed);
+    outcomes.sort_by_key(|outcome| seed_of(outcome));
     failures.sort_by_key(|failure: &Failure| failure.seed);
     (outcomes, failures)
 }
@@ -396,19 +419,7 @@ pub fn run_cluster_seed(seed: u64, steps: u64, echo: bool) -> Result<ClusterOutc
             digest: world.trace.digest(),
             stats: world.stats.clone(),
         }),
-        Err(panic) => {
-            let message = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-                .unwrap_or_else(|| "a panic without a message".to_owned());
-            Err(Failure {
-                seed,
-                message,
-                tail: world.trace.tail().cloned().collect(),
-                steps_logged: world.trace.written,
-            })
-        }
+        Err(panic) => Err(Failure::of_panic(seed, panic.as_ref(), &world.trace)),
     }
 }
 
@@ -419,28 +430,11 @@ pub fn run_cluster_seeds(
     steps: u64,
     threads: usize,
 ) -> (Vec<ClusterOutcome>, Vec<Failure>) {
-    let next = std::sync::atomic::AtomicU64::new(first);
-    let results = std::sync::Mutex::new((Vec::new(), Vec::new()));
-    std::thread::scope(|scope| {
-        for _ in 0..threads.max(1) {
-            scope.spawn(|| {
-                loop {
-                    let seed = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    if seed >= first + count {
-                        return;
-                    }
-                    let result = run_cluster_seed(seed, steps, false);
-                    let mut results = results.lock().unwrap_or_else(|poison| poison.into_inner());
-                    match result {
-                        Ok(outcome) => results.0.push(outcome),
-                        Err(failure) => results.1.push(failure),
-                    }
-                }
-            });
-        }
-    });
-    let (mut outcomes, mut failures) = results.into_inner().unwrap_or_else(|p| p.into_inner());
-    outcomes.sort_by_key(|outcome: &ClusterOutcome| outcome.seed);
-    failures.sort_by_key(|failure: &Failure| failure.seed);
-    (outcomes, failures)
+    run_many(
+        first,
+        count,
+        threads,
+        |seed| run_cluster_seed(seed, steps, false),
+        |o| o.seed,
+    )
 }

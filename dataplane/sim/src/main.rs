@@ -100,18 +100,7 @@ fn main() -> ExitCode {
         run_seeds(options.first, options.count, options.steps, options.threads)
     };
     for failure in &failures {
-        eprintln!(
-            "\nfelix-sim: seed {} FAILED after {} logged steps: {}",
-            failure.seed, failure.steps_logged, failure.message
-        );
-        eprintln!("--- the last {} lines of its step log:", failure.tail.len());
-        for line in &failure.tail {
-            eprintln!("{line}");
-        }
-        eprintln!(
-            "--- replay: SEED={} make sim   (or felix-sim --seed {} --steps {} --log all)",
-            failure.seed, failure.seed, options.steps
-        );
+        print_failure(failure, "felix-sim", "SEED", options.steps);
     }
     let mut total = Stats::default();
     for outcome in &outcomes {
@@ -178,17 +167,11 @@ fn cluster_main(options: &Options, started: Instant) -> ExitCode {
         run_cluster_seeds(options.first, options.count, options.steps, options.threads)
     };
     for failure in &failures {
-        eprintln!(
-            "\nfelix-sim --cluster: seed {} FAILED after {} logged steps: {}",
-            failure.seed, failure.steps_logged, failure.message
-        );
-        eprintln!("--- the last {} lines of its step log:", failure.tail.len());
-        for line in &failure.tail {
-            eprintln!("{line}");
-        }
-        eprintln!(
-            "--- replay: CLUSTER_SIM_SEED={} make sim   (or felix-sim --cluster --seed {} --steps {} --log all)",
-            failure.seed, failure.seed, options.steps
+        print_failure(
+            failure,
+            "felix-sim --cluster",
+            "CLUSTER_SIM_SEED",
+            options.steps,
         );
     }
     let mut total = felix_sim::cluster::ClusterStats::default();
@@ -229,4 +212,21 @@ fn cluster_main(options: &Options, started: Instant) -> ExitCode {
     } else {
         ExitCode::FAILURE
     }
+}
+
+/// A failed seed: its message, its last steps and how to replay it (`make sim` with `seed_var`
+/// set, or `command` with `--seed`).
+fn print_failure(failure: &felix_sim::Failure, command: &str, seed_var: &str, steps: u64) {
+    eprintln!(
+        "\n{command}: seed {} FAILED after {} logged steps: {}",
+        failure.seed, failure.steps_logged, failure.message
+    );
+    eprintln!("--- the last {} lines of its step log:", failure.tail.len());
+    for line in &failure.tail {
+        eprintln!("{line}");
+    }
+    eprintln!(
+        "--- replay: {seed_var}={} make sim   (or {command} --seed {} --steps {steps} --log all)",
+        failure.seed, failure.seed
+    );
 }
