@@ -895,7 +895,9 @@ fn a_partitioned_leader_cannot_ack_while_the_majority_elects_and_acks() {
 }
 
 /// Publishes one record (key `k`) to `stream` through a client of `config` on a thread of its
-/// own; the thread returns the outcome, or a timeout after [`DEADLINE`].
+/// own, once: the client library's retries are off, so the broker's own answer comes back
+/// (an idempotent batch answered `unavailable` would be sent again for ~90 s otherwise). The
+/// thread returns the outcome, or a timeout after [`DEADLINE`].
 fn publish_one_in_a_thread(
     config: felix_client::ClientConfig,
     stream: &'static str,
@@ -906,6 +908,8 @@ fn publish_one_in_a_thread(
         tokio::time::error::Elapsed,
     >,
 > {
+    let mut config = config;
+    config.publish_retries = 0;
     std::thread::spawn(move || {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
