@@ -93,6 +93,18 @@ pub struct ClusterStats {
     pub records: u64,
 }
 
+impl ClusterStats {
+    pub fn add(&mut self, other: &ClusterStats) {
+        self.publishes += other.publishes;
+        self.retries += other.retries;
+        self.acked += other.acked;
+        self.refused += other.refused;
+        self.kills += other.kills;
+        self.partitions += other.partitions;
+        self.records += other.records;
+    }
+}
+
 /// One core of a running broker.
 struct NodeCore {
     core: Core,

@@ -109,14 +109,12 @@ fn main() -> ExitCode {
             println!("seed {} digest {:016x}", outcome.seed, outcome.digest);
         }
     }
-    println!(
-        "felix-sim: {} seeds from {} x {} steps: {} passed, {} failed in {:.1} s",
-        outcomes.len() + failures.len(),
-        options.first,
-        options.steps,
+    print_tally(
+        "felix-sim",
+        &options,
         outcomes.len(),
         failures.len(),
-        started.elapsed().as_secs_f64()
+        started,
     );
     println!(
         "felix-sim: exercised {} frames, {} acks, {} deliveries, {} refused, {} shed, {} waits, \
@@ -176,25 +174,17 @@ fn cluster_main(options: &Options, started: Instant) -> ExitCode {
     }
     let mut total = felix_sim::cluster::ClusterStats::default();
     for outcome in &outcomes {
-        total.publishes += outcome.stats.publishes;
-        total.acked += outcome.stats.acked;
-        total.retries += outcome.stats.retries;
-        total.refused += outcome.stats.refused;
-        total.kills += outcome.stats.kills;
-        total.partitions += outcome.stats.partitions;
-        total.records += outcome.stats.records;
+        total.add(&outcome.stats);
         if options.single {
             println!("seed {} digest {:016x}", outcome.seed, outcome.digest);
         }
     }
-    println!(
-        "felix-sim --cluster: {} seeds from {} x {} steps: {} passed, {} failed in {:.1} s",
-        outcomes.len() + failures.len(),
-        options.first,
-        options.steps,
+    print_tally(
+        "felix-sim --cluster",
+        options,
         outcomes.len(),
         failures.len(),
-        started.elapsed().as_secs_f64()
+        started,
     );
     println!(
         "felix-sim --cluster: exercised {} publishes ({} acked, {} refused, {} idempotent retries), \
@@ -228,5 +218,16 @@ fn print_failure(failure: &felix_sim::Failure, command: &str, seed_var: &str, st
     eprintln!(
         "--- replay: {seed_var}={} make sim   (or {command} --seed {} --steps {steps} --log all)",
         failure.seed, failure.seed
+    );
+}
+
+/// How many seeds passed and failed, and how long they took.
+fn print_tally(command: &str, options: &Options, passed: usize, failed: usize, started: Instant) {
+    println!(
+        "{command}: {} seeds from {} x {} steps: {passed} passed, {failed} failed in {:.1} s",
+        passed + failed,
+        options.first,
+        options.steps,
+        started.elapsed().as_secs_f64()
     );
 }
