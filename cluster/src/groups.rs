@@ -459,6 +459,16 @@ impl<B: Backend> Groups<B> {
         Ok(())
     }
 
+    /// Writes what every group's Raft log left queued and waits for it (a clean close); a
+    /// group whose log fails is logged and the others still flushed.
+    pub fn flush(&mut self) {
+        for (id, group) in &mut self.groups {
+            if let Err(error) = group.node.flush_store() {
+                tracing::warn!(group = id, %error, "a shard group's log could not be flushed at close");
+            }
+        }
+    }
+
     /// Publishes a batch of records into shard group `group` (`publish.rs`): `answer` is
     /// called once, with the records' offsets once the batch is applied here, or with why not
     /// (at the latest at `deadline`). Call [`Groups::advance`] next.

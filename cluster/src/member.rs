@@ -113,6 +113,21 @@ pub struct Transmit {
     pub to: u64,
     pub frame: Bytes,
     pub about: About,
+    /// The peer connection's stream it goes on.
+    pub lane: Lane,
+}
+
+/// The streams of a peer connection: each has its own queue and is written and read on its
+/// own, so a lane held up (flow control, a large frame) never holds back the other
+/// (`transport.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lane {
+    /// Raft's replication: appends, their answers, heartbeats, votes, snapshots.
+    Replication = 0,
+    /// Publishes forwarded to a leader or an owner (Raft proposals from a follower, in-memory
+    /// forwards) and every other data frame (record fetches and their answers, remote
+    /// subscriptions' records): never on the replication lane.
+    Forward = 1,
 }
 
 /// What a [`Transmit`] carries, so the member can act on its fate.
@@ -632,6 +647,7 @@ impl<B: Backend> Member<B> {
                 to,
                 frame: Bytes::from(bytes),
                 about,
+                lane: Lane::Forward,
             });
         }
         // Callers of applied proposals are answered after the status that shows them (the
@@ -695,10 +711,17 @@ impl<B: Backend> Member<B> {
         }
     }
 
-    /// Stops: every subscription hears that the member stopped. Requests still waiting are
+    /// Stops cleanly: every subscription hears that the member stopped, and what the logs
+    /// left queued is written (waited for). Requests still waiting are
     /// answered [`ServiceError::Stopped`] when the member is dropped.
     pub fn stop(&mut self) {
         self.subscriptions.stop_all();
+        // A clean close: the commit indexes noted since the last writes go to disk, so a
+        // restart re-applies up to them at once.
+        if let Err(error) = self.node.flush_store() {
+            tracing::warn!(%error, "the control plane's log could not be flushed at close");
+        }
+        self.groups.flush();
     }
 
     /// Queues the control plane's messages.
@@ -741,6 +764,12 @@ fn raft_transmit(group: u64, message: &Message) -> Transmit {
         about: About::Raft {
             group,
             snapshot: message.get_msg_type() == MessageType::MsgSnapshot,
+        },
+        // A follower's proposal forwarded to the leader is a forward, not replication.
+        lane: if message.get_msg_type() == MessageType::MsgPropose {
+            Lane::Forward
+        } else {
+            Lane::Replication
         },
     }
 }

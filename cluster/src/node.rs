@@ -113,6 +113,11 @@ pub trait LogStore: Storage {
     fn drive(&mut self, _now: std::time::Instant) -> Result<(), NodeError> {
         Ok(())
     }
+    /// Writes what is left queued (a commit index noted since the last write) and waits for
+    /// it: a clean close.
+    fn flush(&mut self) -> Result<(), NodeError> {
+        Ok(())
+    }
 }
 
 /// Why the node cannot go on.
@@ -389,6 +394,11 @@ impl<S: LogStore, M: Machine> Node<S, M> {
     /// The log store's background work at `now` ([`LogStore::drive`]).
     pub fn drive_store(&mut self, now: std::time::Instant) -> Result<(), NodeError> {
         self.raw.mut_store().drive(now)
+    }
+
+    /// Writes what the store left queued and waits for it (a clean close).
+    pub fn flush_store(&mut self) -> Result<(), NodeError> {
+        self.raw.mut_store().flush()
     }
 
     /// A message from a peer. Messages from a stale term or for another node are ignored by

@@ -691,7 +691,7 @@ async fn serve(
 /// Hands the member's frames to the peer transport and tells it how each went.
 fn transmit<B: felix_storage::Backend>(member: &mut Member<B>, transport: &PeerTransport) {
     while let Some(out) = member.poll_transmit() {
-        let sent = transport.send(out.to, out.frame);
+        let sent = transport.send(out.to, out.lane, out.frame);
         member.handle_transmitted(out.to, out.about, sent);
     }
 }

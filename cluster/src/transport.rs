@@ -9,13 +9,17 @@
 //! - One client endpoint; per peer, a task that owns the outgoing connection: it dials the
 //!   peer's address with the server name `felix-node-<id>` (every member's certificate carries
 //!   its own as a DNS name, so ordinary host-name verification proves the peer's id), opens one
-//!   bidirectional stream, sends a hello (its member id, which the server checks against the
-//!   certificate), waits for the server's accept byte (in TLS 1.3 the client's handshake ends
-//!   before the server checked the client's certificate: only the accept byte says it was
-//!   taken), then writes the peer's queued frames on it. Any error, or the server's side of
-//!   the stream ending, drops the connection; the task redials with a capped backoff.
-//! - `send` never blocks: a bounded queue per peer; a full queue drops the frame (Raft
-//!   retransmits what is lost). Inbound frames go to one bounded channel.
+//!   bidirectional stream per [`Lane`] (replication; forwards and fetches), on each sends a
+//!   hello (its member id, which the server checks against the certificate) and waits for the
+//!   server's accept byte (in TLS 1.3 the client's handshake ends before the server checked
+//!   the client's certificate: only the accept byte says it was taken), then writes each
+//!   lane's queued frames on its stream, all that are queued in one send. The lanes are
+//!   written and read independently: forwards never wait behind Raft's appends, nor Raft
+//!   behind forwards; order holds within a lane. Any error, or the server's side of the first
+//!   stream ending, drops the connection; the task redials with a capped backoff.
+//! - `send` never blocks: a bounded queue per peer and lane; a full queue drops the frame
+//!   (Raft retransmits what is lost; a forward's sender is told). Inbound frames go to one
+//!   bounded channel.
 //!
 //! Threads: everything runs as tasks on the caller's tokio runtime (the cluster thread's).
 
@@ -31,16 +35,24 @@ use s2n_quic::provider::event::{ConnectionInfo, ConnectionMeta, Subscriber, even
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
+pub use crate::member::Lane;
 use crate::pki::{NODE_NAME_PREFIX, NodeIdentity, node_id_of};
 
-/// ALPN of the peer protocol.
-pub const ALPN: &str = "felix-peer/1";
+/// ALPN of the peer protocol (2: one stream per lane; a member speaking 1 is refused at the
+/// handshake).
+pub const ALPN: &str = "felix-peer/2";
 /// Largest frame a peer may send (a Raft message with a snapshot of the control plane).
 pub const FRAME_BYTES_MAX: usize = 64 << 20;
 /// Frames queued per peer before `send` drops.
 const PEER_QUEUE_FRAMES: usize = 4096;
 /// Inbound frames queued for the caller before they are dropped.
 const INBOUND_QUEUE_FRAMES: usize = 8192;
+/// Lanes per peer connection ([`Lane`]).
+const LANES: usize = 2;
+
+/// Frames, and bytes, a peer's connection task takes off its queue for one send.
+const COALESCE_FRAMES_MAX: usize = 256;
+const COALESCE_BYTES_MAX: usize = 1 << 20;
 /// A dial that gets no answer in this time is retried.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// A connection with no packet for this long is closed: a killed peer's connection goes away
@@ -114,7 +126,7 @@ pub struct TransportStats {
 }
 
 struct Peer {
-    queue: mpsc::Sender<Bytes>,
+    queues: [mpsc::Sender<Bytes>; LANES],
     connected: Arc<AtomicBool>,
 }
 
@@ -267,18 +279,25 @@ impl PeerTransport {
         ))];
         let mut peers = BTreeMap::new();
         for (id, addr) in &config.peers {
-            let (queue, queued) = mpsc::channel(PEER_QUEUE_FRAMES);
+            let (replication, replication_queued) = mpsc::channel(PEER_QUEUE_FRAMES);
+            let (forward, forward_queued) = mpsc::channel(PEER_QUEUE_FRAMES);
             let connected = Arc::new(AtomicBool::new(false));
             tasks.push(tokio::spawn(dial(
                 client.clone(),
                 config.node_id,
                 *id,
                 *addr,
-                queued,
+                [replication_queued, forward_queued],
                 Arc::clone(&connected),
                 Arc::clone(&counters),
             )));
-            peers.insert(*id, Peer { queue, connected });
+            peers.insert(
+                *id,
+                Peer {
+                    queues: [replication, forward],
+                    connected,
+                },
+            );
         }
         Ok((
             PeerTransport {
@@ -297,14 +316,14 @@ impl PeerTransport {
         self.local_addr
     }
 
-    /// Queues `frame` for peer `to`; false (and counted) when the queue is full or `to` is not
-    /// a peer, or the frame is over [`FRAME_BYTES_MAX`]. Never blocks.
-    pub fn send(&self, to: u64, frame: Bytes) -> bool {
+    /// Queues `frame` for peer `to` on `lane`; false (and counted) when the lane's queue is
+    /// full or `to` is not a peer, or the frame is over [`FRAME_BYTES_MAX`]. Never blocks.
+    pub fn send(&self, to: u64, lane: Lane, frame: Bytes) -> bool {
         let queued = frame.len() <= FRAME_BYTES_MAX
             && self
                 .peers
                 .get(&to)
-                .is_some_and(|peer| peer.queue.try_send(frame).is_ok());
+                .is_some_and(|peer| peer.queues[lane as usize].try_send(frame).is_ok());
         if !queued {
             self.counters.dropped.fetch_add(1, Ordering::Relaxed);
         }
@@ -360,7 +379,7 @@ async fn accept(
     }
 }
 
-fn close(connection: &s2n_quic::Connection, code: u32, counters: &Counters) {
+fn close(connection: &s2n_quic::connection::Handle, code: u32, counters: &Counters) {
     counters.refused.fetch_add(1, Ordering::Relaxed);
     connection.close(s2n_quic::application::Error::from(code));
 }
@@ -368,7 +387,7 @@ fn close(connection: &s2n_quic::Connection, code: u32, counters: &Counters) {
 /// Serves one incoming connection: identifies the member, then reads frames from every
 /// stream it opens until the connection ends.
 async fn receive(
-    mut connection: s2n_quic::Connection,
+    connection: s2n_quic::Connection,
     known: Arc<Vec<u64>>,
     inbound: mpsc::Sender<Inbound>,
     counters: Arc<Counters>,
@@ -379,7 +398,7 @@ async fn receive(
         .flatten();
     let Some(from) = leaf.as_deref().and_then(node_id_of) else {
         tracing::warn!(remote = ?connection.remote_addr(), "a peer certificate names no member; connection closed");
-        close(&connection, CLOSE_UNKNOWN_PEER, &counters);
+        close(&connection.handle(), CLOSE_UNKNOWN_PEER, &counters);
         return;
     };
     if !known.contains(&from) {
@@ -387,76 +406,99 @@ async fn receive(
             from,
             "a member not in FELIX_CLUSTER_PEERS connected; connection closed"
         );
+        close(&connection.handle(), CLOSE_UNKNOWN_PEER, &counters);
+        return;
+    }
+    // Each of the peer's streams (one per lane): its hello (its member id), this side's accept
+    // byte, then frames. The accept byte tells the peer its certificate was taken: in TLS 1.3 a client's
+    // handshake completes before the server has checked the client's certificate, so without
+    // it a refused member would count itself connected and lose frames.
+    // Each lane's stream is read on its own: one held up never holds back the other.
+    let (connection, mut streams) = connection.split();
+    let mut readers = tokio::task::JoinSet::new();
+    while let Ok(Some(stream)) = streams.accept_bidirectional_stream().await {
+        readers.spawn(read_lane(
+            stream,
+            connection.clone(),
+            from,
+            inbound.clone(),
+            Arc::clone(&counters),
+        ));
+    }
+    readers.abort_all();
+}
+
+/// Reads one stream of member `from`'s connection: its hello (which must name `from`), this
+/// side's accept byte, then frames until the stream ends.
+async fn read_lane(
+    stream: s2n_quic::stream::BidirectionalStream,
+    connection: s2n_quic::connection::Handle,
+    from: u64,
+    inbound: mpsc::Sender<Inbound>,
+    counters: Arc<Counters>,
+) {
+    let (mut stream, mut answer) = stream.split();
+    let mut buffer = BytesMut::new();
+    let hello = tokio::time::timeout(CONNECT_TIMEOUT, async {
+        while buffer.len() < HELLO_BYTES {
+            match stream.receive().await {
+                Ok(Some(chunk)) => buffer.extend_from_slice(&chunk),
+                Ok(None) | Err(_) => return false,
+            }
+        }
+        true
+    })
+    .await;
+    let claimed = (hello == Ok(true)).then(|| buffer.get_u64());
+    if claimed != Some(from) {
+        tracing::warn!(
+            from,
+            ?claimed,
+            "a peer's hello does not match its certificate; connection closed"
+        );
         close(&connection, CLOSE_UNKNOWN_PEER, &counters);
         return;
     }
-    // The peer's one stream: its hello (its member id), this side's accept byte, then frames.
-    // The accept byte tells the peer its certificate was taken: in TLS 1.3 a client's
-    // handshake completes before the server has checked the client's certificate, so without
-    // it a refused member would count itself connected and lose frames.
-    while let Ok(Some(stream)) = connection.accept_bidirectional_stream().await {
-        let (mut stream, mut answer) = stream.split();
-        let mut buffer = BytesMut::new();
-        let hello = tokio::time::timeout(CONNECT_TIMEOUT, async {
-            while buffer.len() < HELLO_BYTES {
-                match stream.receive().await {
-                    Ok(Some(chunk)) => buffer.extend_from_slice(&chunk),
-                    Ok(None) | Err(_) => return false,
-                }
-            }
-            true
-        })
-        .await;
-        let claimed = (hello == Ok(true)).then(|| buffer.get_u64());
-        if claimed != Some(from) {
-            tracing::warn!(
-                from,
-                ?claimed,
-                "a peer's hello does not match its certificate; connection closed"
-            );
-            close(&connection, CLOSE_UNKNOWN_PEER, &counters);
-            return;
-        }
-        if answer.send(Bytes::from_static(&[ACCEPTED])).await.is_err() {
-            return;
-        }
+    if answer.send(Bytes::from_static(&[ACCEPTED])).await.is_err() {
+        return;
+    }
+    loop {
         loop {
-            loop {
-                if buffer.len() < 4 {
-                    break;
-                }
-                let len = u32::from_be_bytes([buffer[0], buffer[1], buffer[2], buffer[3]]) as usize;
-                if len > FRAME_BYTES_MAX {
-                    tracing::warn!(from, len, "a peer frame over the limit; connection closed");
-                    close(&connection, CLOSE_FRAME_TOO_LARGE, &counters);
-                    return;
-                }
-                if buffer.len() < 4 + len {
-                    buffer.reserve(4 + len - buffer.len());
-                    break;
-                }
-                buffer.advance(4);
-                let frame = buffer.split_to(len).freeze();
-                counters.received.fetch_add(1, Ordering::Relaxed);
-                if inbound.try_send(Inbound { from, frame }).is_err() {
-                    counters.dropped.fetch_add(1, Ordering::Relaxed);
-                }
+            if buffer.len() < 4 {
+                break;
             }
-            match stream.receive().await {
-                Ok(Some(chunk)) => buffer.extend_from_slice(&chunk),
-                Ok(None) | Err(_) => break,
+            let len = u32::from_be_bytes([buffer[0], buffer[1], buffer[2], buffer[3]]) as usize;
+            if len > FRAME_BYTES_MAX {
+                tracing::warn!(from, len, "a peer frame over the limit; connection closed");
+                close(&connection, CLOSE_FRAME_TOO_LARGE, &counters);
+                return;
             }
+            if buffer.len() < 4 + len {
+                buffer.reserve(4 + len - buffer.len());
+                break;
+            }
+            buffer.advance(4);
+            let frame = buffer.split_to(len).freeze();
+            counters.received.fetch_add(1, Ordering::Relaxed);
+            if inbound.try_send(Inbound { from, frame }).is_err() {
+                counters.dropped.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        match stream.receive().await {
+            Ok(Some(chunk)) => buffer.extend_from_slice(&chunk),
+            Ok(None) | Err(_) => break,
         }
     }
 }
 
-/// Owns the outgoing connection to one peer: dials, writes its queued frames, redials.
+/// Owns the outgoing connection to one peer: dials, opens one stream per [`Lane`], writes
+/// each lane's queued frames on its own stream, redials.
 async fn dial(
     client: s2n_quic::Client,
     own_id: u64,
     id: u64,
     addr: SocketAddr,
-    mut queued: mpsc::Receiver<Bytes>,
+    mut queued: [mpsc::Receiver<Bytes>; LANES],
     connected: Arc<AtomicBool>,
     counters: Arc<Counters>,
 ) {
@@ -466,27 +508,21 @@ async fn dial(
         let connect = Connect::new(addr).with_server_name(server_name.as_str());
         let attempt = tokio::time::timeout(CONNECT_TIMEOUT, async {
             let mut connection = client.connect(connect).await.ok()?;
-            let (mut answers, mut stream) =
-                connection.open_bidirectional_stream().await.ok()?.split();
-            stream
-                .send(Bytes::copy_from_slice(&own_id.to_be_bytes()))
-                .await
-                .ok()?;
-            // Connected only once the server took this member's certificate and hello.
-            match answers.receive().await {
-                Ok(Some(byte)) if byte.first() == Some(&ACCEPTED) => {
-                    Some((connection, answers, stream))
-                }
-                _ => None,
-            }
+            let replication = open_lane(&mut connection, own_id).await?;
+            let forward = open_lane(&mut connection, own_id).await?;
+            Some((connection, replication, forward))
         })
         .await;
-        let Some((_connection, mut answers, mut stream)) = attempt.ok().flatten() else {
+        let Some((_connection, (mut answers, mut replication), (_, mut forward))) =
+            attempt.ok().flatten()
+        else {
             counters.connect_failures.fetch_add(1, Ordering::Relaxed);
             // Frames queued meanwhile are stale by the time a connection comes up: Raft sends
             // fresh ones.
-            while queued.try_recv().is_ok() {
-                counters.dropped.fetch_add(1, Ordering::Relaxed);
+            for queue in &mut queued {
+                while queue.try_recv().is_ok() {
+                    counters.dropped.fetch_add(1, Ordering::Relaxed);
+                }
             }
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(BACKOFF_MAX);
@@ -496,29 +532,77 @@ async fn dial(
         connected.store(true, Ordering::Relaxed);
         backoff = BACKOFF_FIRST;
         tracing::debug!(peer = id, %addr, "peer connection up");
-        loop {
-            tokio::select! {
-                frame = queued.recv() => {
-                    let Some(frame) = frame else { break };
-                    let header = Bytes::copy_from_slice(
-                        &u32::try_from(frame.len()).unwrap_or(u32::MAX).to_be_bytes(),
-                    );
-                    let mut parts = [header, frame];
-                    if stream.send_vectored(&mut parts).await.is_err() {
-                        counters.dropped.fetch_add(1, Ordering::Relaxed);
-                        break;
-                    }
-                    counters.sent.fetch_add(1, Ordering::Relaxed);
-                }
-                // The server sends nothing after its accept byte: anything here is the end of
-                // the connection, noticed at once rather than at the next send.
-                _ = answers.receive() => break,
-            }
+        let [replication_queue, forward_queue] = &mut queued;
+        // The lanes are written independently: a forward lane held up by flow control never
+        // holds back a Raft message, nor the other way round.
+        tokio::select! {
+            () = write_lane(&mut replication, replication_queue, &counters) => {}
+            () = write_lane(&mut forward, forward_queue, &counters) => {}
+            // The server sends nothing after its accept byte: anything here is the end of the
+            // connection, noticed at once rather than at the next send.
+            _ = answers.receive() => {}
         }
         connected.store(false, Ordering::Relaxed);
-        if queued.is_closed() {
+        if queued.iter().all(mpsc::Receiver::is_closed) {
             return;
         }
         tracing::debug!(peer = id, %addr, "peer connection lost; redialling");
     }
+}
+
+/// Opens one lane's stream on `connection`: sends this member's hello and waits for the
+/// server's accept byte (connected only once the server took this member's certificate and
+/// hello). Returns the stream's receive half (the accept byte's) and its send half.
+async fn open_lane(
+    connection: &mut s2n_quic::Connection,
+    own_id: u64,
+) -> Option<(
+    s2n_quic::stream::ReceiveStream,
+    s2n_quic::stream::SendStream,
+)> {
+    let (mut answers, mut stream) = connection.open_bidirectional_stream().await.ok()?.split();
+    stream
+        .send(Bytes::copy_from_slice(&own_id.to_be_bytes()))
+        .await
+        .ok()?;
+    match answers.receive().await {
+        Ok(Some(byte)) if byte.first() == Some(&ACCEPTED) => Some((answers, stream)),
+        _ => None,
+    }
+}
+
+/// Writes one lane's queued frames on its stream until the queue closes or a send fails.
+/// What else is queued goes in the same send: one enqueue (so the frames share packets, and
+/// one wake-up of the connection) per pass of the member, however many groups' messages it
+/// made for this peer.
+async fn write_lane(
+    stream: &mut s2n_quic::stream::SendStream,
+    queued: &mut mpsc::Receiver<Bytes>,
+    counters: &Counters,
+) {
+    let mut parts: Vec<Bytes> = Vec::new();
+    while let Some(frame) = queued.recv().await {
+        parts.clear();
+        let mut bytes = push_frame(&mut parts, frame);
+        while parts.len() < 2 * COALESCE_FRAMES_MAX && bytes < COALESCE_BYTES_MAX {
+            let Ok(frame) = queued.try_recv() else { break };
+            bytes += push_frame(&mut parts, frame);
+        }
+        let frames = (parts.len() / 2) as u64;
+        if stream.send_vectored(&mut parts).await.is_err() {
+            counters.dropped.fetch_add(frames, Ordering::Relaxed);
+            return;
+        }
+        counters.sent.fetch_add(frames, Ordering::Relaxed);
+    }
+}
+
+/// Adds `frame` with its length prefix to `parts`; returns the bytes added.
+fn push_frame(parts: &mut Vec<Bytes>, frame: Bytes) -> usize {
+    let len = frame.len();
+    parts.push(Bytes::copy_from_slice(
+        &u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes(),
+    ));
+    parts.push(frame);
+    4 + len
 }

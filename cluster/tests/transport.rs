@@ -1,5 +1,5 @@
 //! The peer transport over real QUIC on loopback (`felix_cluster::transport`): frames arrive
-//! complete, in order per pair and with the sender's member id; a member whose certificate
+//! complete, in order per pair and lane and with the sender's member id; a member whose certificate
 //! another CA issued, or a member not in the peer list, delivers nothing; a restarted peer is
 //! redialled; an oversized frame closes only its connection.
 
@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use felix_cluster::pki::{ClusterCa, NodeIdentity};
-use felix_cluster::transport::{FRAME_BYTES_MAX, Inbound, PeerTransport, TransportConfig};
+use felix_cluster::transport::{FRAME_BYTES_MAX, Inbound, Lane, PeerTransport, TransportConfig};
 use tokio::sync::mpsc;
 
 /// Generous deadline for anything a test waits for (loaded 2-core machine, parallel tests).
@@ -75,7 +75,7 @@ async fn send_until_delivered(
 ) -> Inbound {
     let deadline = Instant::now() + DEADLINE;
     loop {
-        from.send(to, Bytes::from_static(frame));
+        from.send(to, Lane::Replication, Bytes::from_static(frame));
         if let Ok(Some(inbound)) =
             tokio::time::timeout(Duration::from_millis(200), frames.recv()).await
         {
@@ -127,14 +127,21 @@ async fn frames_arrive_in_order_from_the_right_member() {
         for to in [1u64, 2, 3].into_iter().filter(|to| to != id) {
             for n in 0..FRAMES {
                 // Sizes from 0 to several KiB, so frames split across QUIC packets.
+                // Every third frame on the forward lane: each lane keeps its own order.
+                let lane = if n.is_multiple_of(3) {
+                    Lane::Forward
+                } else {
+                    Lane::Replication
+                };
                 let mut frame = format!("{id}->{to}:{n}:").into_bytes();
                 frame.resize(frame.len() + usize::try_from(n % 7).unwrap() * 997, b'x');
-                assert!(transport.send(to, Bytes::from(frame)), "queued");
+                assert!(transport.send(to, lane, Bytes::from(frame)), "queued");
             }
         }
     }
     for (id, (_, frames)) in &mut nodes {
-        let mut next_from: BTreeMap<u64, u64> = BTreeMap::new();
+        // Per sender and lane: the next frame number expected.
+        let mut next_from: BTreeMap<(u64, bool), u64> = BTreeMap::new();
         for _ in 0..2 * FRAMES {
             let inbound = next(frames).await;
             let text = String::from_utf8_lossy(&inbound.frame).to_string();
@@ -145,9 +152,22 @@ async fn frames_arrive_in_order_from_the_right_member() {
                 "from the sender"
             );
             let n: u64 = header[1].parse().expect("a number");
-            let expected = next_from.entry(inbound.from).or_insert(0);
-            assert_eq!(n, *expected, "in order from {}", inbound.from);
-            *expected += 1;
+            let forward = n.is_multiple_of(3);
+            let expected = next_from
+                .entry((inbound.from, forward))
+                .or_insert(if forward { 0 } else { 1 });
+            assert_eq!(
+                n, *expected,
+                "in order from {} (forward lane: {forward})",
+                inbound.from
+            );
+            *expected += if forward {
+                3
+            } else if *expected % 3 == 1 {
+                1
+            } else {
+                2
+            };
             assert_eq!(
                 inbound.frame.len(),
                 format!("{}->{id}:{n}:", inbound.from).len()
@@ -197,9 +217,9 @@ async fn members_from_another_ca_or_outside_the_list_deliver_nothing() {
             impostor.stats(),
             good.stats()
         );
-        impostor.send(1, Bytes::from_static(b"forged"));
-        stranger.send(1, Bytes::from_static(b"stranger"));
-        three.send(1, Bytes::from_static(b"good"));
+        impostor.send(1, Lane::Replication, Bytes::from_static(b"forged"));
+        stranger.send(1, Lane::Replication, Bytes::from_static(b"stranger"));
+        three.send(1, Lane::Replication, Bytes::from_static(b"good"));
         if let Ok(Some(inbound)) =
             tokio::time::timeout(Duration::from_millis(100), good_frames.recv()).await
         {
@@ -234,7 +254,7 @@ async fn a_member_whose_certificate_the_server_refuses_never_counts_as_connected
     let deadline = Instant::now() + DEADLINE;
     while two.stats().connect_failures < 3 {
         assert!(Instant::now() < deadline, "{:?}", two.stats());
-        two.send(1, Bytes::from_static(b"refused"));
+        two.send(1, Lane::Replication, Bytes::from_static(b"refused"));
         assert!(
             two.connected_peers().is_empty(),
             "a refused member is never connected"
@@ -296,7 +316,11 @@ async fn an_oversized_frame_closes_only_its_connection() {
         2
     );
     // The sender refuses to queue a frame the receiver would refuse.
-    assert!(!two.send(1, Bytes::from(vec![0u8; FRAME_BYTES_MAX + 1])));
+    assert!(!two.send(
+        1,
+        Lane::Replication,
+        Bytes::from(vec![0u8; FRAME_BYTES_MAX + 1])
+    ));
     // A raw member-2 client announcing an oversized frame.
     let identity = ca.issue_node(2, &[]).expect("cert");
     let tls = s2n_quic::provider::tls::default::Client::builder()
