@@ -34,6 +34,14 @@ pub struct CoreMetrics {
     pub records: Counter,
     /// Messages carrying publish work sent to another core (`felix_core_cross_core_hops_total`).
     pub cross_core_hops: Counter,
+    /// Producer batches answered with their original ack, storing nothing (retries), on the
+    /// shards this core owns (`felix_core_producer_duplicates_total`).
+    pub producer_duplicates: Counter,
+    /// Producer batches refused `out_of_sequence` (`felix_core_producer_out_of_sequence_total`).
+    pub producer_out_of_sequence: Counter,
+    /// Producers forgotten to keep the per-shard table bounded
+    /// (`felix_core_producer_evictions_total`).
+    pub producer_evictions: Counter,
     /// Jobs in this core's ingress queue.
     pub ingress_depth: Gauge,
     /// Publishes shed by this core's ingress queue.
@@ -354,6 +362,21 @@ impl CoreExport {
             &[&core.cross_core_hops],
             now.cross_core_hops,
             &mut last.cross_core_hops,
+        );
+        add(
+            &[&core.producer_duplicates],
+            now.producer_duplicates,
+            &mut last.producer_duplicates,
+        );
+        add(
+            &[&core.producer_out_of_sequence],
+            now.producer_out_of_sequence,
+            &mut last.producer_out_of_sequence,
+        );
+        add(
+            &[&core.producer_evictions],
+            now.producer_evictions,
+            &mut last.producer_evictions,
         );
         add(
             &[&metrics.delivered_records],
@@ -711,6 +734,22 @@ fn register_cores(
         "felix_core_cross_core_hops",
         "Messages carrying publish work sent to another core",
     );
+    let producer_duplicates = counter(
+        registry,
+        "felix_core_producer_duplicates",
+        "Producer batches answered with their original ack, storing nothing (retries), on the \
+         shards the core owns",
+    );
+    let producer_out_of_sequence = counter(
+        registry,
+        "felix_core_producer_out_of_sequence",
+        "Producer batches refused out_of_sequence on the shards the core owns",
+    );
+    let producer_evictions = counter(
+        registry,
+        "felix_core_producer_evictions",
+        "Producers forgotten to keep the core's per-shard producer tables bounded",
+    );
     let depth = gauge(
         registry,
         "felix_core_ingress_queue_depth",
@@ -906,6 +945,9 @@ fn register_cores(
             payload_bytes: payload.get_or_create_owned(&label),
             records: records.get_or_create_owned(&label),
             cross_core_hops: hops.get_or_create_owned(&label),
+            producer_duplicates: producer_duplicates.get_or_create_owned(&label),
+            producer_out_of_sequence: producer_out_of_sequence.get_or_create_owned(&label),
+            producer_evictions: producer_evictions.get_or_create_owned(&label),
             ingress_depth: depth.get_or_create_owned(&label),
             shed: shed.get_or_create_owned(&label),
             refused: refused.get_or_create_owned(&label),

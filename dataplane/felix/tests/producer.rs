@@ -104,7 +104,8 @@ fn runtime() -> tokio::runtime::Runtime {
 
 // Proves a producer's batches sent again by a new client with the same producer id (what an
 // application does after losing its connection) are answered with the original offsets and
-// stored once, on an in-memory and a durable stream of a 2-core broker.
+// stored once, on an in-memory and a durable stream of a 2-core broker, and counted in
+// /metrics (`felix_core_producer_duplicates_total`).
 #[test]
 fn resending_a_producers_batches_stores_them_once() {
     for kind in [StreamKind::InMemory, StreamKind::Durable] {
@@ -122,6 +123,13 @@ fn resending_a_producers_batches_stores_them_once() {
             let again = publish_all(&broker).await;
             assert_eq!(again, first, "{kind:?}: the original offsets");
             assert_each_once(&read_back(&broker).await);
+            // Every re-sent batch counted as a duplicate in /metrics (one or more per batch:
+            // one per shard it touched).
+            support::eventually("duplicates in the metrics", || {
+                support::sum_over_cores(&broker.metrics(), "felix_core_producer_duplicates_total")
+                    >= BATCHES as f64
+            })
+            .await;
         });
     }
 }
