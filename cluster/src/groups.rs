@@ -122,6 +122,8 @@ struct Group<B: Backend> {
     compact_point: Option<CompactPoint>,
     /// Records missing from the record log that a peer is asked for.
     hole: Option<Hole>,
+    /// The leader this member last knew of (a change re-proposes the pending batches).
+    leader: Option<u64>,
 }
 
 /// A compaction that waits until the record log has fdatasynced the records before
@@ -337,6 +339,7 @@ impl<B: Backend> Groups<B> {
                     records,
                     compact_point: None,
                     hole: None,
+                    leader: None,
                 },
             );
         }
@@ -366,6 +369,13 @@ impl<B: Backend> Groups<B> {
                     .map_err(|error| records_failed(*id, &error))?;
             }
             group.node.tick();
+            let leader = group.node.leader();
+            if leader != group.leader {
+                group.leader = leader;
+                if leader.is_some() {
+                    group.producer.leader_changed();
+                }
+            }
             for (sequence, data) in group.producer.due(self.ticks, now) {
                 if group.node.propose_data(data).is_err() {
                     // No leader known yet: the rest would be refused too.

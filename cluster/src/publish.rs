@@ -10,7 +10,10 @@
 //! Proposals can be lost (a leader change drops what the old leader had not replicated, a
 //! forward can be lost on the way), and raft-rs never retries them. So a batch stays pending
 //! until applied, and pending batches older than [`PROPOSE_AGAIN_TICKS`] are proposed again, in
-//! sequence order. The shard applies each (producer, sequence) once (`shard.rs`): a retry of
+//! sequence order; after a new leader, or once one of ours is refused because one before it
+//! was lost, every pending batch is proposed again at the next tick (at most once per
+//! [`PROPOSE_ALL_TICKS`]), so a leader change costs a publish about an election, not seconds
+//! of batches each waiting out its own retry and being refused behind a lost one. The shard applies each (producer, sequence) once (`shard.rs`): a retry of
 //! an applied batch takes no offsets, and a batch that skips a lost one is refused until the
 //! lost one is in. Every answered batch is therefore in the shard exactly once, at the offsets
 //! its answer gives, and a producer's batches are in the shard in the order they were given.
@@ -27,6 +30,10 @@ use crate::shard::{Batch, ShardApplied, ShardRecord};
 
 /// Ticks (of `service::TICK`) a pending batch waits before it is proposed again.
 pub const PROPOSE_AGAIN_TICKS: u64 = 10;
+
+/// Fewest ticks between two proposals of every pending batch at once (after a new leader, or
+/// a batch refused because one before it was lost).
+pub const PROPOSE_ALL_TICKS: u64 = 3;
 
 /// Batches pending per shard group before new publishes are refused.
 pub const PENDING_BATCHES_MAX: usize = 4_096;
@@ -126,6 +133,11 @@ pub(crate) struct Producer {
     next_sequence: u64,
     pending: BTreeMap<u64, Pending>,
     pending_bytes: usize,
+    /// Every pending batch is due at the next tick (a new leader, or a gap: one of ours was
+    /// lost, so the ones after it are refused until it is in).
+    propose_all: bool,
+    /// The tick every pending batch was last proposed at once.
+    proposed_all_at: Option<u64>,
 }
 
 impl Producer {
@@ -137,6 +149,17 @@ impl Producer {
             next_sequence: 1,
             pending: BTreeMap::new(),
             pending_bytes: 0,
+            propose_all: false,
+            proposed_all_at: None,
+        }
+    }
+
+    /// The group's leader changed: what was forwarded to the old one may be lost, so every
+    /// pending batch is proposed again at the next tick, in sequence order, rather than a
+    /// [`PROPOSE_AGAIN_TICKS`] wait after its last proposal.
+    pub(crate) fn leader_changed(&mut self) {
+        if !self.pending.is_empty() {
+            self.propose_all = true;
         }
     }
 
@@ -186,7 +209,14 @@ impl Producer {
     /// An entry applied on this member: answers the batch if it is one of ours and took its
     /// offsets (or is a retry of one that did). A refused (out-of-order) batch stays pending.
     pub(crate) fn applied(&mut self, applied: &ShardApplied) {
-        if applied.producer != self.id || applied.out_of_order {
+        if applied.producer != self.id {
+            return;
+        }
+        if applied.out_of_order {
+            // One of ours before it was lost: without this, each batch after the gap would
+            // wait its own PROPOSE_AGAIN_TICKS, and be refused again if the lost one had not
+            // got in by then (seconds of stall after a leader change).
+            self.propose_all = true;
             return;
         }
         let Some(pending) = self.pending.remove(&applied.sequence) else {
@@ -210,8 +240,17 @@ impl Producer {
 
     /// A tick: answers callers whose deadline passed, and returns the batches to propose
     /// again (in sequence order): those never proposed, and those proposed
-    /// [`PROPOSE_AGAIN_TICKS`] or more ago.
+    /// [`PROPOSE_AGAIN_TICKS`] or more ago; every one after a new leader or a gap (at most
+    /// once per [`PROPOSE_ALL_TICKS`]).
     pub(crate) fn due(&mut self, tick: u64, now: Instant) -> Vec<(u64, Vec<u8>)> {
+        let all = self.propose_all
+            && self
+                .proposed_all_at
+                .is_none_or(|at| tick - at >= PROPOSE_ALL_TICKS);
+        if all {
+            self.propose_all = false;
+            self.proposed_all_at = Some(tick);
+        }
         let mut due = Vec::new();
         for (sequence, pending) in &mut self.pending {
             if pending.deadline <= now
@@ -219,9 +258,10 @@ impl Producer {
             {
                 answer.answer(Err(PublishError::Timeout(pending.timeout)));
             }
-            if pending
-                .proposed_at
-                .is_none_or(|at| tick - at >= PROPOSE_AGAIN_TICKS)
+            if all
+                || pending
+                    .proposed_at
+                    .is_none_or(|at| tick - at >= PROPOSE_AGAIN_TICKS)
             {
                 due.push((*sequence, pending.data.clone()));
             }
@@ -300,14 +340,19 @@ mod tests {
         assert!(refused.out_of_order);
         producer.applied(&refused);
         assert!(answers.lock().unwrap().is_empty());
-        // Not due before PROPOSE_AGAIN_TICKS; then both, in order.
-        assert!(producer.due(PROPOSE_AGAIN_TICKS - 1, now).is_empty());
-        let due = producer.due(PROPOSE_AGAIN_TICKS, now);
+        // The refusal shows a gap: both are due at the next tick, in order (not a
+        // PROPOSE_AGAIN_TICKS wait each).
+        let due = producer.due(1, now);
         assert_eq!(
             due.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
             vec![1, 2],
             "due in sequence order"
         );
+        for (sequence, _) in &due {
+            producer.proposed(*sequence, 1);
+        }
+        // Once proposed again, nothing is due before PROPOSE_AGAIN_TICKS.
+        assert!(producer.due(PROPOSE_AGAIN_TICKS, now).is_empty());
         for (index, (_, data)) in (2..).zip(&due) {
             let applied = shard.apply(index, data).unwrap();
             producer.applied(&applied);
@@ -337,6 +382,36 @@ mod tests {
             ]
         );
         assert_eq!(producer.pending(), 0);
+    }
+
+    #[test]
+    fn a_new_leader_makes_every_pending_batch_due_at_once_at_most_every_few_ticks() {
+        let answers = Answers::default();
+        let mut producer = Producer::new(3, 77);
+        let now = Instant::now();
+        let later = now + Duration::from_secs(60);
+        let timeout = Duration::from_secs(60);
+        for tag in 1..=3 {
+            producer
+                .add(records(1), later, timeout, answer_into(&answers, tag), None)
+                .unwrap_or_else(|_| panic!("room"));
+            producer.proposed(tag, 10);
+        }
+        assert!(producer.due(11, now).is_empty(), "proposed a tick ago");
+        producer.leader_changed();
+        let due: Vec<u64> = producer.due(12, now).iter().map(|(s, _)| *s).collect();
+        assert_eq!(due, vec![1, 2, 3]);
+        for sequence in &due {
+            producer.proposed(*sequence, 12);
+        }
+        // Another change right away waits PROPOSE_ALL_TICKS, then proposes all again.
+        producer.leader_changed();
+        assert!(producer.due(13, now).is_empty());
+        assert_eq!(producer.due(12 + PROPOSE_ALL_TICKS, now).len(), 3);
+        // With nothing pending a leader change asks for nothing.
+        let mut idle = Producer::new(4, 1);
+        idle.leader_changed();
+        assert!(!idle.propose_all);
     }
 
     #[test]
