@@ -41,7 +41,8 @@ use crate::sampler::process_cpu_seconds;
 #[derive(Debug, Clone)]
 pub struct ClusterBench {
     pub felix: PathBuf,
-    /// Data directories, certificates and broker logs go here (wiped per arm).
+    /// Data directories, certificates and broker logs go here (data wiped per arm and removed
+    /// once measured; the logs stay).
     pub work: PathBuf,
     /// Measured seconds per arm (after a one-second warm-up).
     pub seconds: u64,
@@ -112,6 +113,8 @@ pub fn run(bench: &ClusterBench) -> Result<Vec<ArmResult>, BenchError> {
             measure(bench, arm, STREAM, client, &[pid]).await
         })?);
         let _ = single.stop();
+        // Its data (gigabytes after a long arm) is not needed once measured: the log stays.
+        let _ = std::fs::remove_dir_all(bench.work.join(arm));
     }
 
     // Three brokers, a replicated stream.
@@ -271,8 +274,9 @@ pub fn run(bench: &ClusterBench) -> Result<Vec<ArmResult>, BenchError> {
         )
         .await
     })?);
-    for (_, member) in members {
+    for (id, member) in members {
         let _ = member.stop();
+        let _ = std::fs::remove_dir_all(bench.work.join(format!("member-{id}")));
     }
     Ok(results)
 }

@@ -99,7 +99,8 @@ enum Command {
         /// The `felix` binary.
         #[arg(long, default_value = DEFAULT_FELIX)]
         felix: PathBuf,
-        /// Output directory (the brokers' data, certificates and logs go under work/).
+        /// Output directory (the brokers' data, certificates and logs go under work/; each arm's data
+        /// is removed once measured, the logs stay).
         #[arg(long)]
         out: PathBuf,
         /// Measured seconds per arm (after one second of warm-up).
