@@ -13,10 +13,11 @@
 //! sequence order; after a new leader, or once one of ours is refused because one before it
 //! was lost, every pending batch is proposed again at the next tick (at most once per
 //! [`PROPOSE_ALL_TICKS`]), so a leader change costs a publish about an election, not seconds
-//! of batches each waiting out its own retry and being refused behind a lost one. The shard applies each (producer, sequence) once (`shard.rs`): a retry of
-//! an applied batch takes no offsets, and a batch that skips a lost one is refused until the
-//! lost one is in. Every answered batch is therefore in the shard exactly once, at the offsets
-//! its answer gives, and a producer's batches are in the shard in the order they were given.
+//! of batches each waiting out its own retry and being refused behind a lost one. The shard
+//! applies each (producer, sequence) once (`shard.rs`): a retry of an applied batch takes no
+//! offsets, and a batch that skips a lost one is refused until the lost one is in. Every
+//! answered batch is therefore in the shard exactly once, at the offsets its answer gives,
+//! and a producer's batches are in the shard in the order they were given.
 //!
 //! A caller whose deadline passes is answered [`PublishError::Timeout`] (the outcome is then
 //! unknown: the batch may still commit), but the batch stays pending, because the batches

@@ -70,9 +70,10 @@
 //! A newer commit index alone (a hard state that changes nothing else, with no entries:
 //! [`RaftLog::note_commit`]) is appended only, in both modes: the group's next write (its
 //! next entries, usually in the same pass under load) or the next tick carries it, never a
-//! write of its own, and nothing waits for it. Its loss is harmless (Raft learns the commit again from the leader, and
-//! a restarted member re-applies its committed entries from the stored commit on), and
-//! waiting for it cost every acknowledged batch a second round before it was applied.
+//! write of its own, and nothing waits for it. Its loss is harmless (Raft learns the commit
+//! again from the leader, and a restarted member re-applies its committed entries from the
+//! stored commit on), and waiting for it cost every acknowledged batch a second round before
+//! it was applied.
 //!
 //! # Failure
 //!
@@ -530,9 +531,9 @@ impl<B: Backend> RaftLog<B> {
 
     /// Records a newer commit index without writing it: the hard state record is appended
     /// and goes with the log's next round (the next entries, or [`RaftLog::tick`]'s write;
-    /// any later write that waits covers it). The view's commit moves at once. Its loss to a crash is harmless:
-    /// Raft learns the commit index again, and compaction stores its own. An index at or
-    /// below the stored one does nothing.
+    /// any later write that waits covers it). The view's commit moves at once. Its loss to a
+    /// crash is harmless: Raft learns the commit index again, and compaction stores its own.
+    /// An index at or below the stored one does nothing.
     pub fn note_commit(&mut self, commit: u64) -> Result<()> {
         self.check_failed()?;
         if commit <= self.hard_state.commit {
