@@ -1,6 +1,8 @@
 //! The replicated shards a member holds: one Raft group per shard of each durable stream
-//! placed on it (`placement.rs`), each a [`Node`] applying [`ShardState`] on a Raft log of its
-//! own under `<data_dir>/cluster/shards/<group>/`. The service (`service.rs`) owns a
+//! placed on it (`placement.rs`), each a [`Node`] applying [`ShardState`] on its Raft log, all
+//! groups' Raft logs in one shared Felix log per fsync mode under
+//! `<data_dir>/cluster/shards/{on_commit,periodic}/` (`raft_log.rs`, [`SharedLog`]: one write
+//! and one fdatasync per pass for every group). The service (`service.rs`) owns a
 //! [`Groups`], reconciles it with the control plane after every change (a group starts when
 //! the stream's creation is applied here and stops, its directory removed, when the deletion
 //! is), ticks and drives every group, and routes peer frames to them by group id.
@@ -20,7 +22,7 @@ use crate::control::{ControlState, Fsync, StreamKind};
 use crate::memory::{DataFrame, Fetch, FetchRefusal, Fetched};
 use crate::node::{Machine, Node, NodeConfig, NodeError, Output, PeerProgress, Role};
 use crate::publish::{Producer, PublishAnswer, PublishError};
-use crate::raft_log::{RaftLog, raft_log_config};
+use crate::raft_log::{RaftLog, SharedLog, raft_log_config};
 use crate::records::{CatchUp, RecordsConfig, ShardRecords, records_dir};
 use crate::shard::{ReadError, ShardApplied, ShardRecord, ShardState};
 
@@ -28,10 +30,16 @@ use crate::shard::{ReadError, ShardApplied, ShardRecord, ShardState};
 /// control-plane index that created it) shifted over the shard number (shards < 2^16).
 pub const CONTROL_GROUP: u64 = 0;
 
-/// Segment size of a shard group's Raft log (the records live in it), and its largest write
-/// round (at most half a segment, `storage/src/config.rs`).
+/// Segment size of the shard groups' shared Raft logs (the records live in them), and their
+/// largest write round (at most half a segment, `storage/src/config.rs`).
 const SHARD_LOG_SEGMENT_BYTES: u64 = 4 << 20;
 const SHARD_LOG_ROUND_BYTES: usize = 1 << 20;
+
+/// The shared Raft logs' directories under the member's `shards` directory, by fsync mode
+/// (a group's own directory there, named by its id, is an earlier release's layout and is
+/// moved into the shared log when the group starts).
+const SHARED_ON_COMMIT_DIR: &str = "on_commit";
+const SHARED_PERIODIC_DIR: &str = "periodic";
 
 /// A replica this many entries or fewer behind the leader counts as in sync.
 pub const IN_SYNC_LAG_MAX: u64 = 1_000;
@@ -111,7 +119,6 @@ struct Group<B: Backend> {
     placed_leader: u64,
     replicas: Vec<u64>,
     node: Node<RaftLog<B>, ShardState>,
-    dir: PathBuf,
     /// The tick each replica was last heard from in this group.
     heard: BTreeMap<u64, u64>,
     /// This member's publishes into the shard (`publish.rs`).
@@ -189,6 +196,10 @@ pub struct Groups<B: Backend = SystemBackend> {
     open_backend: OpenBackend<B>,
     /// Fixed election timeouts in ticks for every group started here ([`Groups::fix_timeouts`]).
     fixed_election_tick: Option<usize>,
+    /// The groups' Raft logs: one Felix log per fsync mode, opened when a group of that mode
+    /// first starts (`raft_log.rs`, [`SharedLog`]): a pass writes and fdatasyncs each once.
+    on_commit: Option<SharedLog<B>>,
+    periodic: Option<SharedLog<B>>,
 }
 
 impl<B: Backend> std::fmt::Debug for Groups<B> {
@@ -240,7 +251,83 @@ impl<B: Backend> Groups<B> {
             next_request: 1,
             open_backend,
             fixed_election_tick: None,
+            on_commit: None,
+            periodic: None,
         }
+    }
+
+    /// The shared Raft log of `fsync`'s groups, opened (and recovered) on first use.
+    fn shared_log(&mut self, fsync: Fsync) -> Result<&SharedLog<B>, NodeError> {
+        let (slot, name) = match fsync {
+            Fsync::OnCommit => (&mut self.on_commit, SHARED_ON_COMMIT_DIR),
+            Fsync::Periodic => (&mut self.periodic, SHARED_PERIODIC_DIR),
+        };
+        if slot.is_none() {
+            let dir = self.dir.join(name);
+            let mut config = raft_log_config(&dir);
+            config.segment_bytes = SHARD_LOG_SEGMENT_BYTES;
+            config.max_round_bytes = SHARD_LOG_ROUND_BYTES;
+            if fsync == Fsync::Periodic {
+                config.fsync = felix_storage::FsyncMode::Periodic {
+                    interval: self.records_config.fsync_interval,
+                };
+            }
+            let backend =
+                (self.open_backend)(&dir).map_err(|error| NodeError::Store(error.to_string()))?;
+            let shared = SharedLog::open(config, backend)
+                .map_err(|error| NodeError::Store(format!("{}: {error}", dir.display())))?;
+            tracing::info!(
+                dir = %dir.display(),
+                groups = shared.groups().len(),
+                "shard groups' raft log opened"
+            );
+            *slot = Some(shared);
+        }
+        Ok(slot.as_ref().expect("opened above"))
+    }
+
+    /// Opens group `group`'s Raft log in its mode's shared log, moving a log an earlier
+    /// release kept in the group's own directory into it first.
+    fn open_group_log(&mut self, group: u64, fsync: Fsync) -> Result<RaftLog<B>, NodeError> {
+        let store_error = |error: &dyn std::fmt::Display| {
+            NodeError::Store(format!("shard group {group}'s raft log: {error}"))
+        };
+        let legacy_dir = self.dir.join(group.to_string());
+        let legacy = if legacy_dir.is_dir() && !self.shared_log(fsync)?.holds(group) {
+            let mut config = raft_log_config(&legacy_dir);
+            config.segment_bytes = SHARD_LOG_SEGMENT_BYTES;
+            config.max_round_bytes = SHARD_LOG_ROUND_BYTES;
+            let backend = (self.open_backend)(&legacy_dir).map_err(|e| store_error(&e))?;
+            Some(RaftLog::open_with(config, backend).map_err(|e| store_error(&e))?)
+        } else {
+            None
+        };
+        let shared = self.shared_log(fsync)?;
+        let log = match legacy {
+            Some(legacy) => {
+                let log = RaftLog::import(shared, group, legacy).map_err(|e| store_error(&e))?;
+                tracing::info!(group, from = %legacy_dir.display(), "a shard group's raft log moved into the shared log");
+                log
+            }
+            None => RaftLog::open_shared(shared, group).map_err(|e| store_error(&e))?,
+        };
+        if legacy_dir.is_dir()
+            && let Err(error) = std::fs::remove_dir_all(&legacy_dir)
+        {
+            tracing::warn!(group, %error, "cannot remove a shard group's moved raft log");
+        }
+        Ok(log)
+    }
+
+    /// Writes what the groups' [`Node::begin`]s appended to the shared logs: one round each.
+    fn drive_shared(&self) -> Result<(), NodeError> {
+        let now = std::time::Instant::now();
+        for shared in [&self.on_commit, &self.periodic].into_iter().flatten() {
+            shared
+                .drive(now)
+                .map_err(|error| NodeError::Store(error.to_string()))?;
+        }
+        Ok(())
     }
 
     /// Every group started from now on times elections out after exactly `ticks` ticks
@@ -279,9 +366,8 @@ impl<B: Backend> Groups<B> {
                 stopped.producer.fail_all(&PublishError::NoSuchStream {
                     stream: stopped.stream.clone(),
                 });
-                drop(stopped.node);
-                if let Err(error) = std::fs::remove_dir_all(&stopped.dir) {
-                    tracing::warn!(group, %error, "cannot remove a deleted shard's raft log");
+                if let Err(error) = stopped.node.into_store().release() {
+                    tracing::warn!(group, %error, "cannot release a deleted shard's raft log");
                 }
                 let records = stopped.records.dir().to_path_buf();
                 drop(stopped.records);
@@ -294,19 +380,8 @@ impl<B: Backend> Groups<B> {
             if self.groups.contains_key(&group) {
                 continue;
             }
-            let dir = self.dir.join(group.to_string());
-            let mut log_config = raft_log_config(&dir);
-            log_config.segment_bytes = SHARD_LOG_SEGMENT_BYTES;
-            log_config.max_round_bytes = SHARD_LOG_ROUND_BYTES;
-            if fsync == Fsync::Periodic {
-                log_config.fsync = felix_storage::FsyncMode::Periodic {
-                    interval: self.records_config.fsync_interval,
-                };
-            }
+            let store = self.open_group_log(group, fsync)?;
             let store_error = |error: StorageError| NodeError::Store(error.to_string());
-            let backend = (self.open_backend)(&dir).map_err(store_error)?;
-            let store = RaftLog::open_with(log_config, backend)
-                .map_err(|error| NodeError::Store(error.to_string()))?;
             let records_at = records_dir(&self.records_dir, group);
             let backend = (self.open_backend)(&records_at).map_err(store_error)?;
             let records = ShardRecords::open_with(&records_at, &self.records_config, backend)
@@ -333,7 +408,6 @@ impl<B: Backend> Groups<B> {
                     placed_leader: placement.leader,
                     replicas: placement.replicas.clone(),
                     node,
-                    dir,
                     heard: BTreeMap::new(),
                     producer: Producer::new(self.id, self.boot),
                     records,
@@ -436,6 +510,7 @@ impl<B: Backend> Groups<B> {
             }
             deliver(*id, group, output, send);
         }
+        self.drive_shared()?;
         Ok(begun)
     }
 
@@ -846,4 +921,100 @@ fn compact<B: Backend>(group: &mut Group<B>) -> Result<(), NodeError> {
         group.node.compact_to(point.index, point.data)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::control::{Command, Member, Outcome};
+    use raft::prelude::{ConfState, Entry, HardState};
+
+    fn one_member_with_a_stream() -> ControlState {
+        let mut state = ControlState::default();
+        let register = Command::Register {
+            member: Member {
+                id: 1,
+                client_addr: "127.0.0.1:7001".to_owned(),
+                peer_addr: "127.0.0.1:8001".to_owned(),
+                cores: 1,
+            },
+        };
+        assert_eq!(state.apply(1, &register), Outcome::Done);
+        let create = Command::CreateStream {
+            name: "orders".to_owned(),
+            kind: StreamKind::Durable,
+            shards: 2,
+            replicas: 1,
+            fsync: Fsync::OnCommit,
+        };
+        assert_eq!(state.apply(2, &create), Outcome::Done);
+        state
+    }
+
+    fn groups(root: &Path) -> Groups {
+        Groups::new(
+            1,
+            7,
+            root.join("shards"),
+            root.join("records"),
+            RecordsConfig::default(),
+        )
+    }
+
+    /// A group's Raft log in its own directory (the layout before the shared logs) moves
+    /// into the shared log when the group starts, and its directory goes.
+    #[test]
+    fn a_group_log_of_an_earlier_release_moves_into_the_shared_log() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let state = one_member_with_a_stream();
+        let incarnation = state.streams["orders"].incarnation;
+        let moved = group_id(incarnation, 1);
+        let legacy_dir = root.path().join("shards").join(moved.to_string());
+        let mut legacy = RaftLog::open(&legacy_dir).expect("legacy log");
+        legacy
+            .set_conf_state(ConfState::from((vec![1], vec![])))
+            .expect("conf state");
+        let entries: Vec<Entry> = (1..=2)
+            .map(|index| Entry {
+                index,
+                term: 5,
+                ..Default::default()
+            })
+            .collect();
+        let hard_state = HardState {
+            term: 5,
+            vote: 1,
+            commit: 2,
+            ..Default::default()
+        };
+        legacy
+            .persist(&entries, Some(&hard_state))
+            .expect("persist");
+        legacy.close().expect("close");
+
+        let mut running = groups(root.path());
+        running.reconcile(&state).expect("reconcile");
+        assert!(!legacy_dir.exists(), "the moved log's directory is removed");
+        let term = |groups: &Groups| {
+            groups
+                .status()
+                .into_iter()
+                .find(|s| s.group == moved)
+                .expect("the moved group runs")
+                .term
+        };
+        assert!(term(&running) >= 5, "the moved group keeps its term");
+        running.flush();
+        drop(running);
+
+        let mut reopened = groups(root.path());
+        reopened.reconcile(&state).expect("reconcile again");
+        assert!(term(&reopened) >= 5, "recovered from the shared log");
+        assert_eq!(reopened.status().len(), 2);
+        let names: Vec<String> = std::fs::read_dir(root.path().join("shards"))
+            .expect("shards dir")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names, vec![SHARED_ON_COMMIT_DIR.to_owned()]);
+    }
 }

@@ -108,6 +108,12 @@ pub trait LogStore: Storage {
     fn live_bytes(&self) -> u64 {
         0
     }
+    /// Whether the store wants a compaction whatever the entries held (a group's Raft log in
+    /// a shared Felix log whose generation lies too far behind the log's head,
+    /// `raft_log.rs` `RaftLog::relocation_due`).
+    fn relocation_due(&self) -> bool {
+        false
+    }
     /// Background work at time `now`, without blocking: writes left queued, a periodic
     /// fdatasync that is due (`raft_log.rs`). Called every service tick.
     fn drive(&mut self, _now: std::time::Instant) -> Result<(), NodeError> {
@@ -386,6 +392,11 @@ impl<S: LogStore, M: Machine> Node<S, M> {
         self.raw.store()
     }
 
+    /// The node's end: its log store, to close or release.
+    pub fn into_store(self) -> S {
+        self.raw.raft.r.raft_log.store
+    }
+
     /// One tick of the logical clock (the service ticks every 100 ms).
     pub fn tick(&mut self) {
         self.raw.tick();
@@ -556,12 +567,15 @@ impl<S: LogStore, M: Machine> Node<S, M> {
     }
 
     /// Whether enough entries (or entry bytes) are applied behind the snapshot for a
-    /// compaction ([`NodeConfig::compact_after`], [`NodeConfig::compact_after_bytes`]).
+    /// compaction ([`NodeConfig::compact_after`], [`NodeConfig::compact_after_bytes`]), or
+    /// the store asks for one ([`LogStore::relocation_due`]) and an entry is applied behind
+    /// the snapshot.
     pub fn compaction_due(&self) -> Result<bool, NodeError> {
         let first = self.raw.store().first_index()?;
         let applied = self.state.applied_index();
         let due = (applied + 1).saturating_sub(first) > self.compact_after
-            || self.raw.store().live_bytes() > self.compact_after_bytes;
+            || self.raw.store().live_bytes() > self.compact_after_bytes
+            || self.raw.store().relocation_due();
         Ok(applied >= first && due)
     }
 

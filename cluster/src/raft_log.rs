@@ -41,6 +41,24 @@
 //! start right after its snapshot and never rewrite an index at or below it; recovery refuses
 //! a log that breaks this ([`RaftLogError::Corrupt`]).
 //!
+//! # Shared logs
+//!
+//! A member's shard groups keep their Raft logs in one Felix log per fsync mode
+//! ([`SharedLog`], `groups.rs`): each group's generations are triples of the log's shards as
+//! above, the generation counter is the log's (a generation number belongs to one group),
+//! and every generation is sealed, its seal naming the group (payload: the generation, then
+//! the group id as little-endian `u64`); a group's first generation holds only its seal
+//! until it writes. Recovery ([`SharedLog::open`]) takes each group's newest sealed generation
+//! and releases the rest (a group's older generations, unsealed ones). A group's
+//! `persist_begin` only appends; the member starts one write for all groups of a pass
+//! ([`SharedLog::drive`]) and each `persist_end` waits for it, so a pass costs one round and
+//! one fdatasync whatever the number of groups. A switch releases only the group's previous
+//! generation ([`RaftLog::release`] all of a deleted group's); a segment is given back once
+//! no group's live record is left in it, so a group whose generation lies
+//! [`RELOCATE_AFTER_BYTES`] behind the log's head asks for a compaction
+//! ([`RaftLog::relocation_due`]) and a quiet group does not pin the busy groups' segments.
+//! A failure of the shared log fails every group on it.
+//!
 //! # Limits
 //!
 //! - The live entries are held in memory; the node compacts behind the applied index after
@@ -82,10 +100,14 @@
 //! [`RaftLogError::Failed`]: what reached the disk is unknown until the directory is reopened
 //! (recovery then tells).
 //!
-//! Threads: blocking, used from one thread (the broker's cluster thread); no threads of its
-//! own beyond those the Felix log's backend spawns.
+//! Threads: blocking, used from one thread (the broker's cluster thread; a shared log's
+//! groups hold it through an `Rc`); no threads of its own beyond those the Felix log's
+//! backend spawns.
 
+use std::cell::{RefCell, RefMut};
+use std::collections::BTreeMap;
 use std::path::Path;
+use std::rc::Rc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::node::NodeError;
@@ -100,6 +122,11 @@ use raft::{GetEntriesContext, RaftState};
 /// Segment size of a Raft log: the control plane's log is small, so small segments let a
 /// generation switch give space back soon.
 pub const RAFT_LOG_SEGMENT_BYTES: u64 = 16 << 20;
+
+/// A group in a [`SharedLog`] compacts once its generation started this many bytes of the
+/// log ago ([`RaftLog::relocation_due`]), so that a group with little traffic does not keep
+/// the segments of busier ones from being released.
+pub const RELOCATE_AFTER_BYTES: u64 = 64 << 20;
 
 /// How long a write waits for its fdatasync before the log counts as failed.
 pub const FLUSH_TIMEOUT: Duration = Duration::from_secs(60);
@@ -162,14 +189,38 @@ pub enum RaftLogError {
 /// Result of [`RaftLog`]'s operations.
 pub type Result<T> = std::result::Result<T, RaftLogError>;
 
+/// The Felix log under one Raft log (its own) or under many ([`SharedLog`]), with what its
+/// Raft logs share: the generation counter, a failure, the bytes appended so far.
+struct Cell<B: Backend> {
+    log: Log<B>,
+    /// The next generation to write (past every shard id known or released).
+    next_generation: u32,
+    /// Set by a failed write: later writes of every Raft log on it are refused.
+    failed: Option<String>,
+    /// Bytes of records appended since the log was opened (keys, payloads and frame
+    /// headers): where a generation starts ([`RaftLog::relocation_due`]).
+    appended: u64,
+    /// A shared log's groups and the generation each holds (none for a log of its own).
+    owners: BTreeMap<u64, u32>,
+    /// [`RELOCATE_AFTER_BYTES`] unless a test set less ([`SharedLog::set_relocate_after`]).
+    relocate_after: u64,
+}
+
+/// Bytes of a record's frame besides its key and payload, as counted in [`Cell::appended`]
+/// (close to `felix_storage::frame`'s header; only used to tell how far the log has moved).
+const FRAME_OVERHEAD_BYTES: u64 = 32;
+
 /// One Raft group's durable log, hard state, conf state and latest snapshot (see the module
 /// documentation for the records and the generation scheme).
 pub struct RaftLog<B: Backend = SystemBackend> {
-    log: Log<B>,
+    cell: Rc<RefCell<Cell<B>>>,
+    /// The group when the Felix log is a [`SharedLog`] (its generations' seals name it, and
+    /// only its own generations are released); `None` for a log of its own.
+    group: Option<u64>,
     /// The current generation.
     generation: u32,
-    /// The next generation to write (past every shard id known or released).
-    next_generation: u32,
+    /// [`Cell::appended`] when the current generation started.
+    generation_at: u64,
     /// The latest snapshot (index 0 = none).
     snapshot: Snapshot,
     hard_state: HardState,
@@ -180,8 +231,6 @@ pub struct RaftLog<B: Backend = SystemBackend> {
     entries_bytes: u64,
     /// Nothing was ever stored.
     is_new: bool,
-    /// Set by a failed write: later writes are refused.
-    failed: Option<String>,
     /// The log's fsync mode is periodic: entries are counted once written (module docs).
     periodic: bool,
     /// What [`RaftLog::persist_begin`] appended and [`RaftLog::persist_end`] waits for.
@@ -192,14 +241,19 @@ pub struct RaftLog<B: Backend = SystemBackend> {
 
 impl<B: Backend> std::fmt::Debug for RaftLog<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let dir = self
+            .cell
+            .try_borrow()
+            .map(|cell| cell.log.config().dir.clone())
+            .unwrap_or_default();
         f.debug_struct("RaftLog")
-            .field("dir", &self.log.config().dir)
+            .field("dir", &dir)
+            .field("group", &self.group)
             .field("generation", &self.generation)
             .field("snapshot_index", &self.snapshot.get_metadata().index)
             .field("first_index", &self.first())
             .field("last_index", &self.last())
             .field("hard_state", &self.hard_state)
-            .field("failed", &self.failed)
             .finish()
     }
 }
@@ -220,6 +274,16 @@ fn generation_of(shard: u32) -> u32 {
     shard / SHARDS_PER_GENERATION
 }
 
+/// A seal's payload: the generation (little-endian `u32`), then in a [`SharedLog`] the group
+/// (little-endian `u64`).
+fn seal_payload(generation: u32, group: Option<u64>) -> Vec<u8> {
+    let mut payload = generation.to_le_bytes().to_vec();
+    if let Some(group) = group {
+        payload.extend_from_slice(&group.to_le_bytes());
+    }
+    payload
+}
+
 /// Microseconds since the Unix epoch (record timestamps and retention ages).
 pub(crate) fn now_unix_us() -> u64 {
     SystemTime::now()
@@ -235,6 +299,144 @@ pub fn raft_log_config(dir: &Path) -> LogConfig {
     config.fsync = FsyncMode::OnCommit;
     config.segment_bytes = RAFT_LOG_SEGMENT_BYTES;
     config
+}
+
+/// One Felix log holding the Raft logs of many groups (a member's shard groups of one fsync
+/// mode): each group's generations are triples of the log's shards like a log of its own
+/// ([`RaftLog::open_shared`]), every generation sealed with the group's id. A pass appends
+/// every group's records and writes them in one round with one fdatasync
+/// ([`SharedLog::drive`]), whatever the number of groups (module documentation, "Shared
+/// logs"). Used from one thread.
+pub struct SharedLog<B: Backend = SystemBackend> {
+    cell: Rc<RefCell<Cell<B>>>,
+    periodic: bool,
+    recovery: RecoveryReport,
+}
+
+impl<B: Backend> std::fmt::Debug for SharedLog<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let cell = self.cell.try_borrow();
+        f.debug_struct("SharedLog")
+            .field(
+                "dir",
+                &cell.as_ref().map(|c| c.log.config().dir.clone()).ok(),
+            )
+            .field("groups", &cell.as_ref().map(|c| c.owners.len()).ok())
+            .finish()
+    }
+}
+
+impl<B: Backend> SharedLog<B> {
+    /// Opens (creating if needed) and recovers the shared log: each group's newest sealed
+    /// generation is its current one; older generations of a group (a switch a crash
+    /// interrupted) and unsealed ones (a switch or a group's start a crash interrupted)
+    /// are released. A seal without a group is [`RaftLogError::Corrupt`]. Blocks.
+    pub fn open(config: LogConfig, backend: B) -> Result<Self> {
+        let periodic = matches!(config.fsync, FsyncMode::Periodic { .. });
+        let (mut log, report) = Log::open(config, backend)?;
+        if !report.truncations.is_empty() {
+            tracing::warn!(
+                dir = %log.config().dir.display(),
+                truncated_bytes = report.truncated_bytes,
+                "shared raft log recovery cut a torn tail"
+            );
+        }
+        let ids = log.shard_ids();
+        let highest_known = ids.iter().copied().chain(log.released().shards()).max();
+        let next_generation = highest_known.map_or(0, |id| generation_of(id) + 1);
+        let mut generations: Vec<u32> = ids.iter().map(|id| generation_of(*id)).collect();
+        generations.sort_unstable();
+        generations.dedup();
+        let mut owners: BTreeMap<u64, u32> = BTreeMap::new();
+        let mut stale: Vec<u32> = Vec::new();
+        for generation in generations {
+            let state = read_state(&log, generation)?;
+            match (state.sealed, state.group) {
+                (true, Some(group)) => {
+                    if let Some(older) = owners.insert(group, generation) {
+                        stale.push(older);
+                    }
+                }
+                (true, None) => {
+                    return Err(RaftLogError::Corrupt(format!(
+                        "generation {generation} of a shared raft log is sealed without its group"
+                    )));
+                }
+                (false, _) => stale.push(generation),
+            }
+        }
+        if !stale.is_empty() {
+            let report = log.release_shards(|id| !stale.contains(&generation_of(id)))?;
+            tracing::debug!(
+                shards = ?report.shards,
+                "shared raft log released generations a crash left behind"
+            );
+        }
+        Ok(SharedLog {
+            cell: Rc::new(RefCell::new(Cell {
+                log,
+                next_generation,
+                failed: None,
+                appended: 0,
+                owners,
+                relocate_after: RELOCATE_AFTER_BYTES,
+            })),
+            periodic,
+            recovery: report,
+        })
+    }
+
+    /// The groups with a generation in the log.
+    #[must_use]
+    pub fn groups(&self) -> Vec<u64> {
+        self.cell.borrow().owners.keys().copied().collect()
+    }
+
+    /// Whether `group` has a generation in the log.
+    #[must_use]
+    pub fn holds(&self, group: u64) -> bool {
+        self.cell.borrow().owners.contains_key(&group)
+    }
+
+    /// Starts writing what the groups appended (their [`RaftLog::persist_begin`]s): one round,
+    /// one fdatasync for all of them. Their `persist_end`s wait for it.
+    pub fn drive(&self, now: Instant) -> Result<()> {
+        let mut cell = self.cell.borrow_mut();
+        if let Some(why) = &cell.failed {
+            return Err(RaftLogError::Failed(why.clone()));
+        }
+        cell.log.drive(now).map_err(RaftLogError::from)
+    }
+
+    /// Groups ask for a compaction once their generation lies `bytes` behind the log's head
+    /// instead of [`RELOCATE_AFTER_BYTES`] (tests).
+    pub fn set_relocate_after(&self, bytes: u64) {
+        self.cell.borrow_mut().relocate_after = bytes;
+    }
+
+    /// Bytes of the log's segment files (every group's records).
+    #[must_use]
+    pub fn disk_bytes(&self) -> u64 {
+        self.cell.borrow().log.total_bytes()
+    }
+
+    /// Whether entries are stored once written rather than once fdatasynced.
+    #[must_use]
+    pub fn is_periodic(&self) -> bool {
+        self.periodic
+    }
+
+    /// What the Felix log's recovery found when it was opened.
+    #[must_use]
+    pub fn recovery_report(&self) -> &RecoveryReport {
+        &self.recovery
+    }
+
+    /// The error that made the log refuse writes, if one did.
+    #[must_use]
+    pub fn failure(&self) -> Option<String> {
+        self.cell.borrow().failed.clone()
+    }
 }
 
 impl RaftLog<SystemBackend> {
@@ -298,16 +500,23 @@ impl<B: Backend> RaftLog<B> {
             && state.conf_state.is_none()
             && entries.is_empty();
         let mut raft_log = RaftLog {
-            log,
+            cell: Rc::new(RefCell::new(Cell {
+                log,
+                next_generation,
+                failed: None,
+                appended: 0,
+                owners: BTreeMap::new(),
+                relocate_after: RELOCATE_AFTER_BYTES,
+            })),
+            group: None,
             generation,
-            next_generation,
+            generation_at: 0,
             snapshot,
             hard_state: state.hard_state.unwrap_or_default(),
             conf_state: state.conf_state.unwrap_or_default(),
             entries_bytes: data_bytes(&entries),
             entries,
             is_new,
-            failed: None,
             periodic,
             begun: None,
             recovery: report,
@@ -315,9 +524,109 @@ impl<B: Backend> RaftLog<B> {
         if generations.iter().any(|g| *g != generation) {
             // Left by a switch a crash interrupted: an older generation not yet released, or
             // an unsealed newer one.
-            raft_log.release_other_generations()?;
+            raft_log.release_other_generations(None)?;
         }
         Ok(raft_log)
+    }
+
+    /// Opens group `group`'s Raft log in `shared`: its current generation when the log holds
+    /// one, else a new generation holding only its seal (written and fdatasynced before this
+    /// returns, so a vote or an entry stored later is never taken for a crash's leftover).
+    pub fn open_shared(shared: &SharedLog<B>, group: u64) -> Result<Self> {
+        let current = shared.cell.borrow().owners.get(&group).copied();
+        let mut raft_log = RaftLog {
+            cell: Rc::clone(&shared.cell),
+            group: Some(group),
+            generation: 0,
+            generation_at: shared.cell.borrow().appended,
+            snapshot: Snapshot::default(),
+            hard_state: HardState::default(),
+            conf_state: ConfState::default(),
+            entries: Vec::new(),
+            entries_bytes: 0,
+            is_new: true,
+            periodic: shared.periodic,
+            begun: None,
+            recovery: shared.recovery.clone(),
+        };
+        raft_log.check_failed()?;
+        match current {
+            Some(generation) => {
+                let (state, snapshot, entries) = {
+                    let cell = shared.cell.borrow();
+                    let state = read_state(&cell.log, generation)?;
+                    let snapshot = read_snapshot(&cell.log, generation)?;
+                    let entries =
+                        read_entries(&cell.log, generation, snapshot.get_metadata().index)?;
+                    (state, snapshot, entries)
+                };
+                raft_log.generation = generation;
+                raft_log.hard_state = state.hard_state.unwrap_or_default();
+                raft_log.conf_state = state.conf_state.unwrap_or_default();
+                raft_log.is_new = snapshot.get_metadata().index == 0
+                    && raft_log.hard_state == HardState::default()
+                    && raft_log.conf_state == ConfState::default()
+                    && entries.is_empty();
+                raft_log.snapshot = snapshot;
+                raft_log.entries_bytes = data_bytes(&entries);
+                raft_log.entries = entries;
+            }
+            None => {
+                let generation = {
+                    let mut cell = shared.cell.borrow_mut();
+                    let generation = cell.next_generation;
+                    cell.next_generation += 1;
+                    generation
+                };
+                raft_log.generation = generation;
+                let seal = (
+                    state_shard(generation),
+                    KEY_SEAL,
+                    seal_payload(generation, Some(group)),
+                );
+                raft_log.write(&[seal], true)?;
+                shared.cell.borrow_mut().owners.insert(group, generation);
+            }
+        }
+        Ok(raft_log)
+    }
+
+    /// Moves `legacy` (a group's Raft log of its own, as releases before the shared logs
+    /// kept one per group) into `shared` as group `group`'s: its snapshot, states and live
+    /// entries become the group's generation there, sealed and fdatasynced before this
+    /// returns. The caller then removes the old directory. A group `shared` already holds
+    /// is refused (the old directory is a leftover of an earlier move: remove it).
+    pub fn import(shared: &SharedLog<B>, group: u64, legacy: RaftLog<B>) -> Result<Self> {
+        if shared.holds(group) {
+            return Err(RaftLogError::Corrupt(format!(
+                "group {group} is in the shared raft log already"
+            )));
+        }
+        let mut raft_log = RaftLog::open_shared(shared, group)?;
+        raft_log.switch_generation(
+            legacy.snapshot.clone(),
+            legacy.hard_state.clone(),
+            legacy.conf_state.clone(),
+            legacy.entries.clone(),
+        )?;
+        raft_log.is_new = legacy.is_new;
+        Ok(raft_log)
+    }
+
+    /// A deleted group's end in a [`SharedLog`]: what it queued is written, then its shards
+    /// are released (the log gives back each segment left without a live record once no
+    /// other group's records hold it). A log of its own is just closed; its directory is the
+    /// caller's to remove.
+    pub fn release(mut self) -> Result<()> {
+        let Some(group) = self.group else {
+            return self.close();
+        };
+        self.flush()?;
+        let mine = self.generation;
+        let released = self.log().release_shards(|id| generation_of(id) != mine);
+        released.map_err(|e| self.fail(e.into()))?;
+        self.cell.borrow_mut().owners.remove(&group);
+        Ok(())
     }
 
     /// True when nothing was ever stored (a fresh directory): the node must be bootstrapped.
@@ -351,8 +660,9 @@ impl<B: Backend> RaftLog<B> {
     }
 
     /// Bytes of the Felix log's segment files.
+    /// A [`SharedLog`]'s files hold every group's records: this counts them all.
     pub fn disk_bytes(&self) -> u64 {
-        self.log.total_bytes()
+        self.log().total_bytes()
     }
 
     /// Whether entries are stored once written rather than once fdatasynced (module
@@ -364,9 +674,10 @@ impl<B: Backend> RaftLog<B> {
     /// Whether records of the current generation are written but not fdatasynced yet
     /// (periodic mode, or a commit index on its way).
     pub fn has_unsynced(&self) -> bool {
+        let log = self.log();
         [entries_shard(self.generation), state_shard(self.generation)]
             .into_iter()
-            .filter_map(|shard| self.log.shard_offsets(shard))
+            .filter_map(|shard| log.shard_offsets(shard))
             .any(|o| o.synced != o.next)
     }
 
@@ -375,9 +686,29 @@ impl<B: Backend> RaftLog<B> {
         self.entries_bytes
     }
 
-    /// The error that made the log refuse writes, if one did.
-    pub fn failure(&self) -> Option<&str> {
-        self.failed.as_deref()
+    /// The error that made the log refuse writes, if one did (on a [`SharedLog`], any of its
+    /// groups' writes).
+    pub fn failure(&self) -> Option<String> {
+        self.cell.borrow().failed.clone()
+    }
+
+    /// The group this log keeps in a [`SharedLog`], `None` for a log of its own.
+    pub fn group(&self) -> Option<u64> {
+        self.group
+    }
+
+    /// Whether the current generation of a group in a [`SharedLog`] started more than
+    /// [`RELOCATE_AFTER_BYTES`] of the log ago: its records then keep old segments of every
+    /// group from being released, so the group should compact (which starts a generation at
+    /// the log's head) even though it holds few entries. Never for a log of its own.
+    pub fn relocation_due(&self) -> bool {
+        let cell = self.cell.borrow();
+        self.group.is_some() && cell.appended - self.generation_at > cell.relocate_after
+    }
+
+    /// The Felix log, borrowed for one call.
+    fn log(&self) -> RefMut<'_, Log<B>> {
+        RefMut::map(self.cell.borrow_mut(), |cell| &mut cell.log)
     }
 
     fn first(&self) -> u64 {
@@ -486,9 +817,13 @@ impl<B: Backend> RaftLog<B> {
         let started = self.append_records(&records).and_then(|shards| {
             if sync && self.periodic {
                 // The round that starts now carries the fdatasync (term and vote changes).
-                self.log.sync_now();
+                self.log().sync_now();
             }
-            self.log.drive(Instant::now())?;
+            if self.group.is_none() {
+                // A log of its own starts the write now; a shared log's owner starts one
+                // write for every group's records once all have begun (`SharedLog::drive`).
+                self.log().drive(Instant::now())?;
+            }
             Ok(shards)
         });
         let shards = started.map_err(|e| self.fail(e))?;
@@ -561,10 +896,13 @@ impl<B: Backend> RaftLog<B> {
     /// written data is an interval old. The owner calls it regularly (every cluster tick).
     pub fn tick(&mut self, now: Instant) -> Result<()> {
         self.check_failed()?;
-        if let Err(e) = self.log.drive(now) {
+        let driven = self.log().drive(now);
+        if let Err(e) = driven {
             return Err(self.fail(e.into()));
         }
-        while let Some(event) = self.log.poll_event() {
+        loop {
+            let event = self.log().poll_event();
+            let Some(event) = event else { break };
             if let LogEvent::Rejected { error, .. } = event {
                 return Err(self.fail(RaftLogError::Rejected(error)));
             }
@@ -659,16 +997,17 @@ impl<B: Backend> RaftLog<B> {
 
     /// A clean stop: asks for a commit mark covering everything (so the next recovery can
     /// tell damage in the last records from a torn write) and waits for it.
-    pub fn close(mut self) -> Result<()> {
+    pub fn close(self) -> Result<()> {
         self.check_failed()?;
-        self.log.sync_now();
-        self.log.flush(FLUSH_TIMEOUT)?;
-        while self.log.poll_event().is_some() {}
+        let mut log = self.log();
+        log.sync_now();
+        log.flush(FLUSH_TIMEOUT)?;
+        while log.poll_event().is_some() {}
         Ok(())
     }
 
     fn check_failed(&self) -> Result<()> {
-        match &self.failed {
+        match &self.cell.borrow().failed {
             Some(why) => Err(RaftLogError::Failed(why.clone())),
             None => Ok(()),
         }
@@ -683,7 +1022,13 @@ impl<B: Backend> RaftLog<B> {
         conf_state: ConfState,
         entries: Vec<Entry>,
     ) -> Result<()> {
-        let generation = self.next_generation;
+        let generation = {
+            let mut cell = self.cell.borrow_mut();
+            let generation = cell.next_generation;
+            cell.next_generation += 1;
+            generation
+        };
+        let generation_at = self.cell.borrow().appended;
         let mut records = Vec::with_capacity(entries.len() + 4);
         records.push((
             snapshot_shard(generation),
@@ -707,12 +1052,15 @@ impl<B: Backend> RaftLog<B> {
         records.push((
             state_shard(generation),
             KEY_SEAL,
-            generation.to_le_bytes().to_vec(),
+            seal_payload(generation, self.group),
         ));
-        self.next_generation = generation + 1;
         self.write(&records, true)?;
         let old = self.generation;
         self.generation = generation;
+        self.generation_at = generation_at;
+        if let Some(group) = self.group {
+            self.cell.borrow_mut().owners.insert(group, generation);
+        }
         self.snapshot = snapshot;
         self.hard_state = hard_state;
         self.conf_state = conf_state;
@@ -726,13 +1074,20 @@ impl<B: Backend> RaftLog<B> {
             live_entries = self.entries.len(),
             "raft log switched generation"
         );
-        self.release_other_generations()
+        self.release_other_generations(Some(old))
     }
 
-    /// Releases the shards of every generation but the current one.
-    fn release_other_generations(&mut self) -> Result<()> {
+    /// Releases the shards of every generation but the current one in a log of its own; in
+    /// a [`SharedLog`], those of generation `old` (this group's previous one) only.
+    fn release_other_generations(&mut self, old: Option<u32>) -> Result<()> {
         let current = self.generation;
-        match self.log.release_shards(|id| generation_of(id) == current) {
+        let released = if self.group.is_some() {
+            let Some(old) = old else { return Ok(()) };
+            self.log().release_shards(|id| generation_of(id) != old)
+        } else {
+            self.log().release_shards(|id| generation_of(id) == current)
+        };
+        match released {
             Ok(report) => {
                 tracing::debug!(
                     shards = ?report.shards,
@@ -765,13 +1120,17 @@ impl<B: Backend> RaftLog<B> {
         let timestamp_us = now_unix_us();
         let mut shards: Vec<u32> = Vec::new();
         for (shard, key, payload) in records {
-            if !self.log.can_append(key.len(), payload.len()) {
+            let full = !self.log().can_append(key.len(), payload.len());
+            if full {
                 // The pending bound is reached: write what is queued first.
                 self.wait(false)?;
             }
-            let offset = self.log.shard_offsets(*shard).map_or(0, |o| o.next);
-            self.log
+            let mut cell = self.cell.borrow_mut();
+            let offset = cell.log.shard_offsets(*shard).map_or(0, |o| o.next);
+            cell.log
                 .append(*shard, offset, timestamp_us, key, payload)?;
+            cell.appended += (key.len() + payload.len()) as u64 + FRAME_OVERHEAD_BYTES;
+            drop(cell);
             if !shards.contains(shard) {
                 shards.push(*shard);
             }
@@ -782,7 +1141,8 @@ impl<B: Backend> RaftLog<B> {
     /// Checks that every record appended to `shards` is stored as [`RaftLog::write`] asked.
     fn check_stored(&self, shards: &[u32], sync: bool) -> Result<()> {
         for &shard in shards {
-            if let Some(o) = self.log.shard_offsets(shard) {
+            let offsets = self.log().shard_offsets(shard);
+            if let Some(o) = offsets {
                 let stored = if sync || !self.periodic {
                     o.synced
                 } else {
@@ -807,11 +1167,12 @@ impl<B: Backend> RaftLog<B> {
             // Asks for the fdatasync now (and a commit mark after it: one more small round,
             // paid only for term, vote and conf changes and generation switches). On_commit
             // logs sync every round anyway.
-            self.log.sync_now();
+            self.log().sync_now();
         }
-        self.log.flush(FLUSH_TIMEOUT)?;
+        let mut log = self.log();
+        log.flush(FLUSH_TIMEOUT)?;
         let mut rejected = None;
-        while let Some(event) = self.log.poll_event() {
+        while let Some(event) = log.poll_event() {
             if let LogEvent::Rejected { error, .. } = event {
                 rejected = Some(error);
             }
@@ -823,9 +1184,10 @@ impl<B: Backend> RaftLog<B> {
     }
 
     fn fail(&mut self, e: RaftLogError) -> RaftLogError {
-        tracing::error!(error = %e, dir = %self.log.config().dir.display(), "raft log write failed; refusing further writes");
-        if self.failed.is_none() {
-            self.failed = Some(e.to_string());
+        let mut cell = self.cell.borrow_mut();
+        tracing::error!(error = %e, dir = %cell.log.config().dir.display(), group = ?self.group, "raft log write failed; refusing further writes");
+        if cell.failed.is_none() {
+            cell.failed = Some(e.to_string());
         }
         e
     }
@@ -848,6 +1210,8 @@ struct StateRecords {
     hard_state: Option<HardState>,
     conf_state: Option<ConfState>,
     sealed: bool,
+    /// The group a [`SharedLog`]'s seal names.
+    group: Option<u64>,
 }
 
 /// Every record of `shard`, in offset order, checked dense.
@@ -896,11 +1260,18 @@ fn read_state<B: Backend>(log: &Log<B>, generation: u32) -> Result<StateRecords>
                 state.conf_state = Some(ConfState::parse_from_bytes(&record.payload)?)
             }
             KEY_SEAL => {
-                if record.payload[..] != generation.to_le_bytes() {
+                let payload = &record.payload[..];
+                if payload.get(..4) != Some(&generation.to_le_bytes()[..])
+                    || !matches!(payload.len(), 4 | 12)
+                {
                     return Err(RaftLogError::Corrupt(format!(
                         "shard {shard}: the seal names another generation than {generation}"
                     )));
                 }
+                state.group = payload
+                    .get(4..12)
+                    .and_then(|group| group.try_into().ok())
+                    .map(u64::from_le_bytes);
                 state.sealed = true;
             }
             other => {
@@ -1096,6 +1467,10 @@ impl<B: Backend> crate::node::LogStore for RaftLog<B> {
 
     fn live_bytes(&self) -> u64 {
         RaftLog::live_bytes(self)
+    }
+
+    fn relocation_due(&self) -> bool {
+        RaftLog::relocation_due(self)
     }
 
     fn drive(&mut self, now: Instant) -> std::result::Result<(), NodeError> {
