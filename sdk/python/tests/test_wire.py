@@ -61,6 +61,49 @@ def test_publish_dump() -> None:
     )
 
 
+def test_producer_publish_dump() -> None:
+    """The ProducerPublish hex dump of section 9: the same record as batch 3 of producer
+    0x1122334455667788 on shard 17."""
+    frame = wire.ProducerPublish(
+        7,
+        wire.AckMode.ACKED,
+        "orders",
+        0x1122334455667788,
+        3,
+        17,
+        (wire.Record(b"k1", b"hello"),),
+    )
+    check(
+        frame,
+        "36 00 00 00 22 00 07 00 00 00 00 00 00 00 00 06 00 6f 72 64 65 72 73"
+        " 88 77 66 55 44 33 22 11 03 00 00 00 00 00 00 00 11 00 00 00"
+        " 01 00 00 00 02 00 6b 31 05 00 00 00 68 65 6c 6c 6f",
+    )
+    # A Publish of the same records plus 20 bytes.
+    assert len(wire.encode(frame)) == wire.FRAME_HEADER_LEN + wire.encoded_producer_publish_len(
+        "orders", frame.records
+    )
+    assert wire.encoded_producer_publish_len("orders", frame.records) == (
+        wire.encoded_publish_len("orders", frame.records) + wire.PRODUCER_FIELDS_LEN
+    )
+
+
+def test_hello_with_the_producer_feature() -> None:
+    """The PRODUCER bit (0x2) is a plain feature bit: no field follows, and it travels with
+    TOKEN."""
+    check(
+        wire.Hello(1, 1, wire.FEATURE_PRODUCER, "cli"),
+        "11 00 00 00 01 00 01 00 01 00 02 00 00 00 00 00 00 00 03 00 63 6c 69",
+    )
+    check(
+        wire.Hello(1, 1, wire.FEATURE_PRODUCER | wire.FEATURE_TOKEN, "cli", b"tok"),
+        "16 00 00 00 01 00 01 00 01 00 03 00 00 00 00 00 00 00 03 00 63 6c 69 03 00 74 6f 6b",
+    )
+    echoed = wire.HelloOk(1, wire.FEATURE_PRODUCER, wire.Limits(), (), ())
+    decoded = wire.Decoder().decode(bytearray(wire.encode(echoed)))
+    assert isinstance(decoded, wire.HelloOk) and decoded.features == wire.FEATURE_PRODUCER
+
+
 def test_ack_dump() -> None:
     """The Ack hex dump of section 9 (k1 on shard 17 of 48, offset 41)."""
     check(
@@ -92,6 +135,9 @@ EVERY_FRAME: list[wire.Frame] = [
         9, 1, (wire.ClusterMember(1, "127.0.0.1:7400"),), (wire.ClusterRoute("orders", (1, 0)),)
     ),
     wire.Publish(10, wire.AckMode.FIRE_AND_FORGET, "s", (wire.Record(b"", b""),)),
+    wire.ProducerPublish(
+        16, wire.AckMode.FIRE_AND_FORGET, "s", 2**64 - 1, 0, 3, (wire.Record(b"", b"p"),) * 2
+    ),
     wire.Ack(11, ()),
     wire.Subscribe(12, "s", None, wire.Start.EARLIEST),
     wire.Subscribe(13, "s", (0, 2), ((2, 40),)),
@@ -187,6 +233,37 @@ def test_decoding_rules() -> None:
             decoder.decode(body_frame(frame_type, body))
 
 
+def test_producer_publish_decoding_rules() -> None:
+    """A ProducerPublish is checked like a Publish: its fixed fields must be there, the record
+    count is limited and checked against what remains (6 bytes a record), no trailing bytes."""
+    decoder = wire.Decoder(wire.Limits(max_batch_records=2))
+    head = struct.pack("<QB", 1, 0) + struct.pack("<H", 1) + b"s"
+    producer = struct.pack("<QQI", 9, 1, 0)
+    record = struct.pack("<H", 1) + b"k" + struct.pack("<I", 0)
+    good = head + producer + struct.pack("<I", 1) + record
+    decoded = decoder.decode(body_frame(wire.FrameType.PRODUCER_PUBLISH, good))
+    assert decoded == wire.ProducerPublish(
+        1, wire.AckMode.ACKED, "s", 9, 1, 0, (wire.Record(b"k", b""),)
+    )
+    cases: list[tuple[bytes, type[errors.FelixError]]] = [
+        # The producer fields cut short.
+        (head + producer[:10], errors.MalformedError),
+        # More records than the limit, then more than the body can hold.
+        (head + producer + struct.pack("<I", 3), errors.LimitExceededError),
+        (head + producer + struct.pack("<I", 2) + record, errors.MalformedError),
+        # An unknown ack mode.
+        (
+            struct.pack("<QB", 1, 2) + head[9:] + producer + struct.pack("<I", 0),
+            errors.MalformedError,
+        ),
+        # Trailing bytes.
+        (good + b"\x00", errors.MalformedError),
+    ]
+    for body, expected in cases:
+        with pytest.raises(expected):
+            decoder.decode(body_frame(wire.FrameType.PRODUCER_PUBLISH, body))
+
+
 def test_route_core_count_must_match_shard_count() -> None:
     """A HelloOk route whose core list differs from its shard count is Malformed."""
     bad = wire.StreamRoute("s", wire.StreamKind.IN_MEMORY, 3, wire.HashKind.FNV1A_64, (0, 1))
@@ -215,6 +292,13 @@ def test_outgoing_checks_match_the_limits() -> None:
     with pytest.raises(errors.LimitExceededError):
         wire.check_outgoing(
             wire.Publish(1, wire.AckMode.ACKED, "s", (wire.Record(b"", b""),) * 2), limits
+        )
+    produced = wire.ProducerPublish(1, wire.AckMode.ACKED, "s", 5, 1, 0, (wire.Record(b"ab", b""),))
+    wire.check_outgoing(produced, limits)
+    with pytest.raises(errors.LimitExceededError):
+        wire.check_outgoing(
+            wire.ProducerPublish(1, wire.AckMode.ACKED, "s", 5, 1, 0, (wire.Record(b"abc", b""),)),
+            limits,
         )
 
 

@@ -435,8 +435,11 @@ class Connection:
         stream.handshake = asyncio.get_running_loop().create_future()
         answer = stream.handshake
         token = self.config.token.encode() if self.config.token is not None else None
+        # PRODUCER asks to publish as an idempotent producer; HelloOk echoes it if the broker
+        # takes ProducerPublish (older brokers ignore the bit).
+        features = wire.FEATURE_PRODUCER if self.config.idempotent else 0
         hello = wire.Hello(
-            wire.PROTOCOL_VERSION, wire.PROTOCOL_VERSION, 0, self.config.client_name, token
+            wire.PROTOCOL_VERSION, wire.PROTOCOL_VERSION, features, self.config.client_name, token
         )
         wire.check_outgoing(hello, wire.DEFAULT_LIMITS)
         stream.send(wire.encode(hello))

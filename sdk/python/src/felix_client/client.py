@@ -6,15 +6,18 @@ import asyncio
 import functools
 import itertools
 import logging
+import secrets
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Generator, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Final, TypeAlias, TypeVar
 
 from . import wire
-from ._transport import Budget, Connection, error_from_code, error_from_frame
-from .config import ClientConfig
+from ._transport import Budget, Connection, RequestStream, error_from_code, error_from_frame
+from .config import PUBLISH_RETRY_BACKOFF_MAX, ClientConfig
 from .errors import (
+    ErrorCode,
     FelixConnectionError,
     FelixError,
     InvalidArgumentError,
@@ -65,6 +68,111 @@ def record(key: bytes | str, payload: bytes | str) -> Record:
     return Record(_as_bytes(key), _as_bytes(payload))
 
 
+_U64_MAX: Final = (1 << 64) - 1
+
+
+def random_producer_id() -> int:
+    """A random non-zero 64-bit producer id (docs/semantics.md, "Idempotent producers": two
+    of `n` live producers collide with probability about n^2 / 2^65)."""
+    while True:
+        producer = secrets.randbits(64)
+        if producer != 0:
+            return producer
+
+
+class _Producer:
+    """An idempotent producer's numbering: per (stream, shard), the producer id its batches
+    carry and the last sequence given."""
+
+    def __init__(self, producer_id: int) -> None:
+        self.id = producer_id
+        self._shards: dict[tuple[str, int], tuple[int, int]] = {}
+
+    def next(self, stream: str, shard: int) -> tuple[int, int]:
+        """The producer id and the next sequence (1, 2, 3, ...) of `stream`'s `shard`."""
+        producer, last = self._shards.get((stream, shard), (self.id, 0))
+        self._shards[(stream, shard)] = (producer, last + 1)
+        return producer, last + 1
+
+    def current(self, stream: str, shard: int, producer: int) -> bool:
+        """Whether `stream`'s `shard` still goes out as `producer`."""
+        entry = self._shards.get((stream, shard))
+        return entry is not None and entry[0] == producer
+
+    def abandon(self, stream: str, shard: int, producer: int) -> None:
+        """A batch of `producer` on this shard ended in an error: its sequence is a gap the
+        broker would refuse every later batch for, so the shard's later batches go out under
+        a fresh random id from sequence 1 (unless that happened already). Batches pipelined
+        behind it under the old id are refused (``out_of_sequence``), not retried."""
+        if self.current(stream, shard, producer):
+            self._shards[(stream, shard)] = (random_producer_id(), 0)
+
+    def forget(self, stream: str) -> None:
+        """`stream` was deleted: a stream created again under its name knows no producer."""
+        for key in [key for key in self._shards if key[0] == stream]:
+            del self._shards[key]
+
+
+def _retryable(answer: wire.ErrorFrame, sequence: int) -> bool:
+    """Whether an idempotent batch answered `answer` is worth sending again as it is: the
+    broker took nothing of it (``ingress_budget_exhausted``), its original is still being
+    stored or a replicated shard did not commit it in time (``unavailable`` naming its
+    sequence: a retry is applied once either way), or an earlier batch of the producer on
+    that shard is still missing (``out_of_sequence`` naming a sequence below this one: the
+    earlier batch's own retry fills the gap)."""
+    match answer.code:
+        case ErrorCode.INGRESS_BUDGET_EXHAUSTED:
+            return True
+        case ErrorCode.UNAVAILABLE:
+            return answer.detail != 0
+        case ErrorCode.OUT_OF_SEQUENCE:
+            return 0 != answer.detail < sequence
+    return False
+
+
+def _check_u64(what: str, value: int) -> None:
+    if not 0 <= value <= _U64_MAX:
+        raise InvalidArgumentError(f"{what} {value} is not a 64-bit unsigned integer")
+
+
+def _check_config(config: ClientConfig) -> None:
+    """Refuses producer settings the client cannot use, before connecting."""
+    if config.producer_id is not None and not 0 < config.producer_id <= _U64_MAX:
+        raise InvalidArgumentError(
+            f"producer_id {config.producer_id} is not a non-zero 64-bit unsigned integer"
+        )
+    if config.publish_retries < 0:
+        raise InvalidArgumentError(f"publish_retries {config.publish_retries} is negative")
+    if config.publish_retry_backoff < 0:
+        raise InvalidArgumentError(
+            f"publish_retry_backoff {config.publish_retry_backoff} is negative"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _SentBatch:
+    """One sent ``ProducerPublish``: what a retry needs to send the same bytes again."""
+
+    conn: Connection
+    data: bytes
+    stream: str
+    shard: int
+    producer: int
+    sequence: int
+    answer: asyncio.Future[wire.Frame]
+
+
+# Where an encoded frame's request id is: right after the header (every request's first field).
+_REQUEST_ID_AT: Final = wire.FRAME_HEADER_LEN
+
+
+def _with_request_id(data: bytes, request_id: int) -> bytes:
+    """The encoded request `data` with its request id replaced."""
+    return b"".join(
+        (data[:_REQUEST_ID_AT], request_id.to_bytes(8, "little"), data[_REQUEST_ID_AT + 8 :])
+    )
+
+
 class Client:
     """A connection to a Felix broker.
 
@@ -91,12 +199,20 @@ class Client:
         self._closed = False
         # Routing needs the cores' own ports; a broker that announces none is one endpoint.
         self._core_aware = config.core_aware and bool(hello.core_ports)
+        # Idempotent publishing: configured, and the broker echoed the feature.
+        self._producer: _Producer | None = None
+        if config.idempotent and hello.features & wire.FEATURE_PRODUCER:
+            producer_id = config.producer_id
+            self._producer = _Producer(random_producer_id() if producer_id is None else producer_id)
+        # Retries of idempotent batches still running (cancelled by close).
+        self._settling: set[asyncio.Task[list[ShardAck]]] = set()
 
     @classmethod
     async def connect(cls, config: ClientConfig | None = None) -> Client:
         """Connects to ``config.host:config.port`` (TLS 1.3, ALPN ``felix/1``) and performs
         the ``Hello`` handshake (with the token, if any)."""
         config = config or ClientConfig()
+        _check_config(config)
         primary = await Connection.open(config, config.host, config.port)
         return cls(config, primary)
 
@@ -120,6 +236,12 @@ class Client:
     def limits(self) -> wire.Limits:
         """The broker's announced limits."""
         return self._hello.limits
+
+    @property
+    def producer_id(self) -> int | None:
+        """This client's producer id when it publishes as an idempotent producer (configured,
+        and the broker echoed ``PRODUCER``); None when its publishes are plain."""
+        return None if self._producer is None else self._producer.id
 
     def core_connections(self) -> int:
         """Per-core connections opened so far (core-aware clients)."""
@@ -192,6 +314,8 @@ class Client:
         answer = await self._admin(wire.DeleteStream(request_id, name), request_id)
         _expect(answer, wire.Done)
         self._routes.pop(name, None)
+        if self._producer is not None:
+            self._producer.forget(name)
 
     async def _route(self, stream: str) -> tuple[int, ...] | None:
         """Owning core per shard of `stream`, describing it once if unknown; None if the
@@ -243,8 +367,19 @@ class Client:
     async def publish_pipelined(self, stream: str, records: Iterable[RecordLike]) -> PendingAck:
         """Sends an acked publish and returns once it is sent; await the result for the acks.
         Keep several in flight for throughput: the in-flight byte budget
-        (``publish_inflight_bytes``) makes this wait when too much is outstanding."""
+        (``publish_inflight_bytes``) makes this wait when too much is outstanding.
+
+        As an idempotent producer (:attr:`producer_id` not None) the batch goes out as one
+        ``ProducerPublish`` per shard, each with the shard's next sequence, and a retryable
+        answer is retried with the same producer id, sequence and records
+        (``ClientConfig.publish_retries``), so the batch is stored once."""
         batch = [_as_record(item) for item in records]
+        if self._producer is not None:
+            self._check_batch(stream, batch)
+            route = await self._route(stream)
+            if route:
+                return await self._publish_produced(self._producer, stream, batch, route)
+            # Unknown routing (no such stream, say): a plain publish, which the broker answers.
         answers: list[asyncio.Future[wire.Frame]] = []
         for core, part in await self._parts(stream, batch):
             conn = await self._conn(core)
@@ -262,6 +397,188 @@ class Client:
             answer.add_done_callback(functools.partial(self._release_on_answer, held))
             answers.append(answer)
         return PendingAck(answers)
+
+    async def _publish_produced(
+        self, producer: _Producer, stream: str, batch: list[Record], route: tuple[int, ...]
+    ) -> PendingAck:
+        """One ``ProducerPublish`` per shard of the batch (batch order kept within each), each
+        settled (retried as needed) by a task of its own."""
+        by_shard: dict[int, list[Record]] = {}
+        for item in batch:
+            by_shard.setdefault(shard_for_key(item.key, len(route)), []).append(item)
+        # Every part is checked before the first is sent: a publish is refused whole.
+        for part in by_shard.values():
+            self._check_produced_len(stream, part)
+        settling: list[asyncio.Task[list[ShardAck]]] = []
+        for shard, part in by_shard.items():
+            conn = await self._conn(route[shard] if self._core_aware else None)
+            sent = await self._send_produced(conn, stream, shard, part, producer)
+            task = asyncio.ensure_future(self._settle(producer, sent))
+            # Held here so that the task lives even if the PendingAck is dropped.
+            self._settling.add(task)
+            task.add_done_callback(self._settled)
+            settling.append(task)
+        return PendingAck([], settling)
+
+    def _settled(self, task: asyncio.Task[list[ShardAck]]) -> None:
+        self._settling.discard(task)
+        # Retrieved, so that a PendingAck nobody awaits logs no "exception never retrieved".
+        if not task.cancelled():
+            task.exception()
+
+    def _check_produced_len(self, stream: str, records: Sequence[Record]) -> int:
+        """The body length of a ``ProducerPublish`` of `records`, refused over the broker's
+        frame limit."""
+        body_len = wire.encoded_producer_publish_len(stream, records)
+        if body_len > self.limits.max_frame_bytes:
+            raise LimitExceededError(
+                f"a publish of {body_len} bytes exceeds the broker's frame limit of "
+                f"{self.limits.max_frame_bytes}; send smaller batches"
+            )
+        return body_len
+
+    async def _send_produced(
+        self,
+        conn: Connection,
+        stream: str,
+        shard: int,
+        records: Sequence[Record],
+        numbering: _Producer | tuple[int, int],
+    ) -> _SentBatch:
+        """Sends `records` (all of `shard`) as one acked ``ProducerPublish``: the producer's
+        next sequence on the shard, or the given (producer, sequence)."""
+        body_len = self._check_produced_len(stream, records)
+        held = await self._budget.acquire(wire.FRAME_HEADER_LEN + body_len)
+        # No await from here on: a sequence is taken only for a frame that goes out (one taken
+        # and not sent would be a gap the broker refuses later batches for), and the shard's
+        # batches go out on the connection's one publish stream in sequence order.
+        taken: tuple[int, int] | None = None
+        publish: RequestStream | None = None
+        request_id = self._next_request_id()
+        try:
+            publish = conn.publish_stream()
+            if isinstance(numbering, _Producer):
+                taken = producer_id, sequence = numbering.next(stream, shard)
+            else:
+                producer_id, sequence = numbering
+            frame = wire.ProducerPublish(
+                request_id,
+                wire.AckMode.ACKED,
+                stream,
+                producer_id,
+                sequence,
+                shard,
+                tuple(records),
+            )
+            data = wire.encode(frame)
+            answer = publish.expect(request_id)
+            publish.send(data)
+        except BaseException:
+            if publish is not None:
+                publish.pending.pop(request_id, None)
+            self._budget.release(held)
+            if taken is not None and isinstance(numbering, _Producer):
+                numbering.abandon(stream, shard, taken[0])
+            raise
+        answer.add_done_callback(functools.partial(self._release_on_answer, held))
+        return _SentBatch(conn, data, stream, shard, producer_id, sequence, answer)
+
+    async def _settle(self, producer: _Producer, sent: _SentBatch) -> list[ShardAck]:
+        """Waits for a batch's ack, sending the batch again (same producer, sequence and
+        records; a new request id) after a retryable answer, at most ``publish_retries``
+        times with a doubling backoff. A batch that fails for good leaves its shard to a fresh
+        producer id (see :meth:`_Producer.abandon`)."""
+        try:
+            return await self._attempts(producer, sent)
+        except BaseException:
+            producer.abandon(sent.stream, sent.shard, sent.producer)
+            raise
+
+    async def _attempts(self, producer: _Producer, sent: _SentBatch) -> list[ShardAck]:
+        answer = sent.answer
+        wait = self._config.publish_retry_backoff
+        attempts = 0
+        while True:
+            frame = await answer
+            if not isinstance(frame, wire.ErrorFrame):
+                return list(_expect(frame, wire.Ack).shards)
+            # Another batch of the shard failed for good: the shard went on under a new id.
+            abandoned = not producer.current(sent.stream, sent.shard, sent.producer)
+            if (
+                attempts >= self._config.publish_retries
+                or abandoned
+                or not _retryable(frame, sent.sequence)
+            ):
+                raise error_from_frame(frame)
+            attempts += 1
+            _log.debug(
+                "retrying batch %d of producer %#x on %s shard %d after %s (attempt %d)",
+                sent.sequence,
+                sent.producer,
+                sent.stream,
+                sent.shard,
+                frame.code.wire_name,
+                attempts,
+            )
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, PUBLISH_RETRY_BACKOFF_MAX)
+            request_id = self._next_request_id()
+            publish = sent.conn.publish_stream()
+            answer = publish.expect(request_id)
+            try:
+                publish.send(_with_request_id(sent.data, request_id))
+            except BaseException:
+                publish.pending.pop(request_id, None)
+                raise
+
+    async def publish_sequenced(
+        self,
+        stream: str,
+        records: Iterable[RecordLike],
+        *,
+        producer: int,
+        sequence: int,
+        shard: int | None = None,
+    ) -> list[ShardAck]:
+        """Publishes `records`, every one of `shard` of `stream` (None: the first record's
+        shard), as batch `sequence` of idempotent producer `producer`, and waits for the ack;
+        sent once, never retried here, and independent of this client's own producer id and
+        numbering.
+
+        For applications that number their own batches: a batch whose outcome is unknown (its
+        connection or broker went) is sent again with the same producer and sequence, by any
+        client, and is stored once (the broker answers with the original ack). Keep one
+        producer's sequences per shard dense from 1 (a gap is refused with
+        :class:`~felix_client.OutOfSequenceError`).
+
+        Raises :class:`InvalidArgumentError` when the broker did not echo ``PRODUCER`` (also
+        with ``idempotent=False``, which does not ask for it) or a record belongs to another
+        shard; the broker's refusal otherwise."""
+        if not self._hello.features & wire.FEATURE_PRODUCER:
+            raise InvalidArgumentError(
+                "the broker does not take idempotent producers (PRODUCER not in HelloOk)"
+            )
+        _check_u64("producer id", producer)
+        _check_u64("sequence", sequence)
+        batch = [_as_record(item) for item in records]
+        self._check_batch(stream, batch)
+        route = self._routes.get(stream)
+        if not route:
+            # Raises the broker's refusal (e.g. StreamNotFoundError).
+            info = await self.describe_stream(stream)
+            route = tuple(shard_info.core for shard_info in info.shards)
+        if shard is None:
+            shard = shard_for_key(batch[0].key, len(route))
+        if any(shard_for_key(item.key, len(route)) != shard for item in batch):
+            raise InvalidArgumentError(
+                f"a record of the batch is not on shard {shard} of the {len(route)} of {stream!r}"
+            )
+        conn = await self._conn(route[shard] if self._core_aware else None)
+        sent = await self._send_produced(conn, stream, shard, batch, (producer, sequence))
+        frame = await sent.answer
+        if isinstance(frame, wire.ErrorFrame):
+            raise error_from_frame(frame)
+        return list(_expect(frame, wire.Ack).shards)
 
     def _release_on_answer(self, held: int, _answer: asyncio.Future[wire.Frame]) -> None:
         self._budget.release(held)
@@ -377,6 +694,9 @@ class Client:
             subscription.close()
         for task in self._core_opening.values():
             task.cancel()
+        # Retries of idempotent batches stop; their PendingAcks raise FelixConnectionError.
+        for settling in list(self._settling):
+            settling.cancel()
         for conn in [*self._cores.values(), self._primary]:
             await conn.close()
 
@@ -389,24 +709,40 @@ def _expect(frame: wire.Frame, kind: type[_F]) -> _F:
 
 class PendingAck(Awaitable[list[ShardAck]]):
     """The acks of a pipelined publish: await it for one :class:`ShardAck` per shard touched
-    (ascending), or the publish's typed error."""
+    (ascending), or the publish's typed error. An idempotent publish's retries go on whether
+    or not it is awaited (and cancelling the wait does not stop them)."""
 
-    def __init__(self, answers: list[asyncio.Future[wire.Frame]]) -> None:
+    def __init__(
+        self,
+        answers: list[asyncio.Future[wire.Frame]],
+        settling: Sequence[asyncio.Task[list[ShardAck]]] = (),
+    ) -> None:
         self._answers = answers
+        self._settling = list(settling)
 
     def __await__(self) -> Generator[object, None, list[ShardAck]]:
         return self._collect().__await__()
 
     async def _collect(self) -> list[ShardAck]:
         # Every part settles before the first error is raised, so nothing is left unawaited.
-        results = await asyncio.gather(*self._answers, return_exceptions=True)
+        results = await asyncio.gather(
+            *self._answers,
+            *(asyncio.shield(task) for task in self._settling),
+            return_exceptions=True,
+        )
         acks: list[ShardAck] = []
         for result in results:
+            if isinstance(result, asyncio.CancelledError):
+                # A settling task cancelled by Client.close().
+                raise FelixConnectionError("the client was closed before the ack")
             if isinstance(result, BaseException):
                 raise result
-            if isinstance(result, wire.ErrorFrame):
+            if isinstance(result, list):
+                acks.extend(result)
+            elif isinstance(result, wire.ErrorFrame):
                 raise error_from_frame(result)
-            acks.extend(_expect(result, wire.Ack).shards)
+            else:
+                acks.extend(_expect(result, wire.Ack).shards)
         acks.sort(key=lambda ack: ack.shard)
         return acks
 

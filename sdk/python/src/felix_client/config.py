@@ -10,6 +10,12 @@ from pathlib import Path
 DEFAULT_PORT = 7400
 DEFAULT_PUBLISH_INFLIGHT_BYTES = 4 * 1024 * 1024
 DEFAULT_SUBSCRIPTION_WINDOW_BYTES = 4 * 1024 * 1024
+#: Default :attr:`ClientConfig.publish_retries` (the Rust client's).
+DEFAULT_PUBLISH_RETRIES = 8
+#: Default :attr:`ClientConfig.publish_retry_backoff`, seconds.
+DEFAULT_PUBLISH_RETRY_BACKOFF = 0.02
+#: The longest wait between two retries of a publish, seconds.
+PUBLISH_RETRY_BACKOFF_MAX = 1.0
 
 
 def data_dir(environ: Mapping[str, str] | None = None) -> Path:
@@ -66,6 +72,25 @@ class ClientConfig:
     #: Seconds of silence after which a connection is considered dead (keep-alives are sent
     #: well within it).
     idle_timeout: float = 30.0
+    #: Publish as an idempotent producer (docs/semantics.md, "Idempotent producers"): acked
+    #: publishes carry the client's producer id and a sequence per shard, so a retried batch is
+    #: stored once. Used only when the broker echoes the ``PRODUCER`` feature in ``HelloOk``
+    #: (else plain publishes). False: plain publishes, never retried (``felix pub
+    #: --no-idempotence``).
+    idempotent: bool = True
+    #: The producer id (a non-zero 64-bit integer); None picks one at random per
+    #: :class:`~felix_client.Client`. A client numbers each shard's batches from 1, so a new
+    #: client given the id of an earlier one that sends the same batches in the same order has
+    #: them deduplicated (``felix pub --producer-id``). Never give one id to two live clients.
+    producer_id: int | None = None
+    #: Times an idempotent publish's batch is sent again, with the same producer id, sequence
+    #: and records, after a retryable answer (``ingress_budget_exhausted``; ``unavailable``
+    #: naming the batch's sequence; ``out_of_sequence`` naming an earlier, still missing
+    #: batch); 0 turns retries off.
+    publish_retries: int = DEFAULT_PUBLISH_RETRIES
+    #: Seconds before the first retry; the wait doubles per retry, up to
+    #: :data:`PUBLISH_RETRY_BACKOFF_MAX`.
+    publish_retry_backoff: float = DEFAULT_PUBLISH_RETRY_BACKOFF
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ClientConfig:

@@ -26,6 +26,7 @@ class ErrorCode(IntEnum):
     STREAM_NOT_FOUND = 10
     STREAM_EXISTS = 11
     INVALID_ARGUMENT = 12
+    OUT_OF_SEQUENCE = 13
     TOO_OLD = 20
     SUBSCRIBER_LAGGED = 21
     INGRESS_BUDGET_EXHAUSTED = 30
@@ -134,6 +135,19 @@ class InvalidArgumentError(FelixError):
     error_code = ErrorCode.INVALID_ARGUMENT
 
 
+class OutOfSequenceError(FelixError):
+    """An idempotent producer's batch was refused: its sequence skips ahead, or the shard no
+    longer remembers the producer (docs/wire-protocol.md section 4.16). Nothing was stored."""
+
+    error_code = ErrorCode.OUT_OF_SEQUENCE
+
+    @property
+    def expected_sequence(self) -> int:
+        """The sequence the shard expects next from the producer (the broker's ``detail``;
+        1 when it does not know the producer)."""
+        return self.detail
+
+
 class TooOldError(FelixError):
     """The requested offset is older than the shard still holds."""
 
@@ -198,7 +212,9 @@ class ShuttingDownError(FelixError):
 
 
 class UnavailableError(FelixError):
-    """A replicated shard could not take the publish in time; the records may still commit."""
+    """A replicated shard could not take the publish in time; the records may still commit.
+    Also an idempotent producer's retry while its original is still being stored (``detail``
+    = the batch's sequence; nothing stored)."""
 
     error_code = ErrorCode.UNAVAILABLE
 
@@ -233,6 +249,7 @@ ERROR_CLASSES: dict[ErrorCode, type[FelixError]] = {
         StreamNotFoundError,
         StreamExistsError,
         InvalidArgumentError,
+        OutOfSequenceError,
         TooOldError,
         SubscriberLaggedError,
         IngressBudgetExhaustedError,

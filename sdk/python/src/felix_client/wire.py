@@ -26,6 +26,12 @@ PROTOCOL_VERSION: Final = 1
 ALPN: Final = "felix/1"
 FRAME_HEADER_LEN: Final = 6
 FEATURE_TOKEN: Final = 0x1
+#: ``Hello`` / ``HelloOk`` feature bit 1: the client publishes as an idempotent producer with
+#: ``ProducerPublish`` frames (section 4.16); no field in ``Hello``.
+FEATURE_PRODUCER: Final = 0x2
+#: Bytes a ``ProducerPublish`` carries beyond a ``Publish`` of the same records: the producer
+#: id (u64), the sequence (u64) and the shard (u32).
+PRODUCER_FIELDS_LEN: Final = 20
 
 # Fixed by the protocol (section 6), not announced.
 CLIENT_NAME_BYTES_MAX: Final = 255
@@ -65,6 +71,7 @@ class FrameType(IntEnum):
     CLUSTER_MAP = 0x18
     PUBLISH = 0x20
     ACK = 0x21
+    PRODUCER_PUBLISH = 0x22
     SUBSCRIBE = 0x30
     SUBSCRIBED = 0x31
     DELIVERY = 0x32
@@ -265,6 +272,20 @@ class Publish:
 
 
 @dataclass(frozen=True, slots=True)
+class ProducerPublish:
+    """A ``Publish`` of an idempotent producer (section 4.16): batch `sequence` (1, 2, 3, ...
+    per shard; 0 = no deduplication) of producer `producer`, every record on `shard`."""
+
+    request_id: int
+    ack: AckMode
+    stream: str
+    producer: int
+    sequence: int
+    shard: int
+    records: tuple[Record, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Ack:
     request_id: int
     shards: tuple[ShardAck, ...]
@@ -312,6 +333,7 @@ Frame: TypeAlias = (
     | DescribeCluster
     | ClusterMap
     | Publish
+    | ProducerPublish
     | Ack
     | Subscribe
     | Subscribed
@@ -470,6 +492,18 @@ def _body(frame: Frame, w: _Writer) -> FrameType:
                 w.bytes16(record.key)
                 w.bytes32(record.payload)
             return FrameType.PUBLISH
+        case ProducerPublish():
+            w.u64(frame.request_id)
+            w.u8(frame.ack)
+            w.str16(frame.stream)
+            w.u64(frame.producer)
+            w.u64(frame.sequence)
+            w.u32(frame.shard)
+            w.u32(len(frame.records))
+            for record in frame.records:
+                w.bytes16(record.key)
+                w.bytes32(record.payload)
+            return FrameType.PRODUCER_PUBLISH
         case Ack():
             w.u64(frame.request_id)
             w.u32(len(frame.shards))
@@ -553,7 +587,7 @@ def check_outgoing(frame: Frame, limits: Limits) -> None:
                 _check_len("token length", len(frame.token), TOKEN_BYTES_MAX)
         case CreateStream() | DescribeStream() | DeleteStream():
             _check_len("stream name length", len(frame.name.encode()), limits.max_name_bytes)
-        case Publish():
+        case Publish() | ProducerPublish():
             _check_len("stream name length", len(frame.stream.encode()), limits.max_name_bytes)
             _check_len("record count", len(frame.records), limits.max_batch_records)
             for record in frame.records:
@@ -572,6 +606,12 @@ def check_outgoing(frame: Frame, limits: Limits) -> None:
 def encoded_publish_len(stream: str, records: Sequence[Record]) -> int:
     """Body length of a ``Publish`` of `records` (15 + n + sum(6 + k + p))."""
     return 15 + len(stream.encode()) + sum(6 + len(r.key) + len(r.payload) for r in records)
+
+
+def encoded_producer_publish_len(stream: str, records: Sequence[Record]) -> int:
+    """Body length of a ``ProducerPublish`` of `records` (35 + n + sum(6 + k + p)): a
+    ``Publish`` of the same records plus :data:`PRODUCER_FIELDS_LEN`."""
+    return encoded_publish_len(stream, records) + PRODUCER_FIELDS_LEN
 
 
 # ---------------------------------------------------------------------------------------------
@@ -780,20 +820,38 @@ def _decode_cluster_map(r: _Reader) -> ClusterMap:
     return ClusterMap(request_id, member, tuple(members), tuple(streams))
 
 
-def _decode_publish(r: _Reader) -> Publish:
-    request_id = r.u64("request_id")
+def _decode_ack_mode(r: _Reader) -> AckMode:
     ack_code = r.u8("ack mode")
     try:
-        ack = AckMode(ack_code)
+        return AckMode(ack_code)
     except ValueError:
         raise r.malformed(f"unknown ack mode {ack_code}") from None
-    stream = r.name()
+
+
+def _decode_records(r: _Reader) -> tuple[Record, ...]:
     count = r.count("record count", r.limits.max_batch_records, _PUBLISH_RECORD_MIN)
     records = []
     for _ in range(count):
         key = r.key()
         records.append(Record(key, r.payload()))
-    return Publish(request_id, ack, stream, tuple(records))
+    return tuple(records)
+
+
+def _decode_publish(r: _Reader) -> Publish:
+    request_id = r.u64("request_id")
+    ack = _decode_ack_mode(r)
+    stream = r.name()
+    return Publish(request_id, ack, stream, _decode_records(r))
+
+
+def _decode_producer_publish(r: _Reader) -> ProducerPublish:
+    request_id = r.u64("request_id")
+    ack = _decode_ack_mode(r)
+    stream = r.name()
+    producer = r.u64("producer")
+    sequence = r.u64("sequence")
+    shard = r.u32("shard")
+    return ProducerPublish(request_id, ack, stream, producer, sequence, shard, _decode_records(r))
 
 
 def _decode_ack(r: _Reader) -> Ack:
@@ -883,6 +941,8 @@ def _decode_fields(r: _Reader) -> Frame:
             return _decode_cluster_map(r)
         case FrameType.PUBLISH:
             return _decode_publish(r)
+        case FrameType.PRODUCER_PUBLISH:
+            return _decode_producer_publish(r)
         case FrameType.ACK:
             return _decode_ack(r)
         case FrameType.SUBSCRIBE:
