@@ -204,6 +204,11 @@ struct Cell<B: Backend> {
     owners: BTreeMap<u64, u32>,
     /// [`RELOCATE_AFTER_BYTES`] unless a test set less ([`SharedLog::set_relocate_after`]).
     relocate_after: u64,
+    /// A group's [`RaftLog::persist_begin`] appended records since [`SharedLog::drive`] last
+    /// ran (it does nothing otherwise: a drive reaps completions with a system call, the
+    /// member drives after every pass, and a commit index noted alone must not start a
+    /// round of its own).
+    undriven: bool,
 }
 
 /// Bytes of a record's frame besides its key and payload, as counted in [`Cell::appended`]
@@ -301,6 +306,44 @@ pub fn raft_log_config(dir: &Path) -> LogConfig {
     config
 }
 
+/// A Felix log opened and recovered for Raft logs, with its generations.
+struct Opened<B: Backend> {
+    log: Log<B>,
+    report: RecoveryReport,
+    /// The highest generation any shard id the log knows or released belongs to.
+    highest_generation: Option<u32>,
+    /// The generations of the shards present, ascending.
+    generations: Vec<u32>,
+}
+
+/// Opens and recovers the Felix log under one or more Raft logs (a torn tail cut is logged).
+fn open_log<B: Backend>(config: LogConfig, backend: B) -> Result<Opened<B>> {
+    let (log, report) = Log::open(config, backend)?;
+    if !report.truncations.is_empty() {
+        tracing::warn!(
+            dir = %log.config().dir.display(),
+            truncated_bytes = report.truncated_bytes,
+            "raft log recovery cut a torn tail"
+        );
+    }
+    let ids = log.shard_ids();
+    let highest_generation = ids
+        .iter()
+        .copied()
+        .chain(log.released().shards())
+        .max()
+        .map(generation_of);
+    let mut generations: Vec<u32> = ids.iter().map(|id| generation_of(*id)).collect();
+    generations.sort_unstable();
+    generations.dedup();
+    Ok(Opened {
+        log,
+        report,
+        highest_generation,
+        generations,
+    })
+}
+
 /// One Felix log holding the Raft logs of many groups (a member's shard groups of one fsync
 /// mode): each group's generations are triples of the log's shards like a log of its own
 /// ([`RaftLog::open_shared`]), every generation sealed with the group's id. A pass appends
@@ -333,20 +376,13 @@ impl<B: Backend> SharedLog<B> {
     /// are released. A seal without a group is [`RaftLogError::Corrupt`]. Blocks.
     pub fn open(config: LogConfig, backend: B) -> Result<Self> {
         let periodic = matches!(config.fsync, FsyncMode::Periodic { .. });
-        let (mut log, report) = Log::open(config, backend)?;
-        if !report.truncations.is_empty() {
-            tracing::warn!(
-                dir = %log.config().dir.display(),
-                truncated_bytes = report.truncated_bytes,
-                "shared raft log recovery cut a torn tail"
-            );
-        }
-        let ids = log.shard_ids();
-        let highest_known = ids.iter().copied().chain(log.released().shards()).max();
-        let next_generation = highest_known.map_or(0, |id| generation_of(id) + 1);
-        let mut generations: Vec<u32> = ids.iter().map(|id| generation_of(*id)).collect();
-        generations.sort_unstable();
-        generations.dedup();
+        let Opened {
+            mut log,
+            report,
+            highest_generation,
+            generations,
+        } = open_log(config, backend)?;
+        let next_generation = highest_generation.map_or(0, |g| g + 1);
         let mut owners: BTreeMap<u64, u32> = BTreeMap::new();
         let mut stale: Vec<u32> = Vec::new();
         for generation in generations {
@@ -380,6 +416,7 @@ impl<B: Backend> SharedLog<B> {
                 appended: 0,
                 owners,
                 relocate_after: RELOCATE_AFTER_BYTES,
+                undriven: false,
             })),
             periodic,
             recovery: report,
@@ -399,11 +436,15 @@ impl<B: Backend> SharedLog<B> {
     }
 
     /// Starts writing what the groups appended (their [`RaftLog::persist_begin`]s): one round,
-    /// one fdatasync for all of them. Their `persist_end`s wait for it.
+    /// one fdatasync for all of them. Their `persist_end`s wait for it. Nothing appended
+    /// since the last call: nothing to do (the groups' ticks reap completions).
     pub fn drive(&self, now: Instant) -> Result<()> {
         let mut cell = self.cell.borrow_mut();
         if let Some(why) = &cell.failed {
             return Err(RaftLogError::Failed(why.clone()));
+        }
+        if !std::mem::take(&mut cell.undriven) {
+            return Ok(());
         }
         cell.log.drive(now).map_err(RaftLogError::from)
     }
@@ -456,20 +497,13 @@ impl<B: Backend> RaftLog<B> {
     /// return (module documentation, "Durability").
     pub fn open_with(config: LogConfig, backend: B) -> Result<Self> {
         let periodic = matches!(config.fsync, FsyncMode::Periodic { .. });
-        let (log, report) = Log::open(config, backend)?;
-        if !report.truncations.is_empty() {
-            tracing::warn!(
-                dir = %log.config().dir.display(),
-                truncated_bytes = report.truncated_bytes,
-                "raft log recovery cut a torn tail"
-            );
-        }
-        let ids = log.shard_ids();
-        let highest_known = ids.iter().copied().chain(log.released().shards()).max();
-        let next_generation = highest_known.map_or(1, |id| generation_of(id) + 1);
-        let mut generations: Vec<u32> = ids.iter().map(|id| generation_of(*id)).collect();
-        generations.sort_unstable();
-        generations.dedup();
+        let Opened {
+            log,
+            report,
+            highest_generation,
+            generations,
+        } = open_log(config, backend)?;
+        let next_generation = highest_generation.map_or(1, |g| g + 1);
 
         let mut chosen: Option<(u32, StateRecords)> = None;
         for &generation in generations.iter().rev() {
@@ -507,6 +541,7 @@ impl<B: Backend> RaftLog<B> {
                 appended: 0,
                 owners: BTreeMap::new(),
                 relocate_after: RELOCATE_AFTER_BYTES,
+                undriven: false,
             })),
             group: None,
             generation,
@@ -820,9 +855,13 @@ impl<B: Backend> RaftLog<B> {
                 self.log().sync_now();
             }
             if self.group.is_none() {
+                self.log().drive(Instant::now())?;
+            } else {
                 // A log of its own starts the write now; a shared log's owner starts one
                 // write for every group's records once all have begun (`SharedLog::drive`).
-                self.log().drive(Instant::now())?;
+                // Only these appends ask for it: a commit index noted alone waits for the
+                // next write or tick (`note_commit`), or it would cost a round of its own.
+                self.cell.borrow_mut().undriven = true;
             }
             Ok(shards)
         });
