@@ -4,7 +4,7 @@
 //! `<data_dir>/cluster/shards/{on_commit,periodic}/` (`raft_log.rs`, [`SharedLog`]: one write
 //! and one fdatasync per pass for every group). The service (`service.rs`) owns a
 //! [`Groups`], reconciles it with the control plane after every change (a group starts when
-//! the stream's creation is applied here and stops, its directory removed, when the deletion
+//! the stream's creation is applied here and stops, its Raft log released, when the deletion
 //! is), ticks and drives every group, and routes peer frames to them by group id.
 //!
 //! Leadership follows placement: a group elects whichever replica Raft picks (after a failure,
@@ -34,6 +34,14 @@ pub const CONTROL_GROUP: u64 = 0;
 /// largest write round (at most half a segment, `storage/src/config.rs`).
 const SHARD_LOG_SEGMENT_BYTES: u64 = 4 << 20;
 const SHARD_LOG_ROUND_BYTES: usize = 1 << 20;
+
+/// A shard groups' Raft log in `dir` (on_commit; the caller sets periodic where it applies).
+fn shard_log_config(dir: &Path) -> felix_storage::LogConfig {
+    let mut config = raft_log_config(dir);
+    config.segment_bytes = SHARD_LOG_SEGMENT_BYTES;
+    config.max_round_bytes = SHARD_LOG_ROUND_BYTES;
+    config
+}
 
 /// The shared Raft logs' directories under the member's `shards` directory, by fsync mode
 /// (a group's own directory there, named by its id, is an earlier release's layout and is
@@ -264,9 +272,7 @@ impl<B: Backend> Groups<B> {
         };
         if slot.is_none() {
             let dir = self.dir.join(name);
-            let mut config = raft_log_config(&dir);
-            config.segment_bytes = SHARD_LOG_SEGMENT_BYTES;
-            config.max_round_bytes = SHARD_LOG_ROUND_BYTES;
+            let mut config = shard_log_config(&dir);
             if fsync == Fsync::Periodic {
                 config.fsync = felix_storage::FsyncMode::Periodic {
                     interval: self.records_config.fsync_interval,
@@ -294,11 +300,9 @@ impl<B: Backend> Groups<B> {
         };
         let legacy_dir = self.dir.join(group.to_string());
         let legacy = if legacy_dir.is_dir() && !self.shared_log(fsync)?.holds(group) {
-            let mut config = raft_log_config(&legacy_dir);
-            config.segment_bytes = SHARD_LOG_SEGMENT_BYTES;
-            config.max_round_bytes = SHARD_LOG_ROUND_BYTES;
             let backend = (self.open_backend)(&legacy_dir).map_err(|e| store_error(&e))?;
-            Some(RaftLog::open_with(config, backend).map_err(|e| store_error(&e))?)
+            let legacy = RaftLog::open_with(shard_log_config(&legacy_dir), backend);
+            Some(legacy.map_err(|e| store_error(&e))?)
         } else {
             None
         };

@@ -211,6 +211,15 @@ struct Cell<B: Backend> {
     undriven: bool,
 }
 
+impl<B: Backend> Cell<B> {
+    /// The next generation number, taken (never handed out twice).
+    fn take_generation(&mut self) -> u32 {
+        let generation = self.next_generation;
+        self.next_generation += 1;
+        generation
+    }
+}
+
 /// Bytes of a record's frame besides its key and payload, as counted in [`Cell::appended`]
 /// (close to `felix_storage::frame`'s header; only used to tell how far the log has moved).
 const FRAME_OVERHEAD_BYTES: u64 = 32;
@@ -607,12 +616,7 @@ impl<B: Backend> RaftLog<B> {
                 raft_log.entries = entries;
             }
             None => {
-                let generation = {
-                    let mut cell = shared.cell.borrow_mut();
-                    let generation = cell.next_generation;
-                    cell.next_generation += 1;
-                    generation
-                };
+                let generation = shared.cell.borrow_mut().take_generation();
                 raft_log.generation = generation;
                 let seal = (
                     state_shard(generation),
@@ -1061,12 +1065,7 @@ impl<B: Backend> RaftLog<B> {
         conf_state: ConfState,
         entries: Vec<Entry>,
     ) -> Result<()> {
-        let generation = {
-            let mut cell = self.cell.borrow_mut();
-            let generation = cell.next_generation;
-            cell.next_generation += 1;
-            generation
-        };
+        let generation = self.cell.borrow_mut().take_generation();
         let generation_at = self.cell.borrow().appended;
         let mut records = Vec::with_capacity(entries.len() + 4);
         records.push((
