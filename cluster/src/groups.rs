@@ -11,7 +11,7 @@
 //! any live replica), and its leader hands leadership back to the placed leader once that one
 //! is connected and caught up, so each stream's leaders stay spread.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use felix_storage::{Backend, StorageError, SystemBackend};
@@ -208,6 +208,11 @@ pub struct Groups<B: Backend = SystemBackend> {
     /// first starts (`raft_log.rs`, [`SharedLog`]): a pass writes and fdatasyncs each once.
     on_commit: Option<SharedLog<B>>,
     periodic: Option<SharedLog<B>>,
+    /// Groups found on disk at the first reconcile (in a shared log, a record log's or an
+    /// earlier release's directory) and not running since: each is released once the control
+    /// plane has applied its creation and still has no such stream ([`Groups::sweep_orphans`]).
+    /// `None` until that first reconcile.
+    unclaimed: Option<BTreeSet<u64>>,
 }
 
 impl<B: Backend> std::fmt::Debug for Groups<B> {
@@ -261,6 +266,7 @@ impl<B: Backend> Groups<B> {
             fixed_election_tick: None,
             on_commit: None,
             periodic: None,
+            unclaimed: None,
         }
     }
 
@@ -421,6 +427,65 @@ impl<B: Backend> Groups<B> {
                 },
             );
         }
+        self.sweep_orphans(state)
+    }
+
+    /// Releases what this member keeps of groups whose stream was deleted while it was down:
+    /// it never replays such a stream's creation (the control plane's snapshot has no trace of
+    /// it), so the group never starts and [`Groups::reconcile`] never stops it. A group found
+    /// on disk is released once the control plane has applied the index that created it (the
+    /// group id's incarnation) and the group still does not run: the deletion is then
+    /// committed. A group created after what this member has applied so far waits: it may be
+    /// one this member is about to start again, and its Raft log must not go.
+    fn sweep_orphans(&mut self, state: &ControlState) -> Result<(), NodeError> {
+        if self.unclaimed.is_none() {
+            let mut found = BTreeSet::new();
+            for (fsync, name) in [
+                (Fsync::OnCommit, SHARED_ON_COMMIT_DIR),
+                (Fsync::Periodic, SHARED_PERIODIC_DIR),
+            ] {
+                if self.dir.join(name).is_dir() {
+                    found.extend(self.shared_log(fsync)?.groups());
+                }
+            }
+            found.extend(numbered_dirs(&self.records_dir));
+            found.extend(numbered_dirs(&self.dir));
+            found.retain(|group| *group != CONTROL_GROUP && !self.groups.contains_key(group));
+            self.unclaimed = Some(found);
+        }
+        let Some(unclaimed) = self.unclaimed.take() else {
+            return Ok(());
+        };
+        let mut waiting = BTreeSet::new();
+        for group in unclaimed {
+            if self.groups.contains_key(&group) {
+                continue;
+            }
+            if group >> 16 > state.applied {
+                waiting.insert(group);
+                continue;
+            }
+            for shared in [&self.on_commit, &self.periodic].into_iter().flatten() {
+                shared.release_orphan(group).map_err(|error| {
+                    NodeError::Store(format!("release deleted shard group {group}: {error}"))
+                })?;
+            }
+            for dir in [
+                records_dir(&self.records_dir, group),
+                self.dir.join(group.to_string()),
+            ] {
+                if dir.is_dir()
+                    && let Err(error) = std::fs::remove_dir_all(&dir)
+                {
+                    tracing::warn!(group, dir = %dir.display(), %error, "cannot remove a deleted shard's directory");
+                }
+            }
+            tracing::info!(
+                group,
+                "released a shard group whose stream was deleted while this member was down"
+            );
+        }
+        self.unclaimed = Some(waiting);
         Ok(())
     }
 
@@ -835,6 +900,18 @@ impl<B: Backend> Groups<B> {
     }
 }
 
+/// The group ids named by the subdirectories of `dir` (none when it does not exist).
+fn numbered_dirs(dir: &Path) -> Vec<u64> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(Result::ok)
+        .filter(|entry| entry.file_type().is_ok_and(|kind| kind.is_dir()))
+        .filter_map(|entry| entry.file_name().to_str()?.parse().ok())
+        .collect()
+}
+
 fn records_failed(group: u64, error: &dyn std::fmt::Display) -> NodeError {
     NodeError::Store(format!("shard group {group}: record log: {error}"))
 }
@@ -963,6 +1040,72 @@ mod tests {
             root.join("records"),
             RecordsConfig::default(),
         )
+    }
+
+    /// A member down while a stream was deleted never replays the creation, so its groups
+    /// never start: they are released once the control plane has applied past the creation,
+    /// and kept while it has not (the member may be about to start them again).
+    #[test]
+    fn groups_of_a_stream_deleted_while_down_are_released_once_the_deletion_is_applied() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let created = one_member_with_a_stream();
+        let incarnation = created.streams["orders"].incarnation;
+        let ids = [group_id(incarnation, 0), group_id(incarnation, 1)];
+        let mut running = groups(root.path());
+        running.reconcile(&created).expect("reconcile");
+        assert_eq!(running.status().len(), 2);
+        running.flush();
+        drop(running);
+        let records = root.path().join("records");
+        let record_dirs = || {
+            let mut found = numbered_dirs(&records);
+            found.sort_unstable();
+            found
+        };
+        assert_eq!(record_dirs(), ids);
+
+        // Behind: the member has applied less than the creation (a stream may come back).
+        let mut behind = ControlState::default();
+        let register = Command::Register {
+            member: Member {
+                id: 1,
+                client_addr: "127.0.0.1:7001".to_owned(),
+                peer_addr: "127.0.0.1:8001".to_owned(),
+                cores: 1,
+            },
+        };
+        assert_eq!(behind.apply(1, &register), Outcome::Done);
+        let mut restarted = groups(root.path());
+        restarted.reconcile(&behind).expect("reconcile behind");
+        assert!(restarted.status().is_empty());
+        let held = |groups: &Groups| {
+            groups
+                .on_commit
+                .as_ref()
+                .map(SharedLog::groups)
+                .unwrap_or_default()
+        };
+        assert_eq!(
+            held(&restarted),
+            ids,
+            "kept while the creation is not applied"
+        );
+        assert_eq!(record_dirs(), ids);
+
+        // Caught up past the deletion: released, record logs removed, for good.
+        let mut deleted = created.clone();
+        let delete = Command::DeleteStream {
+            name: "orders".to_owned(),
+        };
+        assert_eq!(deleted.apply(3, &delete), Outcome::Done);
+        restarted.reconcile(&deleted).expect("reconcile caught up");
+        assert!(held(&restarted).is_empty(), "released from the shared log");
+        assert!(record_dirs().is_empty(), "record logs removed");
+        drop(restarted);
+        let dir = root.path().join("shards").join(SHARED_ON_COMMIT_DIR);
+        let backend = (system_backends())(&dir).expect("backend");
+        let reopened = SharedLog::open(shard_log_config(&dir), backend).expect("reopen");
+        assert!(reopened.groups().is_empty(), "the release was stored");
     }
 
     /// A group's Raft log in its own directory (the layout before the shared logs) moves

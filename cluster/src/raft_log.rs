@@ -218,6 +218,16 @@ impl<B: Backend> Cell<B> {
         self.next_generation += 1;
         generation
     }
+
+    /// Releases the shards of `group`'s generation `generation` (the log gives back each
+    /// segment left without a live record once no other group's records hold it) and forgets
+    /// the group.
+    fn release_group(&mut self, group: u64, generation: u32) -> Result<()> {
+        self.log
+            .release_shards(|id| generation_of(id) != generation)?;
+        self.owners.remove(&group);
+        Ok(())
+    }
 }
 
 /// Bytes of a record's frame besides its key and payload, as counted in [`Cell::appended`]
@@ -444,6 +454,21 @@ impl<B: Backend> SharedLog<B> {
         self.cell.borrow().owners.contains_key(&group)
     }
 
+    /// Releases group `group`'s generation, found in the log but no longer wanted (its stream
+    /// was deleted while this member was down), without opening a [`RaftLog`] on it: the
+    /// caller makes sure none is open. Returns whether the log held the group.
+    pub fn release_orphan(&self, group: u64) -> Result<bool> {
+        let mut cell = self.cell.borrow_mut();
+        if let Some(why) = &cell.failed {
+            return Err(RaftLogError::Failed(why.clone()));
+        }
+        let Some(generation) = cell.owners.get(&group).copied() else {
+            return Ok(false);
+        };
+        cell.release_group(group, generation)?;
+        Ok(true)
+    }
+
     /// Starts writing what the groups appended (their [`RaftLog::persist_begin`]s): one round,
     /// one fdatasync for all of them. Their `persist_end`s wait for it. Nothing appended
     /// since the last call: nothing to do (the groups' ticks reap completions).
@@ -662,10 +687,8 @@ impl<B: Backend> RaftLog<B> {
         };
         self.flush()?;
         let mine = self.generation;
-        let released = self.log().release_shards(|id| generation_of(id) != mine);
-        released.map_err(|e| self.fail(e.into()))?;
-        self.cell.borrow_mut().owners.remove(&group);
-        Ok(())
+        let released = self.cell.borrow_mut().release_group(group, mine);
+        released.map_err(|e| self.fail(e))
     }
 
     /// True when nothing was ever stored (a fresh directory): the node must be bootstrapped.
