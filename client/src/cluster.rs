@@ -5,12 +5,23 @@
 //! It learns the cluster from any member (`DescribeCluster`, answered with a `ClusterMap`:
 //! the members' client addresses and each replicated shard's leader), keeps one [`Client`]
 //! per member it has published to (opened lazily, core-aware within the member), and splits
-//! each batch by leader, keeping each shard's records in batch order. When a part fails
-//! because a member is gone or has no quorum (`unavailable`, a closed connection), the map is
-//! refreshed before the next publish, from any member that answers; the error goes to the
-//! caller, who decides whether to publish again (the records of a failed publish may still
-//! commit, so publishing them again may store them twice). Streams that are not replicated
-//! go through the seed member as with a plain [`Client`].
+//! each batch by shard, keeping each shard's records in batch order.
+//!
+//! It publishes as **one idempotent producer for the whole cluster** (`ClientConfig::idempotent`,
+//! the default): one producer id (`ClientConfig::producer_id`, else random) and one sequence
+//! per replicated shard, whichever member a batch goes through. A part whose outcome is
+//! unknown (its member's connection went, the member could not commit it in time, or it was
+//! refused for a reason a retry cures) is sent again with the same producer id and sequence,
+//! after the cluster map is refreshed, to the shard's leader as now known or through any
+//! member that answers (which forwards it), at most `ClientConfig::publish_retries` times
+//! with a doubling backoff from `ClientConfig::publish_retry_backoff`. The shard's Raft group
+//! applies each (producer, sequence) once, so a batch retried across a leader change is
+//! stored once and acknowledged with its first offsets. A part that fails for good is the
+//! caller's error (its records may still commit), and that shard's later batches go out
+//! under a fresh producer id. With `idempotent` off, each part goes out once as a plain
+//! publish and an error goes to the caller, who decides whether to publish again (which may
+//! then store the records twice). Streams that are not replicated go through the seed member
+//! as with a plain [`Client`].
 //!
 //! Every member must present a certificate the configuration trusts (`ClientConfig::ca` may
 //! hold several PEM certificates: one CA for the cluster, or each member's development
@@ -26,7 +37,10 @@ use felix_wire::{
     Record, ShardAck, StreamKind,
 };
 
-use crate::{Client, ClientConfig, ClientError, PendingAck};
+use crate::{
+    Client, ClientConfig, ClientError, PUBLISH_RETRY_BACKOFF_MAX, PendingAck, ProducerState,
+    random_producer_id, retryable, sequenced_acks,
+};
 
 /// What the client knows of the cluster.
 #[derive(Debug, Default)]
@@ -92,6 +106,9 @@ pub struct ClusterClient {
     map: Mutex<Arc<Map>>,
     /// A part failed in a way a stale map explains: refresh before the next publish.
     stale: AtomicBool,
+    /// The cluster-wide idempotent producer: per replicated shard, its producer id and last
+    /// sequence (`None`: `ClientConfig::idempotent` is off).
+    producer: Option<Arc<ProducerState>>,
 }
 
 impl std::fmt::Debug for ClusterClient {
@@ -115,6 +132,7 @@ impl ClusterClient {
     /// Connects to the member at `config.addr` and asks it for the cluster map.
     pub async fn connect(config: ClientConfig) -> Result<ClusterClient, ClientError> {
         let seed = Arc::new(Client::connect(config.clone()).await?);
+        let producer = cluster_producer(&config, &seed);
         let map = seed.describe_cluster().await?;
         let mut members = HashMap::new();
         if map.member != 0 {
@@ -127,6 +145,7 @@ impl ClusterClient {
             members: tokio::sync::Mutex::new(members),
             map: Mutex::new(Arc::new(Map::from_frame(&map))),
             stale: AtomicBool::new(false),
+            producer,
         };
         Ok(client)
     }
@@ -231,9 +250,9 @@ impl ClusterClient {
         self.members.lock().await.remove(&id);
     }
 
-    /// Queues an acked publish: each leader's records go to that member; the returned future
-    /// resolves to the acks of every part, one per shard in ascending shard order, or to the
-    /// first part's error.
+    /// Queues an acked publish: each shard's records go to the member leading it (module
+    /// docs); settle the returned [`ClusterAck`] with [`ClusterClient::settle`] for the acks
+    /// of every part, one per shard in ascending shard order, or the first part's error.
     pub async fn publish_pipelined(
         &self,
         stream: &str,
@@ -243,8 +262,36 @@ impl ClusterClient {
             // Best effort: with no member answering, the old map is as good as any.
             let _ = self.refresh().await;
         }
+        let map = self.map();
+        if let Some(producer) = &self.producer
+            && let Some(leaders) = map.leaders.get(stream).filter(|l| !l.is_empty())
+        {
+            if records.is_empty() {
+                return Err(ClientError::InvalidArgument("an empty batch".to_owned()));
+            }
+            let stream: Arc<str> = Arc::from(stream);
+            let mut sequenced = Vec::new();
+            for (shard, records) in split_by_shard(leaders.len(), records) {
+                let (id, sequence) = producer.next(&stream, shard);
+                let leader = leaders[shard as usize];
+                let mut part = SequencedPart {
+                    stream: Arc::clone(&stream),
+                    shard,
+                    producer: (id, sequence),
+                    records,
+                    member: leader,
+                    first: None,
+                };
+                part.first = Some(self.send_part(&mut part, leader).await);
+                sequenced.push(part);
+            }
+            return Ok(ClusterAck {
+                pending: Vec::new(),
+                sequenced,
+            });
+        }
         let mut pending = Vec::new();
-        for part in split(&self.map(), stream, records) {
+        for part in split(&map, stream, records) {
             let (member, client) = self.route(part.member).await?;
             match client.publish_pipelined(stream, &part.records).await {
                 Ok(ack) => pending.push((member, ack)),
@@ -254,7 +301,79 @@ impl ClusterClient {
                 }
             }
         }
-        Ok(ClusterAck { pending })
+        Ok(ClusterAck {
+            pending,
+            sequenced: Vec::new(),
+        })
+    }
+
+    /// Sends `part` through the member leading its shard (`leader`, 0 when none is known),
+    /// or any member that answers; `part.member` becomes the one it went through. An error
+    /// here is the attempt's outcome, like an answer's.
+    async fn send_part(&self, part: &mut SequencedPart, leader: u16) -> Attempt {
+        let (member, client) = match self.route(Some(leader)).await {
+            Ok(route) => route,
+            Err(error) => return Err(error),
+        };
+        part.member = member;
+        client
+            .send_sequenced(&part.stream, part.shard, part.producer, &part.records)
+            .await
+    }
+
+    /// Waits for a sequenced part's acks, sending it again (same producer id and sequence)
+    /// through the shard's leader as then known after an outcome a retry may cure, at most
+    /// `publish_retries` times. A part that fails for good moves its shard to a fresh
+    /// producer id (its sequence would be a gap every later batch is refused for).
+    async fn settle_part(&self, mut part: SequencedPart) -> Result<Vec<ShardAck>, ClientError> {
+        let Some(producer) = &self.producer else {
+            return Err(ClientError::Protocol(
+                "a sequenced part without a producer".to_owned(),
+            ));
+        };
+        let mut attempt = part.first.take().unwrap_or_else(|| {
+            Err(ClientError::Protocol(
+                "a sequenced part never sent".to_owned(),
+            ))
+        });
+        let mut retries = 0;
+        let mut wait = self.config.publish_retry_backoff;
+        loop {
+            let error = match attempt {
+                Ok(answer) => match sequenced_acks(answer).await {
+                    Ok(acks) => return Ok(acks),
+                    Err(error) => error,
+                },
+                Err(error) => error,
+            };
+            self.failed(part.member, &error).await;
+            let (id, sequence) = part.producer;
+            // Another batch of the shard failed for good: the shard went on under a new id.
+            let abandoned = !producer.current(&part.stream, part.shard, id);
+            if retries >= self.config.publish_retries
+                || abandoned
+                || !retryable_in_cluster(&error, sequence)
+            {
+                producer.abandon(&part.stream, part.shard, id);
+                return Err(error);
+            }
+            retries += 1;
+            tracing::debug!(
+                stream = %part.stream,
+                shard = part.shard,
+                sequence,
+                member = part.member,
+                %error,
+                "a cluster publish part is sent again"
+            );
+            tokio::time::sleep(wait).await;
+            wait = (wait * 2).min(PUBLISH_RETRY_BACKOFF_MAX);
+            if self.stale.load(Ordering::Relaxed) {
+                let _ = self.refresh().await;
+            }
+            let leader = self.leader(&part.stream, part.shard).unwrap_or(0);
+            attempt = self.send_part(&mut part, leader).await;
+        }
     }
 
     /// Publishes and waits for the acks (see [`ClusterClient::publish_pipelined`]).
@@ -277,6 +396,19 @@ impl ClusterClient {
                 Ok(part) => acks.extend(part),
                 Err(error) => {
                     self.failed(member, &error).await;
+                    first_error.get_or_insert(error);
+                }
+            }
+        }
+        // The parts wait (and retry) together: one part's leader change does not hold the
+        // others' answers back.
+        let settled =
+            futures::future::join_all(ack.sequenced.into_iter().map(|part| self.settle_part(part)))
+                .await;
+        for outcome in settled {
+            match outcome {
+                Ok(part) => acks.extend(part),
+                Err(error) => {
                     first_error.get_or_insert(error);
                 }
             }
@@ -310,15 +442,70 @@ impl ClusterClient {
 /// The acks of a pipelined cluster publish: settle it with [`ClusterClient::settle`].
 #[must_use = "the publish is sent; settle it to learn its offsets or its error"]
 pub struct ClusterAck {
+    /// Parts sent as plain publishes, by the member each went to.
     pending: Vec<(u16, PendingAck)>,
+    /// Parts of the cluster's idempotent producer, one per shard.
+    sequenced: Vec<SequencedPart>,
 }
 
 impl std::fmt::Debug for ClusterAck {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ClusterAck")
-            .field("parts", &self.pending.len())
+            .field("parts", &(self.pending.len() + self.sequenced.len()))
             .finish()
     }
+}
+
+/// One attempt of a sequenced part: the receiver of its answer, or why it could not be sent.
+type Attempt = Result<tokio::sync::oneshot::Receiver<crate::Answer>, ClientError>;
+
+/// One shard's records of a publish by the cluster's idempotent producer.
+struct SequencedPart {
+    stream: Arc<str>,
+    shard: u32,
+    /// The producer id and the sequence every attempt carries.
+    producer: (u64, u64),
+    records: Vec<Record>,
+    /// The member the last attempt went through.
+    member: u16,
+    /// The first attempt, made when the publish was queued.
+    first: Option<Attempt>,
+}
+
+/// The cluster's idempotent producer for `config`, when idempotent publishing is on and the
+/// seed member takes producers.
+fn cluster_producer(config: &ClientConfig, seed: &Client) -> Option<Arc<ProducerState>> {
+    seed.producer_id()?;
+    Some(Arc::new(ProducerState {
+        id: config.producer_id.unwrap_or_else(random_producer_id),
+        shards: Mutex::default(),
+    }))
+}
+
+/// Whether a sequenced part answered (or failed with) `error` is worth sending again, with
+/// the same producer id and sequence: what a plain client retries ([`retryable`]), and what
+/// another member may cure: a member's connection gone or not made (the retry goes to the
+/// shard's leader as then known, or through any member that answers).
+fn retryable_in_cluster(error: &ClientError, sequence: u64) -> bool {
+    match error {
+        ClientError::Closed(_) | ClientError::Connect { .. } | ClientError::Io(_) => true,
+        other => retryable(other, sequence),
+    }
+}
+
+/// Splits `records` by shard (of `shard_count`), keeping batch order within each; parts in
+/// the order their first record came.
+fn split_by_shard(shard_count: usize, records: &[Record]) -> Vec<(u32, Vec<Record>)> {
+    let shard_count = u32::try_from(shard_count).unwrap_or(u32::MAX);
+    let mut parts: Vec<(u32, Vec<Record>)> = Vec::new();
+    for record in records {
+        let shard = felix_wire::shard_for_key(&record.key, shard_count);
+        match parts.iter_mut().find(|(part, _)| *part == shard) {
+            Some((_, part)) => part.push(record.clone()),
+            None => parts.push((shard, vec![record.clone()])),
+        }
+    }
+    parts
 }
 
 impl Client {
@@ -414,6 +601,62 @@ mod tests {
 
     fn record(key: String) -> Record {
         crate::record(key.clone(), key)
+    }
+
+    #[test]
+    fn a_batch_splits_by_shard_in_batch_order() {
+        let records: Vec<Record> = (0..40).map(|i| record(format!("k{i}"))).collect();
+        let parts = split_by_shard(4, &records);
+        let mut shards: Vec<u32> = parts.iter().map(|(shard, _)| *shard).collect();
+        shards.sort_unstable();
+        shards.dedup();
+        assert_eq!(shards.len(), parts.len(), "one part per shard");
+        for (shard, part) in &parts {
+            let expected: Vec<&Record> = records
+                .iter()
+                .filter(|r| felix_wire::shard_for_key(&r.key, 4) == *shard)
+                .collect();
+            assert_eq!(part.iter().collect::<Vec<_>>(), expected);
+        }
+        let first = felix_wire::shard_for_key(&records[0].key, 4);
+        assert_eq!(
+            parts[0].0, first,
+            "parts in the order their first record came"
+        );
+        assert_eq!(parts.iter().map(|(_, p)| p.len()).sum::<usize>(), 40);
+    }
+
+    /// What another member may cure is sent again; what no retry cures is not.
+    #[test]
+    fn a_part_is_sent_again_after_a_lost_member_or_an_answer_a_retry_cures() {
+        let server = |code, detail| ClientError::Server {
+            code,
+            detail,
+            message: String::new(),
+        };
+        let again = [
+            ClientError::Closed("the connection ended before the ack".to_owned()),
+            ClientError::Connect {
+                addr: "127.0.0.1:1".parse().expect("addr"),
+                reason: "timed out".to_owned(),
+            },
+            server(ErrorCode::Unavailable, 7),
+            server(ErrorCode::IngressBudgetExhausted, 0),
+            server(ErrorCode::OutOfSequence, 6),
+        ];
+        for error in &again {
+            assert!(retryable_in_cluster(error, 7), "{error}");
+        }
+        let final_ = [
+            server(ErrorCode::StreamNotFound, 0),
+            server(ErrorCode::Unavailable, 0),
+            server(ErrorCode::OutOfSequence, 0),
+            server(ErrorCode::OutOfSequence, 8),
+            ClientError::InvalidArgument("a bad batch".to_owned()),
+        ];
+        for error in &final_ {
+            assert!(!retryable_in_cluster(error, 7), "{error}");
+        }
     }
 
     #[test]

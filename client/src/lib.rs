@@ -1299,9 +1299,24 @@ impl Client {
         &self,
         stream: &str,
         shard: u32,
-        (producer, sequence): (u64, u64),
+        producer: (u64, u64),
         records: &[Record],
     ) -> Result<Vec<ShardAck>, ClientError> {
+        let answer = self
+            .send_sequenced(stream, shard, producer, records)
+            .await?;
+        sequenced_acks(answer).await
+    }
+
+    /// [`Client::publish_sequenced`]'s sending half: returns once the batch is queued on its
+    /// publish stream, with the receiver of its answer ([`sequenced_acks`] reads it).
+    pub(crate) async fn send_sequenced(
+        &self,
+        stream: &str,
+        shard: u32,
+        (producer, sequence): (u64, u64),
+        records: &[Record],
+    ) -> Result<oneshot::Receiver<Answer>, ClientError> {
         if self.primary.hello.features & felix_wire::FEATURE_PRODUCER == 0 {
             return Err(ClientError::InvalidArgument(
                 "the broker does not take idempotent producers (no producer feature)".to_owned(),
@@ -1341,15 +1356,7 @@ impl Client {
         let answer = conn.shared.register(request_id, Some(permit))?;
         let writer = conn.publish_writer(dest.stream_index).await?;
         conn.queue(writer, chunks, None).await?;
-        match answer.await {
-            Ok(Ok(Frame::Ack(ack))) => Ok(ack.shards),
-            Ok(Ok(Frame::Error(error))) => Err(ClientError::from_error_frame(error)),
-            Ok(Ok(other)) => Err(unexpected("Ack", &other)),
-            Ok(Err(failure)) => Err(failure.to_error()),
-            Err(_) => Err(ClientError::Closed(
-                "the connection ended before the ack".to_owned(),
-            )),
-        }
+        Ok(answer)
     }
 
     /// This client's producer id, when it publishes as an idempotent producer (configured,
@@ -1703,6 +1710,21 @@ impl RetryPolicy {
                 .await
                 .map_err(|_| ClientError::Closed("the publish stream is closed".to_owned()))?;
         }
+    }
+}
+
+/// The acks (or the error) a batch sent with [`Client::send_sequenced`] was answered with.
+pub(crate) async fn sequenced_acks(
+    answer: oneshot::Receiver<Answer>,
+) -> Result<Vec<ShardAck>, ClientError> {
+    match answer.await {
+        Ok(Ok(Frame::Ack(ack))) => Ok(ack.shards),
+        Ok(Ok(Frame::Error(error))) => Err(ClientError::from_error_frame(error)),
+        Ok(Ok(other)) => Err(unexpected("Ack", &other)),
+        Ok(Err(failure)) => Err(failure.to_error()),
+        Err(_) => Err(ClientError::Closed(
+            "the connection ended before the ack".to_owned(),
+        )),
     }
 }
 

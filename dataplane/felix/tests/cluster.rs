@@ -1789,9 +1789,13 @@ fn acked_publishes_are_on_every_replica_once_after_a_leaders_kill() {
             })
         })
         .collect();
-    // And a cluster client, seeded with member 1, straight to each shard's leader.
+    // And a cluster client, seeded with member 1, straight to each shard's leader, as one
+    // idempotent producer: a part caught by the kill is sent again (same producer id and
+    // sequence) through the shard's new leader, and stored once. Its retries cover a
+    // failover with room to spare (~15 s of backoff; the failover below waits up to 60 s).
     let bundle = tempfile::tempdir().expect("temp dir");
-    let cluster_config = cluster_client_config(&cluster, 1, bundle.path());
+    let mut cluster_config = cluster_client_config(&cluster, 1, bundle.path());
+    cluster_config.publish_retries = 20;
     let cluster_publisher = std::thread::spawn(move || {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -1841,6 +1845,10 @@ fn acked_publishes_are_on_every_replica_once_after_a_leaders_kill() {
         "cluster client: {} batches acknowledged, {refusals} refused, {straight} parts straight \
          to a leader that is not its seed",
         batches.len()
+    );
+    assert_eq!(
+        refusals, 0,
+        "the cluster client rode the leader's kill: every publish acknowledged"
     );
     assert!(
         straight > 0,
@@ -1963,13 +1971,17 @@ fn write_bundle(cluster: &Cluster, dir: &Path) -> std::path::PathBuf {
     path
 }
 
-/// Publishes PUBLISH_BATCHES batches of 1-4 keyed records through a cluster client, across
-/// the leader's kill: a failed publish is counted and not published again (its records may
-/// still commit). Returns the acknowledged batches, the refused count, and how many parts went
-/// to a leader other than the seed (member 1).
+/// Publishes PUBLISH_BATCHES batches of 1-4 keyed records through a cluster client, eight in
+/// flight (so the leader's kill catches several parts, some of them committed but not yet
+/// acknowledged), across the leader's kill: the client sends a part caught by it again
+/// itself, as the same producer and sequence, and it must be stored once. A publish that
+/// still fails is counted and not published again (its records may still commit). Returns
+/// the acknowledged batches, the refused count, and how many parts went to a leader other
+/// than the seed (member 1).
 async fn cluster_publish_batches(
     config: felix_client::ClientConfig,
 ) -> (Vec<AckedBatch>, usize, usize) {
+    const IN_FLIGHT: usize = 8;
     let client = support::within(felix_client::ClusterClient::connect(config))
         .await
         .expect("the cluster client connects");
@@ -1977,31 +1989,45 @@ async fn cluster_publish_batches(
     let mut refused = 0;
     let mut straight = 0;
     let deadline = Instant::now() + DEADLINE * 4;
-    for batch in 0..PUBLISH_BATCHES {
+    let mut in_flight = std::collections::VecDeque::new();
+    let mut batches = 0..PUBLISH_BATCHES;
+    loop {
+        while in_flight.len() < IN_FLIGHT
+            && let Some(batch) = batches.next()
+        {
+            let (keys, payloads, records) = batch_of("c", batch);
+            let leaders: std::collections::BTreeSet<u16> = keys
+                .iter()
+                .filter_map(|key| {
+                    client.leader("payments", felix_wire::shard_for_key(key.as_bytes(), 3))
+                })
+                .collect();
+            straight += leaders.iter().filter(|leader| **leader != 1).count();
+            let sent = support::within(client.publish_pipelined("payments", &records))
+                .await
+                .expect("a cluster publish is queued");
+            in_flight.push_back((batch, keys, payloads, sent));
+        }
+        let Some((batch, keys, payloads, sent)) = in_flight.pop_front() else {
+            break;
+        };
         assert!(Instant::now() < deadline, "the cluster publisher stalled");
-        let (keys, payloads, records) = batch_of("c", batch);
-        let leaders: std::collections::BTreeSet<u16> = keys
-            .iter()
-            .filter_map(|key| {
-                client.leader("payments", felix_wire::shard_for_key(key.as_bytes(), 3))
-            })
-            .collect();
-        straight += leaders.iter().filter(|leader| **leader != 1).count();
-        match tokio::time::timeout(DEADLINE, client.publish("payments", &records)).await {
+        // Bounded: the client's retries (module docs of `felix_client::cluster`) end well
+        // within this.
+        match tokio::time::timeout(DEADLINE * 3, client.settle(sent)).await {
             Ok(Ok(acks)) => acked.push(AckedBatch {
                 payloads,
                 acks,
                 keys,
             }),
             Ok(Err(error)) => {
-                eprintln!(
-                    "cluster publisher: batch {batch} to leaders {leaders:?} at {:?}: {error}",
-                    deadline - Instant::now()
-                );
+                eprintln!("cluster publisher: batch {batch}: {error}");
                 refused += 1;
-                tokio::time::sleep(Duration::from_millis(100)).await;
             }
-            Err(_) => panic!("a cluster publish was not answered within {DEADLINE:?}"),
+            Err(_) => panic!(
+                "a cluster publish was not answered within {:?}",
+                DEADLINE * 3
+            ),
         }
     }
     (acked, refused, straight)
