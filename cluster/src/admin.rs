@@ -179,6 +179,15 @@ pub fn render(status: &ClusterStatus) -> String {
             member.id, member.client_addr, member.peer_addr, member.cores, connected, lag
         );
     }
+    for log in &status.raft_logs {
+        let _ = writeln!(
+            out,
+            "\nshard groups' raft log ({}): {} bytes, {} groups",
+            log.fsync.name(),
+            log.bytes,
+            log.groups
+        );
+    }
     if status.state.streams.is_empty() {
         let _ = writeln!(out, "\nstreams: none");
     }
@@ -365,6 +374,33 @@ pub fn render_metrics(status: &ClusterStatus) -> String {
          by FELIX_DURABLE_RETENTION_*).",
         &|held| held.record_log_bytes,
     );
+    gauge(
+        &mut out,
+        "felix_cluster_raft_log_bytes",
+        "Bytes of this member's shared Raft log of the shard groups of each fsync mode (every \
+         group's entries, states and snapshots).",
+    );
+    for log in &status.raft_logs {
+        let _ = writeln!(
+            out,
+            "felix_cluster_raft_log_bytes{{fsync=\"{}\"}} {}",
+            log.fsync.name(),
+            log.bytes
+        );
+    }
+    gauge(
+        &mut out,
+        "felix_cluster_raft_log_groups",
+        "Shard groups with their Raft log in this member's shared Raft log of each fsync mode.",
+    );
+    for log in &status.raft_logs {
+        let _ = writeln!(
+            out,
+            "felix_cluster_raft_log_groups{{fsync=\"{}\"}} {}",
+            log.fsync.name(),
+            log.groups
+        );
+    }
     shard_gauge(
         &mut out,
         "felix_cluster_shard_oldest_offset",
@@ -487,6 +523,11 @@ mod tests {
             connected: vec![2],
             shards: vec![shard("a", 0), shard("a", 1), shard("b", 0)],
             subscriptions: 2,
+            raft_logs: vec![crate::groups::RaftLogStatus {
+                fsync: Fsync::OnCommit,
+                bytes: 8 << 20,
+                groups: 3,
+            }],
         };
         let text = render_metrics(&status);
         let mut finished: Vec<String> = Vec::new();
@@ -506,6 +547,8 @@ mod tests {
         }
         assert!(text.contains("felix_cluster_shard_under_replicated{stream=\"a\",shard=\"1\"} 1"));
         assert!(text.contains("felix_cluster_shard_lag_entries{stream=\"b\",shard=\"0\"} 1"));
+        assert!(text.contains("felix_cluster_raft_log_bytes{fsync=\"on_commit\"} 8388608"));
+        assert!(text.contains("felix_cluster_raft_log_groups{fsync=\"on_commit\"} 3"));
     }
 
     #[test]

@@ -76,6 +76,18 @@ pub fn group_id(incarnation: u64, shard: u32) -> u64 {
     (incarnation << 16) | u64::from(shard)
 }
 
+/// One of a member's shared Raft logs (`raft_log.rs`, [`SharedLog`]) as `felix cluster
+/// status` and `/metrics` show it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RaftLogStatus {
+    /// The acknowledgement mode of its groups' streams.
+    pub fsync: Fsync,
+    /// Bytes of its segment files (every group's entries, states and snapshots).
+    pub bytes: u64,
+    /// Groups with a generation in it.
+    pub groups: usize,
+}
+
 /// One shard group as `felix cluster status` shows it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShardStatus {
@@ -852,6 +864,23 @@ impl<B: Backend> Groups<B> {
 
     /// Every group's status.
     #[must_use]
+    /// The shared Raft logs opened so far.
+    pub fn raft_logs(&self) -> Vec<RaftLogStatus> {
+        [
+            (Fsync::OnCommit, &self.on_commit),
+            (Fsync::Periodic, &self.periodic),
+        ]
+        .into_iter()
+        .filter_map(|(fsync, shared)| {
+            shared.as_ref().map(|shared| RaftLogStatus {
+                fsync,
+                bytes: shared.disk_bytes(),
+                groups: shared.groups().len(),
+            })
+        })
+        .collect()
+    }
+
     pub fn status(&self) -> Vec<ShardStatus> {
         self.groups
             .iter()

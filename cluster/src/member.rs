@@ -696,6 +696,7 @@ impl<B: Backend> Member<B> {
         shown.connected.clone_from(&self.connected);
         shown.shards = self.groups.status();
         shown.subscriptions = self.subscriptions.len();
+        shown.raft_logs = self.groups.raft_logs();
         ClusterView::new(self.id, self.node.state(), &shown.shards, &self.memory)
     }
 
@@ -708,6 +709,7 @@ impl<B: Backend> Member<B> {
             connected: self.connected.clone(),
             shards: self.groups.status(),
             subscriptions: self.subscriptions.len(),
+            raft_logs: self.groups.raft_logs(),
         }
     }
 

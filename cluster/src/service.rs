@@ -90,6 +90,9 @@ pub struct ClusterStatus {
     /// Subscriptions to cluster streams this member serves (`subscribe.rs`).
     #[serde(default)]
     pub subscriptions: usize,
+    /// The shard groups' shared Raft logs this member has opened, one per fsync mode.
+    #[serde(default)]
+    pub raft_logs: Vec<crate::groups::RaftLogStatus>,
 }
 
 /// Called exactly once with a request's outcome, on the cluster thread (it must not block):

@@ -565,6 +565,19 @@ fn three_brokers_elect_register_and_spread_each_streams_leaders() {
             );
         }
     }
+    // Every member keeps the twelve groups' Raft logs in its one shared on_commit log.
+    wait_for(
+        &cluster,
+        &[1, 2, 3],
+        "the groups in each member's shared raft log",
+        |statuses| {
+            statuses.iter().all(|s| {
+                s.raft_logs
+                    .iter()
+                    .any(|log| log.fsync == Fsync::OnCommit && log.groups == 12 && log.bytes > 0)
+            })
+        },
+    );
     // `felix cluster status` shows the members and the stream's leaders.
     let text = felix_ok(
         felix()
@@ -577,6 +590,10 @@ fn three_brokers_elect_register_and_spread_each_streams_leaders() {
     );
     assert!(
         text.contains("stream orders (durable, fsync on_commit, 12 shards, 3 replicas)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("shard groups' raft log (on_commit): "),
         "{text}"
     );
     let leader_status = cluster.status(leader).expect("status");
@@ -595,6 +612,10 @@ fn three_brokers_elect_register_and_spread_each_streams_leaders() {
     );
     assert!(
         metrics.contains("felix_cluster_shard_leader{stream=\"orders\",shard=\"11\"}"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("felix_cluster_raft_log_groups{fsync=\"on_commit\"} 12\n"),
         "{metrics}"
     );
     assert!(metrics.trim_end().ends_with("# EOF"));
