@@ -43,8 +43,9 @@ pub(crate) struct PubArgs {
     no_ack: bool,
     /// Plain publishes: no producer id, so a retried batch may be stored twice, and no
     /// retries (by default acked publishes go out as an idempotent producer and are retried
-    /// after a retryable answer; docs/semantics.md, "Idempotent producers").
-    #[arg(long, conflicts_with = "cluster")]
+    /// after a retryable answer, with --cluster also through another member after a lost
+    /// connection; docs/semantics.md, "Idempotent producers").
+    #[arg(long)]
     no_idempotence: bool,
     /// The producer id (hex) to publish as, instead of a random one: sending the same
     /// records in the same order again as that producer stores none of them twice.
@@ -301,17 +302,15 @@ impl Publisher<'_> {
 }
 
 pub(crate) async fn publish(config: &Config, args: PubArgs) -> anyhow::Result<()> {
+    let mut client_config = client_config(config);
+    if args.no_idempotence {
+        client_config.idempotent = false;
+        client_config.publish_retries = 0;
+    }
+    client_config.producer_id = args.producer_id;
     let client = if args.cluster {
-        Sender::Cluster(Box::new(
-            ClusterClient::connect(client_config(config)).await?,
-        ))
+        Sender::Cluster(Box::new(ClusterClient::connect(client_config).await?))
     } else {
-        let mut client_config = client_config(config);
-        if args.no_idempotence {
-            client_config.idempotent = false;
-            client_config.publish_retries = 0;
-        }
-        client_config.producer_id = args.producer_id;
         Sender::Plain(Box::new(Client::connect(client_config).await?))
     };
     let key = Bytes::from(args.key.into_bytes());

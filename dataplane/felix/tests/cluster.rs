@@ -1099,6 +1099,30 @@ fn replicated_shards_elect_their_placed_leaders_and_fail_over() {
             String::from_utf8_lossy(&published.stderr)
         );
     }
+    // The same batch as the same producer, from two processes through two members: stored
+    // once, the second answered with the first's offsets.
+    let once: Vec<String> = [1, 3]
+        .iter()
+        .map(|via| {
+            felix_ok(
+                felix()
+                    .args([
+                        "pub",
+                        "orders",
+                        "--cluster",
+                        "--key=once",
+                        "--producer-id=f1ee",
+                    ])
+                    .arg("--addr")
+                    .arg(cluster.brokers[via].quic_addr.to_string())
+                    .arg("--ca")
+                    .arg(write_bundle(&cluster, bundle.path()))
+                    .arg("exactly once"),
+            )
+        })
+        .collect();
+    assert!(once[0].starts_with("acked 1 record: shard "), "{once:?}");
+    assert_eq!(once[0], once[1], "the second is the first's ack");
 
     // Deleting the stream (`felix cluster delete-stream`, through member 3) ends its
     // subscribers, refuses its publishes and removes every member's shard logs.
@@ -1162,8 +1186,8 @@ fn replicated_shards_elect_their_placed_leaders_and_fail_over() {
     }
     runtime.block_on(async {
         use futures::StreamExt as _;
-        // The records published before (twelve through `felix pub --cluster`, one more), then
-        // the end.
+        // The records published before (twelve through `felix pub --cluster`, one twice as
+        // one producer, one more), then the end.
         let mut received = 0;
         let end = loop {
             match support::within(subscription.next()).await {
@@ -1171,7 +1195,10 @@ fn replicated_shards_elect_their_placed_leaders_and_fail_over() {
                 end => break end,
             }
         };
-        assert_eq!(received, 13, "every record published before the deletion");
+        assert_eq!(
+            received, 14,
+            "every record published before the deletion, once"
+        );
         assert!(
             matches!(
                 &end,
