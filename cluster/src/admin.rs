@@ -374,33 +374,35 @@ pub fn render_metrics(status: &ClusterStatus) -> String {
          by FELIX_DURABLE_RETENTION_*).",
         &|held| held.record_log_bytes,
     );
-    gauge(
+    // A gauge with a sample per shared Raft log (fsync mode) this member opened.
+    let raft_log_gauge =
+        |out: &mut String,
+         name: &str,
+         help: &str,
+         value: &dyn Fn(&crate::groups::RaftLogStatus) -> u64| {
+            gauge(out, name, help);
+            for log in &status.raft_logs {
+                let _ = writeln!(
+                    out,
+                    "{name}{{fsync=\"{}\"}} {}",
+                    log.fsync.name(),
+                    value(log)
+                );
+            }
+        };
+    raft_log_gauge(
         &mut out,
         "felix_cluster_raft_log_bytes",
         "Bytes of this member's shared Raft log of the shard groups of each fsync mode (every \
          group's entries, states and snapshots).",
+        &|log| log.bytes,
     );
-    for log in &status.raft_logs {
-        let _ = writeln!(
-            out,
-            "felix_cluster_raft_log_bytes{{fsync=\"{}\"}} {}",
-            log.fsync.name(),
-            log.bytes
-        );
-    }
-    gauge(
+    raft_log_gauge(
         &mut out,
         "felix_cluster_raft_log_groups",
         "Shard groups with their Raft log in this member's shared Raft log of each fsync mode.",
+        &|log| log.groups as u64,
     );
-    for log in &status.raft_logs {
-        let _ = writeln!(
-            out,
-            "felix_cluster_raft_log_groups{{fsync=\"{}\"}} {}",
-            log.fsync.name(),
-            log.groups
-        );
-    }
     shard_gauge(
         &mut out,
         "felix_cluster_shard_oldest_offset",

@@ -1039,7 +1039,8 @@ mod tests {
     use crate::control::{Command, Member, Outcome};
     use raft::prelude::{ConfState, Entry, HardState};
 
-    fn one_member_with_a_stream() -> ControlState {
+    /// Member 1 registered at index 1, nothing else.
+    fn one_member_registered() -> ControlState {
         let mut state = ControlState::default();
         let register = Command::Register {
             member: Member {
@@ -1050,6 +1051,11 @@ mod tests {
             },
         };
         assert_eq!(state.apply(1, &register), Outcome::Done);
+        state
+    }
+
+    fn one_member_with_a_stream() -> ControlState {
+        let mut state = one_member_registered();
         let create = Command::CreateStream {
             name: "orders".to_owned(),
             kind: StreamKind::Durable,
@@ -1094,16 +1100,7 @@ mod tests {
         assert_eq!(record_dirs(), ids);
 
         // Behind: the member has applied less than the creation (a stream may come back).
-        let mut behind = ControlState::default();
-        let register = Command::Register {
-            member: Member {
-                id: 1,
-                client_addr: "127.0.0.1:7001".to_owned(),
-                peer_addr: "127.0.0.1:8001".to_owned(),
-                cores: 1,
-            },
-        };
-        assert_eq!(behind.apply(1, &register), Outcome::Done);
+        let behind = one_member_registered();
         let mut restarted = groups(root.path());
         restarted.reconcile(&behind).expect("reconcile behind");
         assert!(restarted.status().is_empty());
