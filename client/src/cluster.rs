@@ -280,10 +280,9 @@ impl ClusterClient {
                     producer: (id, sequence),
                     records,
                     member: leader,
-                    first: None,
                 };
-                part.first = Some(self.send_part(&mut part, leader).await);
-                sequenced.push(part);
+                let first = self.send_part(&mut part, leader).await;
+                sequenced.push((part, first));
             }
             return Ok(ClusterAck {
                 pending: Vec::new(),
@@ -311,10 +310,7 @@ impl ClusterClient {
     /// or any member that answers; `part.member` becomes the one it went through. An error
     /// here is the attempt's outcome, like an answer's.
     async fn send_part(&self, part: &mut SequencedPart, leader: u16) -> Attempt {
-        let (member, client) = match self.route(Some(leader)).await {
-            Ok(route) => route,
-            Err(error) => return Err(error),
-        };
+        let (member, client) = self.route(Some(leader)).await?;
         part.member = member;
         client
             .send_sequenced(&part.stream, part.shard, part.producer, &part.records)
@@ -325,17 +321,17 @@ impl ClusterClient {
     /// through the shard's leader as then known after an outcome a retry may cure, at most
     /// `publish_retries` times. A part that fails for good moves its shard to a fresh
     /// producer id (its sequence would be a gap every later batch is refused for).
-    async fn settle_part(&self, mut part: SequencedPart) -> Result<Vec<ShardAck>, ClientError> {
+    async fn settle_part(
+        &self,
+        mut part: SequencedPart,
+        first: Attempt,
+    ) -> Result<Vec<ShardAck>, ClientError> {
         let Some(producer) = &self.producer else {
             return Err(ClientError::Protocol(
                 "a sequenced part without a producer".to_owned(),
             ));
         };
-        let mut attempt = part.first.take().unwrap_or_else(|| {
-            Err(ClientError::Protocol(
-                "a sequenced part never sent".to_owned(),
-            ))
-        });
+        let mut attempt = first;
         let mut retries = 0;
         let mut wait = self.config.publish_retry_backoff;
         loop {
@@ -402,9 +398,12 @@ impl ClusterClient {
         }
         // The parts wait (and retry) together: one part's leader change does not hold the
         // others' answers back.
-        let settled =
-            futures::future::join_all(ack.sequenced.into_iter().map(|part| self.settle_part(part)))
-                .await;
+        let settled = futures::future::join_all(
+            ack.sequenced
+                .into_iter()
+                .map(|(part, first)| self.settle_part(part, first)),
+        )
+        .await;
         for outcome in settled {
             match outcome {
                 Ok(part) => acks.extend(part),
@@ -444,8 +443,9 @@ impl ClusterClient {
 pub struct ClusterAck {
     /// Parts sent as plain publishes, by the member each went to.
     pending: Vec<(u16, PendingAck)>,
-    /// Parts of the cluster's idempotent producer, one per shard.
-    sequenced: Vec<SequencedPart>,
+    /// Parts of the cluster's idempotent producer, one per shard, each with its first
+    /// attempt (made when the publish was queued).
+    sequenced: Vec<(SequencedPart, Attempt)>,
 }
 
 impl std::fmt::Debug for ClusterAck {
@@ -468,8 +468,6 @@ struct SequencedPart {
     records: Vec<Record>,
     /// The member the last attempt went through.
     member: u16,
-    /// The first attempt, made when the publish was queued.
-    first: Option<Attempt>,
 }
 
 /// The cluster's idempotent producer for `config`, when idempotent publishing is on and the

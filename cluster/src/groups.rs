@@ -49,6 +49,14 @@ fn shard_log_config(dir: &Path) -> felix_storage::LogConfig {
 const SHARED_ON_COMMIT_DIR: &str = "on_commit";
 const SHARED_PERIODIC_DIR: &str = "periodic";
 
+/// The directory name of `fsync`'s shared Raft log.
+fn shared_dir_name(fsync: Fsync) -> &'static str {
+    match fsync {
+        Fsync::OnCommit => SHARED_ON_COMMIT_DIR,
+        Fsync::Periodic => SHARED_PERIODIC_DIR,
+    }
+}
+
 /// A replica this many entries or fewer behind the leader counts as in sync.
 pub const IN_SYNC_LAG_MAX: u64 = 1_000;
 
@@ -284,12 +292,12 @@ impl<B: Backend> Groups<B> {
 
     /// The shared Raft log of `fsync`'s groups, opened (and recovered) on first use.
     fn shared_log(&mut self, fsync: Fsync) -> Result<&SharedLog<B>, NodeError> {
-        let (slot, name) = match fsync {
-            Fsync::OnCommit => (&mut self.on_commit, SHARED_ON_COMMIT_DIR),
-            Fsync::Periodic => (&mut self.periodic, SHARED_PERIODIC_DIR),
+        let slot = match fsync {
+            Fsync::OnCommit => &mut self.on_commit,
+            Fsync::Periodic => &mut self.periodic,
         };
         if slot.is_none() {
-            let dir = self.dir.join(name);
+            let dir = self.dir.join(shared_dir_name(fsync));
             let mut config = shard_log_config(&dir);
             if fsync == Fsync::Periodic {
                 config.fsync = felix_storage::FsyncMode::Periodic {
@@ -450,23 +458,9 @@ impl<B: Backend> Groups<B> {
     /// committed. A group created after what this member has applied so far waits: it may be
     /// one this member is about to start again, and its Raft log must not go.
     fn sweep_orphans(&mut self, state: &ControlState) -> Result<(), NodeError> {
-        if self.unclaimed.is_none() {
-            let mut found = BTreeSet::new();
-            for (fsync, name) in [
-                (Fsync::OnCommit, SHARED_ON_COMMIT_DIR),
-                (Fsync::Periodic, SHARED_PERIODIC_DIR),
-            ] {
-                if self.dir.join(name).is_dir() {
-                    found.extend(self.shared_log(fsync)?.groups());
-                }
-            }
-            found.extend(numbered_dirs(&self.records_dir));
-            found.extend(numbered_dirs(&self.dir));
-            found.retain(|group| *group != CONTROL_GROUP && !self.groups.contains_key(group));
-            self.unclaimed = Some(found);
-        }
-        let Some(unclaimed) = self.unclaimed.take() else {
-            return Ok(());
+        let unclaimed = match self.unclaimed.take() {
+            Some(unclaimed) => unclaimed,
+            None => self.groups_on_disk()?,
         };
         let mut waiting = BTreeSet::new();
         for group in unclaimed {
@@ -499,6 +493,21 @@ impl<B: Backend> Groups<B> {
         }
         self.unclaimed = Some(waiting);
         Ok(())
+    }
+
+    /// The groups this member keeps something of on disk (a generation in a shared Raft log,
+    /// a record log, an earlier release's directory) that do not run.
+    fn groups_on_disk(&mut self) -> Result<BTreeSet<u64>, NodeError> {
+        let mut found = BTreeSet::new();
+        for fsync in [Fsync::OnCommit, Fsync::Periodic] {
+            if self.dir.join(shared_dir_name(fsync)).is_dir() {
+                found.extend(self.shared_log(fsync)?.groups());
+            }
+        }
+        found.extend(numbered_dirs(&self.records_dir));
+        found.extend(numbered_dirs(&self.dir));
+        found.retain(|group| *group != CONTROL_GROUP && !self.groups.contains_key(group));
+        Ok(found)
     }
 
     /// One tick of every group at time `now`: its log's background work (queued writes, a
@@ -862,9 +871,8 @@ impl<B: Backend> Groups<B> {
         }
     }
 
-    /// Every group's status.
-    #[must_use]
     /// The shared Raft logs opened so far.
+    #[must_use]
     pub fn raft_logs(&self) -> Vec<RaftLogStatus> {
         [
             (Fsync::OnCommit, &self.on_commit),
@@ -881,6 +889,8 @@ impl<B: Backend> Groups<B> {
         .collect()
     }
 
+    /// Every group's status.
+    #[must_use]
     pub fn status(&self) -> Vec<ShardStatus> {
         self.groups
             .iter()
