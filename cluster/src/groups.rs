@@ -159,7 +159,19 @@ struct Group<B: Backend> {
     hole: Option<Hole>,
     /// The leader this member last knew of (a change re-proposes the pending batches).
     leader: Option<u64>,
+    /// Since when, as this group's leader, a follower was not sent the commit index
+    /// ([`Node::commit_untold`]): it is told [`COMMIT_TELL_DELAY`] later unless an append
+    /// carried it first.
+    untold_since: Option<std::time::Instant>,
 }
+
+/// How long a leader waits for an append to carry a new commit index to its followers before
+/// it sends heartbeats that do ([`NodeConfig::lazy_commit`]). Under load the next batch's
+/// append always comes first, so a commit costs no message of its own (raft-rs's eager mode
+/// sends one to every follower, and each answers); a follower's subscribers see a lone
+/// publish at most this much later, and a publish forwarded by a follower is not delayed
+/// (its commit is broadcast at once).
+pub const COMMIT_TELL_DELAY: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// A compaction that waits until the record log has fdatasynced the records before
 /// `next_offset` (the shard's next offset at `index`).
@@ -422,6 +434,7 @@ impl<B: Backend> Groups<B> {
                 config.randomized_timeouts = false;
             }
             config.compact_after = self.records_config.compact_after;
+            config.lazy_commit = true;
             let node = Node::with_machine(&config, store, ShardState::default())?;
             tracing::info!(
                 stream,
@@ -444,6 +457,7 @@ impl<B: Backend> Groups<B> {
                     compact_point: None,
                     hole: None,
                     leader: None,
+                    untold_since: None,
                 },
             );
         }
@@ -630,8 +644,38 @@ impl<B: Backend> Groups<B> {
         for (id, group) in &mut self.groups {
             record(*id, group, now)?;
             compact(group)?;
+            if group.node.commit_untold() {
+                group.untold_since.get_or_insert(now);
+            } else {
+                group.untold_since = None;
+            }
         }
         Ok(())
+    }
+
+    /// When the earliest leader's followers are due to be told its commit index
+    /// ([`Groups::tell_commits`]).
+    #[must_use]
+    pub fn commit_due(&self) -> Option<std::time::Instant> {
+        self.groups
+            .values()
+            .filter_map(|group| group.untold_since)
+            .min()
+            .map(|since| since + COMMIT_TELL_DELAY)
+    }
+
+    /// Leaders whose followers have waited [`COMMIT_TELL_DELAY`] for a commit index send it
+    /// (heartbeats, out with the next pass).
+    pub fn tell_commits(&mut self, now: std::time::Instant) {
+        for group in self.groups.values_mut() {
+            if group
+                .untold_since
+                .is_some_and(|since| since + COMMIT_TELL_DELAY <= now)
+            {
+                group.node.tell_commit();
+                group.untold_since = None;
+            }
+        }
     }
 
     /// Writes what every group's Raft log left queued and waits for it (a clean close); a

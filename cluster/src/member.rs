@@ -301,17 +301,26 @@ impl<B: Backend> Member<B> {
         self.node.state()
     }
 
-    /// When [`Member::handle_tick`] is due next.
+    /// When [`Member::handle_tick`] is due next: the next tick, or sooner a shard group's
+    /// leader whose followers wait for its commit index (`groups.rs`, `COMMIT_TELL_DELAY`).
     #[must_use]
     pub fn poll_timeout(&self) -> Instant {
-        self.next_tick
+        self.groups
+            .commit_due()
+            .map_or(self.next_tick, |due| due.min(self.next_tick))
     }
 
-    /// One tick (every [`TICK`]) at `now`, with the peers whose connections are up: the Raft
-    /// logs' background work, the logical clocks, callers past their deadline answered,
-    /// proposals that did not come back proposed again, registration. A storage error is the
-    /// member's failure (it stops rather than vote or ack falsely).
+    /// What is due at `now` ([`Member::poll_timeout`]), with the peers whose connections are
+    /// up: shard-group leaders send their followers a commit index they have waited for, and
+    /// once the tick (every [`TICK`]) is due: the Raft logs' background work, the logical
+    /// clocks, callers past their deadline answered, proposals that did not come back proposed
+    /// again, registration. A storage error is the member's failure (it stops rather than
+    /// vote or ack falsely).
     pub fn handle_tick(&mut self, now: Instant, connected: &[u64]) -> Result<(), ServiceError> {
+        self.groups.tell_commits(now);
+        if now < self.next_tick {
+            return Ok(());
+        }
         self.next_tick = now + TICK;
         connected.clone_into(&mut self.connected);
         self.node.drive_store(now)?;

@@ -11,7 +11,9 @@
 //! (`persisted_messages`: votes, append responses) leave; committed entries are applied in
 //! index order.
 
-use raft::prelude::{ConfState, Entry, EntryType, HardState, Message, Snapshot};
+use std::collections::BTreeMap;
+
+use raft::prelude::{ConfState, Entry, EntryType, HardState, Message, MessageType, Snapshot};
 use raft::{RawNode, StateRole, Storage};
 
 use crate::control::{self, Command, ControlState, Outcome, Proposal};
@@ -174,6 +176,12 @@ pub struct NodeConfig {
     /// Tells this run of the member from its earlier ones in its proposals (`Proposal::boot`):
     /// the start time in nanoseconds by default; the simulation draws it from its seed.
     pub boot: u64,
+    /// A leader tells its followers a new commit index lazily ([`Node::commit_untold`]): on
+    /// the next append, or when the owner calls [`Node::tell_commit`], instead of a message
+    /// of its own to every follower at each commit; at once only while an entry a follower
+    /// forwarded is uncommitted (that follower answers its caller when it applies it). The
+    /// shard groups run so; the control plane (few, rare entries) does not.
+    pub lazy_commit: bool,
 }
 
 impl NodeConfig {
@@ -194,6 +202,7 @@ impl NodeConfig {
                 .map_or(0, |since| {
                     u64::try_from(since.as_nanos()).unwrap_or(u64::MAX)
                 }),
+            lazy_commit: false,
         }
     }
 }
@@ -269,6 +278,19 @@ pub struct Node<S: LogStore, M: Machine = ControlState> {
     next_sequence: u64,
     compact_after: u64,
     compact_after_bytes: u64,
+    /// The commit index each follower was last sent, when the leader tells it lazily
+    /// ([`NodeConfig::lazy_commit`]).
+    lazy: Option<LazyCommit>,
+}
+
+/// What a leader that tells commits lazily knows of what its followers were told.
+#[derive(Debug, Default)]
+struct LazyCommit {
+    /// Per follower, the highest commit index an append or heartbeat to it carried.
+    told: BTreeMap<u64, u64>,
+    /// The last index of an entry a follower forwarded: until it is committed, the leader
+    /// broadcasts each commit at once (raft-rs's eager mode).
+    forwarded_upto: u64,
 }
 
 impl<S: LogStore, M: Machine> std::fmt::Debug for Node<S, M> {
@@ -359,6 +381,7 @@ impl<S: LogStore, M: Machine> Node<S, M> {
             pre_vote: true,
             max_size_per_msg: 1 << 20,
             max_inflight_msgs: 256,
+            skip_bcast_commit: config.lazy_commit,
             ..raft::Config::default()
         };
         raft_config.validate()?;
@@ -372,6 +395,7 @@ impl<S: LogStore, M: Machine> Node<S, M> {
             next_sequence: 1,
             compact_after: config.compact_after.max(1),
             compact_after_bytes: config.compact_after_bytes.max(1),
+            lazy: config.lazy_commit.then(LazyCommit::default),
         })
     }
 
@@ -415,7 +439,64 @@ impl<S: LogStore, M: Machine> Node<S, M> {
     /// A message from a peer. Messages from a stale term or for another node are ignored by
     /// raft-rs; an error here is the peer's fault and is dropped by the caller.
     pub fn step(&mut self, message: Message) -> Result<(), NodeError> {
-        Ok(self.raw.step(message)?)
+        let forwarded = message.get_msg_type() == MessageType::MsgPropose;
+        self.raw.step(message)?;
+        if forwarded
+            && self.is_leader()
+            && let Some(lazy) = &mut self.lazy
+        {
+            // A follower's caller waits for that follower to apply the entry: its commit is
+            // broadcast as soon as it is known.
+            lazy.forwarded_upto = self.raw.raft.raft_log.last_index();
+            self.raw.skip_bcast_commit(false);
+        }
+        Ok(())
+    }
+
+    /// Whether this node leads and some follower was not yet sent the commit index it may
+    /// know (the leader's, or the follower's last matched entry when that is lower). With
+    /// [`NodeConfig::lazy_commit`] the owner calls [`Node::tell_commit`] once this has held a
+    /// little while: an append under load carries the commit index first.
+    #[must_use]
+    pub fn commit_untold(&self) -> bool {
+        let Some(lazy) = &self.lazy else {
+            return false;
+        };
+        if !self.is_leader() {
+            return false;
+        }
+        let committed = self.raw.raft.raft_log.committed;
+        self.raw.raft.prs().iter().any(|(id, progress)| {
+            *id != self.raw.raft.id
+                && lazy.told.get(id).copied().unwrap_or(0) < progress.matched.min(committed)
+        })
+    }
+
+    /// Sends every follower the commit index now (heartbeats, which carry it); they go out
+    /// with the next [`Node::advance`] or pass.
+    pub fn tell_commit(&mut self) {
+        self.raw.ping();
+    }
+
+    /// Notes the commit indexes the messages of this pass carry to each follower, and goes
+    /// back to lazy commits once the forwarded entries are committed.
+    fn note_told(&mut self, messages: &[Message]) {
+        let Some(lazy) = &mut self.lazy else {
+            return;
+        };
+        for message in messages {
+            if matches!(
+                message.get_msg_type(),
+                MessageType::MsgAppend | MessageType::MsgHeartbeat
+            ) {
+                let told = lazy.told.entry(message.to).or_default();
+                *told = (*told).max(message.commit);
+            }
+        }
+        if lazy.forwarded_upto != 0 && self.raw.raft.raft_log.committed >= lazy.forwarded_upto {
+            lazy.forwarded_upto = 0;
+            self.raw.skip_bcast_commit(true);
+        }
     }
 
     /// Whether this member leads the group now.
@@ -489,7 +570,9 @@ impl<S: LogStore, M: Machine> Node<S, M> {
             return Ok(false);
         }
         let mut ready = self.raw.ready();
+        let sent = output.messages.len();
         output.messages.extend(ready.take_messages());
+        self.note_told(&output.messages[sent..]);
         if !ready.snapshot().is_empty() {
             let snapshot = ready.snapshot().clone();
             let state =
@@ -517,12 +600,14 @@ impl<S: LogStore, M: Machine> Node<S, M> {
             return Ok(());
         };
         self.raw.mut_store().persist_end()?;
+        let sent = output.messages.len();
         output.messages.extend(ready.take_persisted_messages());
         let mut light = self.raw.advance(ready);
         if let Some(commit) = light.commit_index() {
             self.raw.mut_store().persist_commit(commit)?;
         }
         output.messages.extend(light.take_messages());
+        self.note_told(&output.messages[sent..]);
         self.apply(light.take_committed_entries(), output)?;
         self.raw.advance_apply();
         Ok(())
@@ -800,5 +885,132 @@ impl LogStore for MemLog {
         self.entries.drain(..drop);
         self.snapshot = snapshot;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shard::{Batch, ShardRecord, ShardState};
+
+    type ShardNode = Node<MemLog, ShardState>;
+
+    /// Three members of a shard group, member 1 elected.
+    fn group(lazy_commit: bool) -> BTreeMap<u64, ShardNode> {
+        let mut nodes = BTreeMap::new();
+        for id in 1..=3 {
+            let mut config = NodeConfig::new(id, vec![1, 2, 3]);
+            config.randomized_timeouts = false;
+            config.lazy_commit = lazy_commit;
+            let node = Node::with_machine(&config, MemLog::default(), ShardState::default())
+                .expect("node");
+            nodes.insert(id, node);
+        }
+        // Only member 1's clock runs: it campaigns after its election timeout and wins.
+        for _ in 0..=config_ticks() {
+            nodes.get_mut(&1).expect("member 1").tick();
+        }
+        settle(&mut nodes);
+        assert!(nodes[&1].is_leader(), "member 1 leads");
+        nodes
+    }
+
+    fn config_ticks() -> usize {
+        NodeConfig::new(1, vec![1]).election_tick
+    }
+
+    /// Advances every member and delivers every message until none is left.
+    fn settle(nodes: &mut BTreeMap<u64, ShardNode>) {
+        for _ in 0..100 {
+            let mut out = Vec::new();
+            for node in nodes.values_mut() {
+                out.extend(node.advance().expect("advance").messages);
+            }
+            if out.is_empty() {
+                return;
+            }
+            for message in out {
+                let to = nodes.get_mut(&message.to).expect("a member");
+                to.step(message).expect("step");
+            }
+        }
+        panic!("the group never went quiet");
+    }
+
+    fn batch(sequence: u64) -> Vec<u8> {
+        Batch {
+            producer: 7,
+            sequence,
+            client: None,
+            records: vec![ShardRecord {
+                timestamp_us: sequence,
+                key: bytes::Bytes::new(),
+                payload: bytes::Bytes::from_static(b"x"),
+            }],
+        }
+        .encode()
+    }
+
+    fn next_offsets(nodes: &BTreeMap<u64, ShardNode>) -> Vec<u64> {
+        nodes
+            .values()
+            .map(|node| node.state().next_offset())
+            .collect()
+    }
+
+    #[test]
+    fn a_lazy_leader_tells_a_commit_with_the_next_append_or_when_asked() {
+        let mut nodes = group(true);
+        let leader = nodes.get_mut(&1).expect("leader");
+        leader.propose_data(batch(1)).expect("propose");
+        settle(&mut nodes);
+        // Committed and applied on the leader; the followers were not sent the commit.
+        assert_eq!(next_offsets(&nodes), [1, 0, 0]);
+        assert!(nodes[&1].commit_untold());
+        // The next batch's append carries the first one's commit.
+        nodes
+            .get_mut(&1)
+            .expect("leader")
+            .propose_data(batch(2))
+            .expect("propose");
+        settle(&mut nodes);
+        assert_eq!(next_offsets(&nodes), [2, 1, 1]);
+        assert!(nodes[&1].commit_untold());
+        // Asked, the leader tells it (heartbeats).
+        nodes.get_mut(&1).expect("leader").tell_commit();
+        settle(&mut nodes);
+        assert_eq!(next_offsets(&nodes), [2, 2, 2]);
+        assert!(!nodes[&1].commit_untold());
+        // A batch a follower forwarded is committed everywhere at once: that follower answers
+        // its caller when it applies it.
+        nodes
+            .get_mut(&2)
+            .expect("follower")
+            .propose_data(batch(3))
+            .expect("propose");
+        settle(&mut nodes);
+        assert_eq!(next_offsets(&nodes), [3, 3, 3]);
+        assert!(!nodes[&1].commit_untold());
+        // And lazy again after it.
+        nodes
+            .get_mut(&1)
+            .expect("leader")
+            .propose_data(batch(4))
+            .expect("propose");
+        settle(&mut nodes);
+        assert_eq!(next_offsets(&nodes), [4, 3, 3]);
+    }
+
+    #[test]
+    fn an_eager_leader_tells_every_commit_at_once() {
+        let mut nodes = group(false);
+        nodes
+            .get_mut(&1)
+            .expect("leader")
+            .propose_data(batch(1))
+            .expect("propose");
+        settle(&mut nodes);
+        assert_eq!(next_offsets(&nodes), [1, 1, 1]);
+        assert!(!nodes[&1].commit_untold());
     }
 }

@@ -29,6 +29,9 @@ pub struct Shape {
     pub partition_per_mille: u32,
     pub compact_after: u64,
     pub same_timeouts: bool,
+    /// Leaders tell followers new commits lazily (`NodeConfig::lazy_commit`, as the shard
+    /// groups do): on the next append or heartbeat, or when told to at a random later step.
+    pub lazy_commit: bool,
 }
 
 impl Shape {
@@ -42,6 +45,7 @@ impl Shape {
             compact_after: [5, 50, 10_000][rng.random_range(0..3)],
             // Equal timeouts in some runs: split votes and vote-crash races.
             same_timeouts: rng.random_ratio(1, 3),
+            lazy_commit: rng.random_ratio(1, 2),
         }
     }
 }
@@ -97,6 +101,7 @@ where
             };
             config.randomized_timeouts = false;
             config.compact_after = shape.compact_after;
+            config.lazy_commit = shape.lazy_commit;
             config.boot = rng.random();
             phase.insert(id, rng.random_range(0..TICK_MS / STEP_MS));
             let node = Node::with_machine(&config, MemLog::default(), fresh.clone()).expect("node");
@@ -209,9 +214,13 @@ where
         input(self);
         let mut applied = Vec::new();
         for id in self.ids() {
+            let tell = self.rng.random_ratio(1, 2);
             let Some(node) = self.member(id) else {
                 continue;
             };
+            if tell && node.commit_untold() {
+                node.tell_commit();
+            }
             let output = node.advance().expect("advance");
             self.send(output.messages, faults);
             for entry in output.applied {
