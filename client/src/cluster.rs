@@ -101,8 +101,10 @@ pub struct ClusterClient {
     seed: Arc<Client>,
     /// The seed's member id (0: the seed is not a cluster member).
     seed_id: u16,
-    /// Connections to other members, by member id.
-    members: tokio::sync::Mutex<HashMap<u16, Arc<Client>>>,
+    /// Connections to members, by member id: each opened once, by the first part that needs
+    /// it; parts for other members never wait behind that handshake (a stopped or cut-off
+    /// member's takes `ClientConfig::connect_timeout`).
+    members: Mutex<HashMap<u16, Arc<MemberSlot>>>,
     map: Mutex<Arc<Map>>,
     /// A part failed in a way a stale map explains: refresh before the next publish.
     stale: AtomicBool,
@@ -120,6 +122,10 @@ impl std::fmt::Debug for ClusterClient {
     }
 }
 
+/// One member's connection, opened once by whichever part gets there first (the others wait
+/// for that connect, not one of their own); emptied again by [`ClusterClient::forget`].
+type MemberSlot = tokio::sync::OnceCell<Arc<Client>>;
+
 /// Where one publish's records go.
 struct Part {
     /// The shards' leader; 0: no leader known (any member takes it and forwards); `None`: not
@@ -136,13 +142,14 @@ impl ClusterClient {
         let map = seed.describe_cluster().await?;
         let mut members = HashMap::new();
         if map.member != 0 {
-            members.insert(map.member, Arc::clone(&seed));
+            let slot = Arc::new(MemberSlot::new_with(Some(Arc::clone(&seed))));
+            members.insert(map.member, slot);
         }
         let client = ClusterClient {
             seed_id: map.member,
             config,
             seed,
-            members: tokio::sync::Mutex::new(members),
+            members: Mutex::new(members),
             map: Mutex::new(Arc::new(Map::from_frame(&map))),
             stale: AtomicBool::new(false),
             producer,
@@ -229,25 +236,38 @@ impl ClusterClient {
     }
 
     /// The connection to member `id`, opened on first use (and again after it failed).
+    /// Parts bound to the same member share one connect; the lock is held only to find the
+    /// member's slot, never across a handshake.
     async fn member(&self, id: u16) -> Result<Arc<Client>, ClientError> {
-        let mut members = self.members.lock().await;
-        if let Some(client) = members.get(&id) {
-            return Ok(Arc::clone(client));
-        }
-        let Some(addr) = self.map().members.get(&id).copied() else {
-            return Err(ClientError::Protocol(format!(
-                "member {id} is not in the cluster map"
-            )));
-        };
-        let mut config = self.config.clone();
-        config.addr = addr;
-        let client = Arc::new(Client::connect(config).await?);
-        members.insert(id, Arc::clone(&client));
-        Ok(client)
+        let slot = Arc::clone(
+            self.members
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .entry(id)
+                .or_default(),
+        );
+        let client = slot
+            .get_or_try_init(|| async {
+                let Some(addr) = self.map().members.get(&id).copied() else {
+                    return Err(ClientError::Protocol(format!(
+                        "member {id} is not in the cluster map"
+                    )));
+                };
+                let mut config = self.config.clone();
+                config.addr = addr;
+                Ok(Arc::new(Client::connect(config).await?))
+            })
+            .await?;
+        Ok(Arc::clone(client))
     }
 
+    /// Drops the connection to member `id` (it failed): the next part bound there connects
+    /// again.
     async fn forget(&self, id: u16) {
-        self.members.lock().await.remove(&id);
+        self.members
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&id);
     }
 
     /// Queues an acked publish: each shard's records go to the member leading it (module

@@ -74,8 +74,8 @@ pub const DEFAULT_PUBLISH_INFLIGHT_BYTES: u64 = 4 * 1024 * 1024;
 pub const WRITER_QUEUE_DEPTH: usize = 256;
 /// Frames the writer hands to QUIC in one vectored send: amortizes wake-ups under load.
 const WRITER_BATCH_FRAMES: usize = 64;
-/// Time allowed for the QUIC + TLS handshake and for `HelloOk`.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default [`ClientConfig::connect_timeout`].
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Time `close` waits for queued frames to be acknowledged by the broker.
 const CLOSE_FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 /// Time `close` waits for the connection to finish closing.
@@ -147,6 +147,10 @@ pub struct ClientConfig {
     /// broker's FELIX_MTU_UPPER_BOUND; clamped to 1200..=16384. Default 4096, the broker's
     /// default: a path that carries less (a 1500-byte Ethernet) simply stays lower.
     pub max_mtu: u16,
+    /// Time allowed for the QUIC + TLS handshake, and again for the broker's `HelloOk`: a
+    /// broker that does not answer (stopped, cut off) fails the connect after this. Default
+    /// [`DEFAULT_CONNECT_TIMEOUT`] (10 s).
+    pub connect_timeout: Duration,
     /// A connection that hears nothing from the broker for this long is closed (keep-alives
     /// go out well within it; the broker's own idle timeout, if shorter, wins). Default 30 s;
     /// a cluster client that should notice a dead member sooner sets less.
@@ -186,6 +190,7 @@ impl std::fmt::Debug for ClientConfig {
             .field("token", &self.token.as_ref().map(|_| "(hidden)"))
             .field("identity", &self.identity)
             .field("max_mtu", &self.max_mtu)
+            .field("connect_timeout", &self.connect_timeout)
             .field("idle_timeout", &self.idle_timeout)
             .field("idempotent", &self.idempotent)
             .field("producer_id", &self.producer_id)
@@ -211,6 +216,7 @@ impl ClientConfig {
             token: None,
             identity: None,
             max_mtu: DEFAULT_MAX_MTU,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             idempotent: true,
             producer_id: None,
@@ -520,8 +526,10 @@ fn endpoint(config: &ClientConfig) -> Result<s2n_quic::Client, ClientError> {
         .and_then(|builder| builder.with_max_mtu(max_mtu))
         .and_then(|builder| builder.build())
         .map_err(|error| connect_error(error.to_string()))?;
+    // The handshake may take all of `connect_timeout` (s2n-quic's own bound is 10 s).
     let limits = s2n_quic::provider::limits::Limits::new()
         .with_max_idle_timeout(config.idle_timeout)
+        .and_then(|limits| limits.with_max_handshake_duration(config.connect_timeout))
         .map_err(|error| connect_error(error.to_string()))?;
     s2n_quic::Client::builder()
         .with_tls(tls)
@@ -543,14 +551,13 @@ impl Conn {
     ) -> Result<Conn, ClientError> {
         let connect_error = |reason: String| ClientError::Connect { addr, reason };
         let connect = Connect::new(addr).with_server_name(config.server_name.as_str());
-        let attempt = tokio::time::timeout(CONNECT_TIMEOUT, endpoint.connect(connect)).await;
+        let timeout = config.connect_timeout;
+        let attempt = tokio::time::timeout(timeout, endpoint.connect(connect)).await;
         let mut connection = match attempt {
             Ok(Ok(connection)) => connection,
             Ok(Err(error)) => return Err(connect_error(describe_connection_error(&error))),
             Err(_) => {
-                return Err(connect_error(format!(
-                    "no answer within {CONNECT_TIMEOUT:?}"
-                )));
+                return Err(connect_error(format!("no answer within {timeout:?}")));
             }
         };
         // Subscriptions may be idle for long; keep-alives stop the idle timer closing them.
@@ -587,11 +594,11 @@ impl Conn {
         let hello_decoder = Decoder::new(Limits::DEFAULT);
         let mut buffer = BytesMut::new();
         let hello_ok = tokio::time::timeout(
-            CONNECT_TIMEOUT,
+            timeout,
             read_frame(&hello_decoder, &mut receive, &mut buffer),
         )
         .await
-        .map_err(|_| connect_error(format!("no HelloOk within {CONNECT_TIMEOUT:?}")))?;
+        .map_err(|_| connect_error(format!("no HelloOk within {timeout:?}")))?;
         let hello_ok = match hello_ok? {
             Frame::HelloOk(hello_ok) => hello_ok,
             Frame::Error(error) => return Err(ClientError::from_error_frame(error)),

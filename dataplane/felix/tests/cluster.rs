@@ -1983,6 +1983,106 @@ fn acked_publishes_are_on_every_replica_once_after_a_leaders_kill() {
 
 /// A cluster client configuration through member `via` that trusts every member's development
 /// certificate (a bundle written under `dir`), noticing a dead member within 3 s.
+/// The cluster client opens each member's connection on its own: a publish bound to a stopped
+/// shard leader (its handshake cannot end while the member is stopped) holds up no part bound
+/// to a live member. (Before, one lock over every member's connection was held across the
+/// handshake, so every shard waited out the stopped member's connect timeout.) Resumed, the
+/// stopped member answers and the held publish is acknowledged too.
+#[test]
+fn a_stopped_leader_holds_up_no_other_shard_of_the_cluster_client() {
+    let cluster = Cluster::start(3);
+    cluster.settled(&[1, 2, 3]);
+    cluster.create(1, "spread", 3).expect("created");
+    wait_for(&cluster, &[1, 2, 3], "shards led as placed", |statuses| {
+        placed_and_in_sync(statuses, 3)
+    });
+    let status = cluster.status(1).expect("member 1's status");
+    let shard_led_by = |member: u64| {
+        status
+            .shards
+            .iter()
+            .find(|shard| shard.placed_leader == member)
+            .map(|shard| shard.shard)
+            .expect("each member leads a shard")
+    };
+    let key_for = |shard: u32| {
+        (0..)
+            .map(|i| format!("key-{i}"))
+            .find(|key| felix_wire::shard_for_key(key.as_bytes(), 3) == shard)
+            .expect("a key for every shard")
+    };
+    // The client's seed is member 1; member 2 is stopped, member 3 is reached fresh.
+    let (stopped, live) = (2u64, 3u64);
+    let (held_shard, live_shard) = (shard_led_by(stopped), shard_led_by(live));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut config = cluster_client_config(&cluster, 1, dir.path());
+    // The handshake with the stopped member does not time out within the test.
+    config.connect_timeout = Duration::from_secs(600);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let client = Arc::new(
+            support::within(felix_client::ClusterClient::connect(config))
+                .await
+                .expect("the cluster client connects"),
+        );
+        cluster.brokers[&stopped].signal("STOP");
+        let held = tokio::spawn({
+            let client = Arc::clone(&client);
+            let record = felix_client::record(key_for(held_shard), b"held".to_vec());
+            async move { client.publish("spread", &[record]).await }
+        });
+        // Its handshake has reached the stopped member: the Initial waits in its socket.
+        let port = cluster.brokers[&stopped].quic_addr.port();
+        let deadline = Instant::now() + DEADLINE;
+        while udp_queued(port) == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "the held publish never reached member {stopped}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let record = felix_client::record(key_for(live_shard), b"live".to_vec());
+        let acks = tokio::time::timeout(DEADLINE, client.publish("spread", &[record]))
+            .await
+            .expect("a publish to a live leader's shard waited for the stopped member's handshake")
+            .expect("acknowledged");
+        assert_eq!(acks.len(), 1);
+        assert_eq!(acks[0].shard, live_shard);
+        assert!(
+            !held.is_finished(),
+            "the held publish ended while its leader was stopped"
+        );
+        cluster.brokers[&stopped].signal("CONT");
+        let acks = tokio::time::timeout(DEADLINE * 2, held)
+            .await
+            .expect("the held publish ended once its member resumed")
+            .expect("the held publish's task")
+            .expect("the held publish acknowledged");
+        assert_eq!(acks[0].shard, held_shard);
+    });
+}
+
+/// Bytes queued unread in the IPv4 UDP sockets bound to `port` (`/proc/net/udp`).
+fn udp_queued(port: u16) -> u64 {
+    let table = std::fs::read_to_string("/proc/net/udp").expect("/proc/net/udp");
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let (_, local_port) = fields.get(1)?.split_once(':')?;
+            if u16::from_str_radix(local_port, 16).ok()? != port {
+                return None;
+            }
+            let (_, queued) = fields.get(4)?.split_once(':')?;
+            u64::from_str_radix(queued, 16).ok()
+        })
+        .sum()
+}
+
 fn cluster_client_config(cluster: &Cluster, via: u64, dir: &Path) -> felix_client::ClientConfig {
     let mut config = cluster.brokers[&via].client_config();
     config.ca = Some(write_bundle(cluster, dir));
