@@ -122,6 +122,14 @@ impl std::fmt::Debug for ClusterClient {
     }
 }
 
+/// How long a part waits for its acks before the client checks whether its shard's leader
+/// moved, and how often after that ([`ClusterClient::await_part`]).
+const LEADER_CHECK: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Time one member is given to answer `DescribeCluster` in [`ClusterClient::refresh`],
+/// connecting included.
+const MAP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// One member's connection, opened once by whichever part gets there first (the others wait
 /// for that connect, not one of their own); emptied again by [`ClusterClient::forget`].
 type MemberSlot = tokio::sync::OnceCell<Arc<Client>>;
@@ -179,22 +187,29 @@ impl ClusterClient {
     }
 
     /// Asks for the cluster map again: from the seed, else from each other member in turn.
+    /// Each member is given [`MAP_TIMEOUT`] (a killed or stopped member would otherwise hold
+    /// the refresh until its connection's idle timeout).
     pub async fn refresh(&self) -> Result<(), ClientError> {
-        let mut last = match self.seed.describe_cluster().await {
-            Ok(map) => return self.learn(&map),
-            Err(error) => error,
+        let timed_out = || ClientError::Closed(format!("no cluster map within {MAP_TIMEOUT:?}"));
+        let mut last = match tokio::time::timeout(MAP_TIMEOUT, self.seed.describe_cluster()).await {
+            Ok(Ok(map)) => return self.learn(&map),
+            Ok(Err(error)) => error,
+            Err(_) => timed_out(),
         };
         let ids: Vec<u16> = self.map().members.keys().copied().collect();
-        for id in ids {
-            match self.member(id).await {
-                Ok(client) => match client.describe_cluster().await {
-                    Ok(map) => return self.learn(&map),
-                    Err(error) => {
-                        self.forget(id).await;
-                        last = error;
-                    }
-                },
-                Err(error) => last = error,
+        for id in ids.into_iter().filter(|id| *id != self.seed_id) {
+            let asked = tokio::time::timeout(MAP_TIMEOUT, async {
+                let client = self.member(id).await?;
+                client.describe_cluster().await
+            })
+            .await;
+            match asked {
+                Ok(Ok(map)) => return self.learn(&map),
+                Ok(Err(error)) => {
+                    self.forget(id).await;
+                    last = error;
+                }
+                Err(_) => last = timed_out(),
             }
         }
         Err(last)
@@ -300,6 +315,7 @@ impl ClusterClient {
                     producer: (id, sequence),
                     records,
                     member: leader,
+                    sent_leader: leader,
                 };
                 let first = self.send_part(&mut part, leader).await;
                 sequenced.push((part, first));
@@ -330,6 +346,7 @@ impl ClusterClient {
     /// or any member that answers; `part.member` becomes the one it went through. An error
     /// here is the attempt's outcome, like an answer's.
     async fn send_part(&self, part: &mut SequencedPart, leader: u16) -> Attempt {
+        part.sent_leader = leader;
         let (member, client) = self.route(Some(leader)).await?;
         part.member = member;
         client
@@ -356,7 +373,7 @@ impl ClusterClient {
         let mut wait = self.config.publish_retry_backoff;
         loop {
             let error = match attempt {
-                Ok(answer) => match sequenced_acks(answer).await {
+                Ok(answer) => match self.await_part(&part, answer).await {
                     Ok(acks) => return Ok(acks),
                     Err(error) => error,
                 },
@@ -389,6 +406,40 @@ impl ClusterClient {
             }
             let leader = self.leader(&part.stream, part.shard).unwrap_or(0);
             attempt = self.send_part(&mut part, leader).await;
+        }
+    }
+
+    /// Waits for a sequenced part's acks. Once it has waited [`LEADER_CHECK`], it looks at
+    /// the cluster map again every [`LEADER_CHECK`]: when the shard's leader moved since the
+    /// part went out (its member was killed, stopped or cut off, and its connection would
+    /// only fail at `ClientConfig::idle_timeout`), the wait ends with an error the retry loop
+    /// cures: the part goes again, with the same producer id and sequence, to the new leader,
+    /// and the shard applies it once.
+    async fn await_part(
+        &self,
+        part: &SequencedPart,
+        answer: tokio::sync::oneshot::Receiver<crate::Answer>,
+    ) -> Result<Vec<ShardAck>, ClientError> {
+        let acks = sequenced_acks(answer);
+        tokio::pin!(acks);
+        let mut check =
+            tokio::time::interval_at(tokio::time::Instant::now() + LEADER_CHECK, LEADER_CHECK);
+        check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                acks = &mut acks => return acks,
+                _ = check.tick() => {
+                    // Best effort: a map no member gives stays as it was.
+                    let _ = self.refresh().await;
+                    let leader = self.leader(&part.stream, part.shard).unwrap_or(0);
+                    if leader != 0 && leader != part.sent_leader {
+                        return Err(ClientError::Closed(format!(
+                            "shard {} of {} is led by member {leader} now, not {}",
+                            part.shard, part.stream, part.sent_leader
+                        )));
+                    }
+                }
+            }
         }
     }
 
@@ -488,6 +539,8 @@ struct SequencedPart {
     records: Vec<Record>,
     /// The member the last attempt went through.
     member: u16,
+    /// The shard's leader as the map named it when the last attempt went out (0: none).
+    sent_leader: u16,
 }
 
 /// The cluster's idempotent producer for `config`, when idempotent publishing is on and the

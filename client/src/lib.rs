@@ -152,8 +152,9 @@ pub struct ClientConfig {
     /// [`DEFAULT_CONNECT_TIMEOUT`] (10 s).
     pub connect_timeout: Duration,
     /// A connection that hears nothing from the broker for this long is closed (keep-alives
-    /// go out well within it; the broker's own idle timeout, if shorter, wins). Default 30 s;
-    /// a cluster client that should notice a dead member sooner sets less.
+    /// go out well within it; the broker's own idle timeout, if shorter, wins). Default 30 s.
+    /// A cluster client does not wait for it to give up on a dead shard leader: it sends a
+    /// part again once the cluster map shows the shard's new leader (`cluster.rs`).
     pub idle_timeout: Duration,
     /// Publish as an idempotent producer (docs/semantics.md, "Idempotent producers"): acked
     /// publishes carry this client's producer id and a sequence per shard, so a retry is

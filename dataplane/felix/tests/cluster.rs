@@ -1983,14 +1983,18 @@ fn acked_publishes_are_on_every_replica_once_after_a_leaders_kill() {
 
 /// A cluster client configuration through member `via` that trusts every member's development
 /// certificate (a bundle written under `dir`), noticing a dead member within 3 s.
-/// The cluster client opens each member's connection on its own: a publish bound to a stopped
-/// shard leader (its handshake cannot end while the member is stopped) holds up no part bound
-/// to a live member. (Before, one lock over every member's connection was held across the
-/// handshake, so every shard waited out the stopped member's connect timeout.) Resumed, the
-/// stopped member answers and the held publish is acknowledged too.
+/// A stopped shard leader and the cluster client:
+/// 1. The client opens each member's connection on its own: a publish bound to the stopped
+///    leader (its handshake cannot end while the member is stopped) holds up no part bound to
+///    a live member. (Before, one lock over every member's connection was held across the
+///    handshake, so every shard waited out the stopped member's connect timeout.) Resumed,
+///    the stopped member answers and the held publish is acknowledged too.
+/// 2. A part sent to a leader that then stops is sent again once the cluster map shows the
+///    shard's new leader, and acknowledged while the old one is still stopped. (Before, it
+///    waited for its connection's idle timeout, here 10 minutes on both sides.)
 #[test]
 fn a_stopped_leader_holds_up_no_other_shard_of_the_cluster_client() {
-    let cluster = Cluster::start(3);
+    let cluster = Cluster::start_with(3, &[("FELIX_IDLE_TIMEOUT_MS", "600000")]);
     cluster.settled(&[1, 2, 3]);
     cluster.create(1, "spread", 3).expect("created");
     wait_for(&cluster, &[1, 2, 3], "shards led as placed", |statuses| {
@@ -2022,7 +2026,7 @@ fn a_stopped_leader_holds_up_no_other_shard_of_the_cluster_client() {
         .enable_all()
         .build()
         .expect("runtime");
-    runtime.block_on(async {
+    let client = runtime.block_on(async {
         let client = Arc::new(
             support::within(felix_client::ClusterClient::connect(config))
                 .await
@@ -2062,7 +2066,33 @@ fn a_stopped_leader_holds_up_no_other_shard_of_the_cluster_client() {
             .expect("the held publish's task")
             .expect("the held publish acknowledged");
         assert_eq!(acks[0].shard, held_shard);
+        client
     });
+    // 2. The client now has a connection to every member. Once the shard is led by the
+    // stopped member again, stop it and publish to its shard.
+    wait_for(
+        &cluster,
+        &[1, 2, 3],
+        "shards led as placed again",
+        |statuses| placed_and_in_sync(statuses, 3),
+    );
+    cluster.brokers[&stopped].signal("STOP");
+    runtime.block_on(async {
+        let record = felix_client::record(key_for(held_shard), b"moved".to_vec());
+        let acks = tokio::time::timeout(DEADLINE * 2, client.publish("spread", &[record]))
+            .await
+            .expect("a part sent to a stopped leader waited for its connection's idle timeout")
+            .expect("acknowledged by the shard's new leader");
+        assert_eq!(acks[0].shard, held_shard);
+    });
+    let moved = cluster.status(1).expect("member 1's status").shards[held_shard as usize]
+        .leader
+        .expect("a leader");
+    assert_ne!(
+        moved, stopped,
+        "acknowledged while its placed leader was stopped"
+    );
+    cluster.brokers[&stopped].signal("CONT");
 }
 
 /// Bytes queued unread in the IPv4 UDP sockets bound to `port` (`/proc/net/udp`).
@@ -2086,7 +2116,9 @@ fn udp_queued(port: u16) -> u64 {
 fn cluster_client_config(cluster: &Cluster, via: u64, dir: &Path) -> felix_client::ClientConfig {
     let mut config = cluster.brokers[&via].client_config();
     config.ca = Some(write_bundle(cluster, dir));
-    config.idle_timeout = Duration::from_secs(3);
+    // Longer than any test: a part caught by a leader's kill must be sent again because the
+    // cluster map shows the shard's new leader, not because its connection timed out.
+    config.idle_timeout = Duration::from_secs(600);
     config
 }
 
