@@ -958,22 +958,22 @@ mod tests {
             .collect()
     }
 
+    /// Proposes batch `sequence` through member `via` and lets the group settle.
+    fn propose(nodes: &mut BTreeMap<u64, ShardNode>, via: u64, sequence: u64) {
+        let node = nodes.get_mut(&via).expect("a member");
+        node.propose_data(batch(sequence)).expect("propose");
+        settle(nodes);
+    }
+
     #[test]
     fn a_lazy_leader_tells_a_commit_with_the_next_append_or_when_asked() {
         let mut nodes = group(true);
-        let leader = nodes.get_mut(&1).expect("leader");
-        leader.propose_data(batch(1)).expect("propose");
-        settle(&mut nodes);
+        propose(&mut nodes, 1, 1);
         // Committed and applied on the leader; the followers were not sent the commit.
         assert_eq!(next_offsets(&nodes), [1, 0, 0]);
         assert!(nodes[&1].commit_untold());
         // The next batch's append carries the first one's commit.
-        nodes
-            .get_mut(&1)
-            .expect("leader")
-            .propose_data(batch(2))
-            .expect("propose");
-        settle(&mut nodes);
+        propose(&mut nodes, 1, 2);
         assert_eq!(next_offsets(&nodes), [2, 1, 1]);
         assert!(nodes[&1].commit_untold());
         // Asked, the leader tells it (heartbeats).
@@ -983,33 +983,18 @@ mod tests {
         assert!(!nodes[&1].commit_untold());
         // A batch a follower forwarded is committed everywhere at once: that follower answers
         // its caller when it applies it.
-        nodes
-            .get_mut(&2)
-            .expect("follower")
-            .propose_data(batch(3))
-            .expect("propose");
-        settle(&mut nodes);
+        propose(&mut nodes, 2, 3);
         assert_eq!(next_offsets(&nodes), [3, 3, 3]);
         assert!(!nodes[&1].commit_untold());
         // And lazy again after it.
-        nodes
-            .get_mut(&1)
-            .expect("leader")
-            .propose_data(batch(4))
-            .expect("propose");
-        settle(&mut nodes);
+        propose(&mut nodes, 1, 4);
         assert_eq!(next_offsets(&nodes), [4, 3, 3]);
     }
 
     #[test]
     fn an_eager_leader_tells_every_commit_at_once() {
         let mut nodes = group(false);
-        nodes
-            .get_mut(&1)
-            .expect("leader")
-            .propose_data(batch(1))
-            .expect("propose");
-        settle(&mut nodes);
+        propose(&mut nodes, 1, 1);
         assert_eq!(next_offsets(&nodes), [1, 1, 1]);
         assert!(!nodes[&1].commit_untold());
     }
