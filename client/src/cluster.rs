@@ -206,7 +206,7 @@ impl ClusterClient {
             match asked {
                 Ok(Ok(map)) => return self.learn(&map),
                 Ok(Err(error)) => {
-                    self.forget(id).await;
+                    self.forget(id);
                     last = error;
                 }
                 Err(_) => last = timed_out(),
@@ -278,7 +278,7 @@ impl ClusterClient {
 
     /// Drops the connection to member `id` (it failed): the next part bound there connects
     /// again.
-    async fn forget(&self, id: u16) {
+    fn forget(&self, id: u16) {
         self.members
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -502,7 +502,7 @@ impl ClusterClient {
                 // The connection is gone: a new one next time, after a refresh.
                 self.stale.store(true, Ordering::Relaxed);
                 if member != 0 {
-                    self.forget(member).await;
+                    self.forget(member);
                 }
             }
         }

@@ -159,10 +159,10 @@ struct Group<B: Backend> {
     hole: Option<Hole>,
     /// The leader this member last knew of (a change re-proposes the pending batches).
     leader: Option<u64>,
-    /// Since when, as this group's leader, a follower was not sent the commit index
-    /// ([`Node::commit_untold`]): it is told [`COMMIT_TELL_DELAY`] later unless an append
-    /// carried it first.
-    untold_since: Option<std::time::Instant>,
+    /// As this group's leader, when followers not yet sent the commit index
+    /// ([`Node::commit_untold`]) are told it: [`COMMIT_TELL_DELAY`] after that was first
+    /// seen, unless an append carried it first.
+    tell_due: Option<std::time::Instant>,
 }
 
 /// How long a leader waits for an append to carry a new commit index to its followers before
@@ -457,7 +457,7 @@ impl<B: Backend> Groups<B> {
                     compact_point: None,
                     hole: None,
                     leader: None,
-                    untold_since: None,
+                    tell_due: None,
                 },
             );
         }
@@ -645,9 +645,9 @@ impl<B: Backend> Groups<B> {
             record(*id, group, now)?;
             compact(group)?;
             if group.node.commit_untold() {
-                group.untold_since.get_or_insert(now);
+                group.tell_due.get_or_insert(now + COMMIT_TELL_DELAY);
             } else {
-                group.untold_since = None;
+                group.tell_due = None;
             }
         }
         Ok(())
@@ -659,21 +659,17 @@ impl<B: Backend> Groups<B> {
     pub fn commit_due(&self) -> Option<std::time::Instant> {
         self.groups
             .values()
-            .filter_map(|group| group.untold_since)
+            .filter_map(|group| group.tell_due)
             .min()
-            .map(|since| since + COMMIT_TELL_DELAY)
     }
 
     /// Leaders whose followers have waited [`COMMIT_TELL_DELAY`] for a commit index send it
     /// (heartbeats, out with the next pass).
     pub fn tell_commits(&mut self, now: std::time::Instant) {
         for group in self.groups.values_mut() {
-            if group
-                .untold_since
-                .is_some_and(|since| since + COMMIT_TELL_DELAY <= now)
-            {
+            if group.tell_due.is_some_and(|due| due <= now) {
                 group.node.tell_commit();
-                group.untold_since = None;
+                group.tell_due = None;
             }
         }
     }

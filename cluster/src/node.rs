@@ -898,25 +898,23 @@ mod tests {
     /// Three members of a shard group, member 1 elected.
     fn group(lazy_commit: bool) -> BTreeMap<u64, ShardNode> {
         let mut nodes = BTreeMap::new();
+        let mut election_tick = 0;
         for id in 1..=3 {
             let mut config = NodeConfig::new(id, vec![1, 2, 3]);
             config.randomized_timeouts = false;
             config.lazy_commit = lazy_commit;
+            election_tick = config.election_tick;
             let node = Node::with_machine(&config, MemLog::default(), ShardState::default())
                 .expect("node");
             nodes.insert(id, node);
         }
         // Only member 1's clock runs: it campaigns after its election timeout and wins.
-        for _ in 0..=config_ticks() {
+        for _ in 0..=election_tick {
             nodes.get_mut(&1).expect("member 1").tick();
         }
         settle(&mut nodes);
         assert!(nodes[&1].is_leader(), "member 1 leads");
         nodes
-    }
-
-    fn config_ticks() -> usize {
-        NodeConfig::new(1, vec![1]).election_tick
     }
 
     /// Advances every member and delivers every message until none is left.
