@@ -28,12 +28,6 @@ use support::{BrokerProcess, DEADLINE, felix};
 /// Admin requests on a loaded machine (a creation waits for the control plane).
 const ADMIN_TIMEOUT: Duration = Duration::from_secs(15);
 
-/// A free UDP port on loopback, asked of the OS (the broker binds it right after).
-fn free_udp_port() -> u16 {
-    let socket = UdpSocket::bind("127.0.0.1:0").expect("bind");
-    socket.local_addr().expect("addr").port()
-}
-
 /// The peer network of a test cluster: member `a` reaches member `b` through a relay socket
 /// of its own (a's peer list names it as b's address), which forwards a's datagrams to b's
 /// peer endpoint and b's answers back. A partition drops the datagrams of the links it cuts,
@@ -52,7 +46,12 @@ impl Network {
     /// Relays for every ordered pair of `size` members whose peer endpoints bind free ports.
     fn start(size: u64) -> Network {
         let endpoints: BTreeMap<u64, SocketAddr> = (1..=size)
-            .map(|id| (id, SocketAddr::from(([127, 0, 0, 1], free_udp_port()))))
+            .map(|id| {
+                (
+                    id,
+                    SocketAddr::from(([127, 0, 0, 1], support::free_peer_port())),
+                )
+            })
             .collect();
         let cut = Arc::new(Mutex::new(BTreeSet::new()));
         let stop = Arc::new(AtomicBool::new(false));

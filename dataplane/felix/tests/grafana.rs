@@ -7,7 +7,6 @@
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::UdpSocket;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -235,12 +234,6 @@ fn metric_names_are_matched_as_prometheus_would_see_them() {
     }
 }
 
-/// A free UDP port on loopback, asked of the OS (the member binds it right after).
-fn free_udp_port() -> u16 {
-    let socket = UdpSocket::bind("127.0.0.1:0").expect("bind");
-    socket.local_addr().expect("addr").port()
-}
-
 /// Three members on loopback with development certificates (as tests/cluster.rs starts them).
 fn start_cluster(certs: &Path) -> Vec<BrokerProcess> {
     let output = felix()
@@ -255,7 +248,7 @@ fn start_cluster(certs: &Path) -> Vec<BrokerProcess> {
         String::from_utf8_lossy(&output.stderr)
     );
     let peers: Vec<String> = (1..=3)
-        .map(|id| format!("{id}=127.0.0.1:{}", free_udp_port()))
+        .map(|id| format!("{id}=127.0.0.1:{}", support::free_peer_port()))
         .collect();
     let peers = peers.join(",");
     let path = |name: String| certs.join(name).display().to_string();

@@ -15,6 +15,31 @@ use felix_client::{Client, ClientConfig};
 /// Log segment size of test brokers (see `spawn`).
 const TEST_SEGMENT_BYTES: &str = "4MiB";
 
+/// A UDP port on loopback that no socket holds now, for an address a broker is told to bind
+/// later (a cluster member's peer endpoint, named in every member's peer list before any
+/// starts). Drawn at random from below the kernel's ephemeral range: every other socket of
+/// the parallel tests (brokers, clients, relays) binds port 0, which the kernel takes from
+/// that range only, so none of them can take this port between the check and the broker's
+/// bind (a port asked of the OS with bind(0) and released could be handed out again at once).
+pub fn free_peer_port() -> u16 {
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32_768);
+    const FLOOR: u16 = 10_000;
+    assert!(
+        ephemeral_low > FLOOR + 1_000,
+        "the ephemeral port range starts at {ephemeral_low}: no room below it for peer ports"
+    );
+    for _ in 0..1_000 {
+        let port = rand::random_range(FLOOR..ephemeral_low);
+        if std::net::UdpSocket::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free UDP port in {FLOOR}..{ephemeral_low}");
+}
+
 /// Generous deadline for anything a test waits for (loaded 2-core machine, parallel tests).
 pub const DEADLINE: Duration = Duration::from_secs(30);
 
