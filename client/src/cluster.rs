@@ -29,7 +29,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use felix_wire::{
@@ -108,6 +108,12 @@ pub struct ClusterClient {
     map: Mutex<Arc<Map>>,
     /// A part failed in a way a stale map explains: refresh before the next publish.
     stale: AtomicBool,
+    /// One refresh at a time, and the latest one's outcome: a caller that finds a refresh
+    /// asked after the moment it needs the map to be from takes that one's outcome instead of
+    /// asking again ([`ClusterClient::refresh_since`]).
+    refreshing: tokio::sync::Mutex<Option<Refreshed>>,
+    /// `DescribeCluster` requests sent ([`ClusterClient::map_requests`]).
+    map_requests: AtomicU64,
     /// The cluster-wide idempotent producer: per replicated shard, its producer id and last
     /// sequence (`None`: `ClientConfig::idempotent` is off).
     producer: Option<Arc<ProducerState>>,
@@ -129,6 +135,18 @@ const LEADER_CHECK: std::time::Duration = std::time::Duration::from_secs(1);
 /// Time one member is given to answer `DescribeCluster` in [`ClusterClient::refresh`],
 /// connecting included.
 const MAP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// A waiting part takes a cluster map asked for at most this long before its check
+/// ([`ClusterClient::await_part`]): however many parts wait, the members are asked about
+/// twice a second, not once per part and second.
+const MAP_FRESH: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// The latest refresh of the cluster map: when it was asked for, and whether a member gave it.
+#[derive(Debug, Clone, Copy)]
+struct Refreshed {
+    asked: tokio::time::Instant,
+    learned: bool,
+}
 
 /// One member's connection, opened once by whichever part gets there first (the others wait
 /// for that connect, not one of their own); emptied again by [`ClusterClient::forget`].
@@ -160,6 +178,8 @@ impl ClusterClient {
             members: Mutex::new(members),
             map: Mutex::new(Arc::new(Map::from_frame(&map))),
             stale: AtomicBool::new(false),
+            refreshing: tokio::sync::Mutex::new(None),
+            map_requests: AtomicU64::new(1),
             producer,
         };
         Ok(client)
@@ -188,9 +208,48 @@ impl ClusterClient {
 
     /// Asks for the cluster map again: from the seed, else from each other member in turn.
     /// Each member is given [`MAP_TIMEOUT`] (a killed or stopped member would otherwise hold
-    /// the refresh until its connection's idle timeout).
+    /// the refresh until its connection's idle timeout). Callers at the same time share
+    /// refreshes: one waits for the refresh under way, then at most one more is asked for
+    /// all who called during it.
     pub async fn refresh(&self) -> Result<(), ClientError> {
+        self.refresh_since(tokio::time::Instant::now()).await
+    }
+
+    /// How many times this client has asked a member for the cluster map (`DescribeCluster`),
+    /// the one at connect included: a diagnostic of how often it refreshes.
+    #[must_use]
+    pub fn map_requests(&self) -> u64 {
+        self.map_requests.load(Ordering::Relaxed)
+    }
+
+    /// Refreshes the cluster map unless a refresh asked for at `since` or later already
+    /// ended (or ends while this caller waits for it), whose outcome is then this caller's.
+    async fn refresh_since(&self, since: tokio::time::Instant) -> Result<(), ClientError> {
+        let mut latest = self.refreshing.lock().await;
+        if let Some(done) = *latest
+            && done.asked >= since
+        {
+            return if done.learned {
+                Ok(())
+            } else {
+                Err(ClientError::Closed(
+                    "no member gave the cluster map just now".to_owned(),
+                ))
+            };
+        }
+        let asked = tokio::time::Instant::now();
+        let outcome = self.ask_map().await;
+        *latest = Some(Refreshed {
+            asked,
+            learned: outcome.is_ok(),
+        });
+        outcome
+    }
+
+    /// One refresh: the seed, then each other member in turn.
+    async fn ask_map(&self) -> Result<(), ClientError> {
         let timed_out = || ClientError::Closed(format!("no cluster map within {MAP_TIMEOUT:?}"));
+        self.map_requests.fetch_add(1, Ordering::Relaxed);
         let mut last = match tokio::time::timeout(MAP_TIMEOUT, self.seed.describe_cluster()).await {
             Ok(Ok(map)) => return self.learn(&map),
             Ok(Err(error)) => error,
@@ -200,6 +259,7 @@ impl ClusterClient {
         for id in ids.into_iter().filter(|id| *id != self.seed_id) {
             let asked = tokio::time::timeout(MAP_TIMEOUT, async {
                 let client = self.member(id).await?;
+                self.map_requests.fetch_add(1, Ordering::Relaxed);
                 client.describe_cluster().await
             })
             .await;
@@ -428,9 +488,11 @@ impl ClusterClient {
         loop {
             tokio::select! {
                 acks = &mut acks => return acks,
-                _ = check.tick() => {
-                    // Best effort: a map no member gives stays as it was.
-                    let _ = self.refresh().await;
+                checked = check.tick() => {
+                    // Best effort: a map no member gives stays as it was. A map another
+                    // waiting part asked for lately will do.
+                    let since = checked.checked_sub(MAP_FRESH).unwrap_or(checked);
+                    let _ = self.refresh_since(since).await;
                     let leader = self.leader(&part.stream, part.shard).unwrap_or(0);
                     if leader != 0 && leader != part.sent_leader {
                         return Err(ClientError::Closed(format!(

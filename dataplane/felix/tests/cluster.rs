@@ -2076,13 +2076,45 @@ fn a_stopped_leader_holds_up_no_other_shard_of_the_cluster_client() {
         |statuses| placed_and_in_sync(statuses, 3),
     );
     cluster.brokers[&stopped].signal("STOP");
+    // Many parts wait at once: they share the cluster map's refreshes (one per part and
+    // second would be `WAITING` per second).
+    const WAITING: usize = 64;
     runtime.block_on(async {
-        let record = felix_client::record(key_for(held_shard), b"moved".to_vec());
-        let acks = tokio::time::timeout(DEADLINE * 2, client.publish("spread", &[record]))
-            .await
-            .expect("a part sent to a stopped leader waited for its connection's idle timeout")
-            .expect("acknowledged by the shard's new leader");
-        assert_eq!(acks[0].shard, held_shard);
+        let asked_before = client.map_requests();
+        let mut pending = Vec::new();
+        for i in 0..WAITING {
+            let record = felix_client::record(key_for(held_shard), format!("moved-{i}"));
+            pending.push(
+                client
+                    .publish_pipelined("spread", &[record])
+                    .await
+                    .expect("queued"),
+            );
+        }
+        let settling: Vec<_> = pending
+            .into_iter()
+            .map(|pending| {
+                let client = Arc::clone(&client);
+                tokio::spawn(async move { client.settle(pending).await })
+            })
+            .collect();
+        let mut offsets = std::collections::BTreeSet::new();
+        for settled in settling {
+            let acks = tokio::time::timeout(DEADLINE * 2, settled)
+                .await
+                .expect("a part sent to a stopped leader waited for its connection's idle timeout")
+                .expect("a settling task")
+                .expect("acknowledged by the shard's new leader");
+            assert_eq!(acks.len(), 1);
+            assert_eq!(acks[0].shard, held_shard);
+            offsets.insert(acks[0].first_offset);
+        }
+        assert_eq!(offsets.len(), WAITING, "two parts acked at one offset");
+        let asked = client.map_requests() - asked_before;
+        assert!(
+            asked < WAITING as u64,
+            "{WAITING} waiting parts asked for the cluster map {asked} times: they did not share"
+        );
     });
     let moved = cluster.status(1).expect("member 1's status").shards[held_shard as usize]
         .leader
