@@ -165,11 +165,13 @@ impl std::fmt::Debug for Answered {
 pub enum Progress {
     /// Done until the next input.
     Done,
-    /// One shard group is writing and has frames that may leave before its write ends (a
-    /// leader's appends: its followers write while it does). Send what
-    /// [`Member::poll_transmit`] has, let the network take it, then call
-    /// [`Member::advance`] again to finish.
-    Flush,
+    /// A pass began writes, and the member waits for them when called again. Before that,
+    /// send what [`Member::poll_transmit`] has and answer what [`Member::poll_answer`] has
+    /// (a caller whose batch this pass applied does not wait for the next batches' write);
+    /// when `early`, one group wrote and has frames that may leave before its write ends (a
+    /// leader's appends: its followers write while it does), so also let the network take
+    /// them. Then call [`Member::advance`] again to finish.
+    Flush { early: bool },
 }
 
 /// A proposal a caller waits for.
@@ -579,10 +581,12 @@ impl<B: Backend> Member<B> {
     /// it, and the groups run in passes: every group with something ready sends what may
     /// leave at once, applies what is committed and starts its write before any write is
     /// waited for, so their fdatasyncs overlap. When a pass began one group's write and that
-    /// group sent frames, [`Progress::Flush`]: the owner sends them now and calls again (a
-    /// lone publish through the leader acks ~18 % sooner: the followers write while the
-    /// leader does; with several groups writing the member is busy and the frames wait for
-    /// the pass, docs/performance.md "Cluster: writes in parallel"). Then the subscriptions
+    /// group sent frames, [`Progress::Flush`] with `early`: the owner sends them now and
+    /// calls again (a lone publish through the leader acks ~18 % sooner: the followers write
+    /// while the leader does; with several groups writing the member is busy and the frames
+    /// wait for the pass, docs/performance.md "Cluster: writes in parallel"). When the pass
+    /// applied batches whose callers can be answered, [`Progress::Flush`] too, so they are
+    /// answered before the member waits for the next batches' write. Then the subscriptions
     /// read what was applied, and the data frames are queued.
     pub fn advance(&mut self, now: Instant) -> Result<Progress, ServiceError> {
         let mut passes = match self.pass.take() {
@@ -622,12 +626,13 @@ impl<B: Backend> Member<B> {
             if begun.is_empty() {
                 break;
             }
-            if sent && begun.len() == 1 {
+            let early = sent && begun.len() == 1;
+            if early || self.answers_pending() {
                 self.pass = Some(Pass {
                     begun,
                     done: passes,
                 });
-                return Ok(Progress::Flush);
+                return Ok(Progress::Flush { early });
             }
             let transmits = &mut self.transmits;
             self.groups.finish_pass(&begun, &mut |group, message| {
@@ -685,6 +690,15 @@ impl<B: Backend> Member<B> {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .pop_front()
+    }
+
+    /// Whether answers wait for [`Member::poll_answer`].
+    fn answers_pending(&self) -> bool {
+        !self
+            .answered
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .is_empty()
     }
 
     /// Whether the status changed since [`Member::update_status`] (a tick, a control-plane

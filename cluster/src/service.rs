@@ -656,31 +656,18 @@ async fn serve(
                     }
                 }
             }
-            // The frames a lone group's pass may send early reach the network while its
-            // write runs: the peer tasks take them when this task yields.
-            while member.advance(std::time::Instant::now())? == Progress::Flush {
+            // Before the member waits for a pass's writes: callers whose batches it applied
+            // are answered, and the frames a lone group's pass may send early reach the
+            // network while its write runs (the peer tasks take them when this task yields).
+            while let Progress::Flush { early } = member.advance(std::time::Instant::now())? {
                 transmit(&mut member, &transport);
-                tokio::task::yield_now().await;
+                answer(&mut member, &status, &view);
+                if early {
+                    tokio::task::yield_now().await;
+                }
             }
             transmit(&mut member, &transport);
-            if member.status_due() {
-                let mut shown = status
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                let now = member.update_status(&mut shown);
-                drop(shown);
-                view.send_if_modified(|known| {
-                    let changed = **known != now;
-                    if changed {
-                        *known = Arc::new(now);
-                    }
-                    changed
-                });
-            }
-            // Callers are answered after the status shows what they waited for.
-            while let Some(answered) = member.poll_answer() {
-                answered.deliver();
-            }
+            answer(&mut member, &status, &view);
         }
     }
     .await;
@@ -689,6 +676,32 @@ async fn serve(
         answered.deliver();
     }
     outcome
+}
+
+/// Publishes the member's status and view when they changed, then answers its callers
+/// (after the status shows what they waited for).
+fn answer<B: felix_storage::Backend>(
+    member: &mut Member<B>,
+    status: &Mutex<ClusterStatus>,
+    view: &tokio::sync::watch::Sender<Arc<ClusterView>>,
+) {
+    if member.status_due() {
+        let mut shown = status
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let now = member.update_status(&mut shown);
+        drop(shown);
+        view.send_if_modified(|known| {
+            let changed = **known != now;
+            if changed {
+                *known = Arc::new(now);
+            }
+            changed
+        });
+    }
+    while let Some(answered) = member.poll_answer() {
+        answered.deliver();
+    }
 }
 
 /// Hands the member's frames to the peer transport and tells it how each went.
