@@ -2538,6 +2538,92 @@ fn records_outlive_raft_compaction_and_a_member_behind_it_fetches_what_it_missed
     }
 }
 
+#[test]
+fn a_member_down_while_its_stream_is_deleted_releases_its_copy_when_it_returns() {
+    // Member 3 holds a copy of every shard of `doomed` (records in its record logs, entries in
+    // its shared Raft log), is SIGKILLed, and the stream is deleted while it is down. When it
+    // returns, it must give every byte of that copy back, and go on serving other streams.
+    // (It replays the creation and the deletion from the control plane's log. A control plane
+    // that compacted past both while it was down leaves its groups to the orphan sweep
+    // instead: `groups.rs`'s tests.)
+    let mut cluster = Cluster::start(3);
+    cluster.settled(&[1, 2, 3]);
+    let shards = 3;
+    cluster.create(1, "doomed", shards).expect("created");
+    wait_for(&cluster, &[1, 2, 3], "shards led as placed", |statuses| {
+        placed_and_in_sync(statuses, shards as usize)
+    });
+    publish_acked(&cluster, 1, "doomed", "doomed", 12, 4);
+    wait_for_complete_copies(&cluster, shards);
+    let records_dir = cluster.brokers[&3]
+        .data_dir
+        .path()
+        .join("cluster")
+        .join("records");
+    let groups_in = |dir: &Path| -> Vec<std::ffi::OsString> {
+        std::fs::read_dir(dir)
+            .map(|dir| dir.flatten().map(|entry| entry.file_name()).collect())
+            .unwrap_or_default()
+    };
+    assert_eq!(
+        groups_in(&records_dir).len(),
+        shards as usize,
+        "member 3 keeps a record log per shard"
+    );
+    let held =
+        |status: &ClusterStatus| -> usize { status.raft_logs.iter().map(|log| log.groups).sum() };
+    assert_eq!(
+        held(&cluster.status(3).expect("member 3's status")),
+        shards as usize,
+        "member 3's shared Raft log holds every group"
+    );
+
+    cluster.brokers.get_mut(&3).expect("member 3").kill();
+    felix_ok(
+        cluster.brokers[&1]
+            .cli()
+            .args(["cluster", "delete-stream", "doomed"]),
+    );
+    wait_for(
+        &cluster,
+        &[1, 2],
+        "the stream gone on the members up",
+        |statuses| {
+            statuses
+                .iter()
+                .all(|s| s.shards.is_empty() && !s.state.streams.contains_key("doomed"))
+        },
+    );
+    // Still on member 3's disk while it is down.
+    assert_eq!(groups_in(&records_dir).len(), shards as usize);
+
+    cluster.brokers.get_mut(&3).expect("member 3").restart();
+    wait_for(&cluster, &[3], "member 3 gave its copy back", |statuses| {
+        let status = &statuses[0];
+        !status.state.streams.contains_key("doomed")
+            && status.state.members.len() == 3
+            && status.shards.is_empty()
+            && held(status) == 0
+            && groups_in(&records_dir).is_empty()
+    });
+    // And it takes part as before: a new stream is placed on it and written everywhere.
+    cluster.create(2, "after", shards).expect("created");
+    wait_for(
+        &cluster,
+        &[1, 2, 3],
+        "the new stream led as placed",
+        |statuses| placed_and_in_sync(statuses, shards as usize),
+    );
+    publish_acked(&cluster, 3, "after", "after", 6, 2);
+    wait_for_complete_copies(&cluster, shards);
+    let reference = read_copy(&cluster, 1, "after", shards);
+    assert_eq!(reference.iter().map(Vec::len).sum::<usize>(), 12);
+    assert!(
+        read_copy(&cluster, 3, "after", shards) == reference,
+        "member 3's copy of the new stream differs from member 1's"
+    );
+}
+
 /// Waits until every member reaches the same end of each of the `shards` shards, with nothing
 /// pending anywhere (a refused batch may still commit: the ends are taken after).
 fn wait_for_complete_copies(cluster: &Cluster, shards: u32) {
