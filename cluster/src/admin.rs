@@ -374,6 +374,13 @@ pub fn render_metrics(status: &ClusterStatus) -> String {
          by FELIX_DURABLE_RETENTION_*).",
         &|held| held.record_log_bytes,
     );
+    shard_gauge(
+        &mut out,
+        "felix_cluster_shard_raft_log_entry_bytes",
+        "Bytes of entries of each replicated shard's group kept in this member's shared Raft \
+         log behind its snapshot (released by its next compaction).",
+        &|held| held.raft_log_entry_bytes,
+    );
     // A gauge with a sample per shared Raft log (fsync mode) this member opened.
     let raft_log_gauge =
         |out: &mut String,
@@ -498,6 +505,7 @@ mod tests {
             oldest_offset: 0,
             recorded_offset: 4,
             record_log_bytes: 4096,
+            raft_log_entry_bytes: 2048,
             snapshot_index: 0,
             fetching_from: None,
             replicas: vec![1, 2, 3],
@@ -551,6 +559,11 @@ mod tests {
         assert!(text.contains("felix_cluster_shard_lag_entries{stream=\"b\",shard=\"0\"} 1"));
         assert!(text.contains("felix_cluster_raft_log_bytes{fsync=\"on_commit\"} 8388608"));
         assert!(text.contains("felix_cluster_raft_log_groups{fsync=\"on_commit\"} 3"));
+        assert!(
+            text.contains(
+                "felix_cluster_shard_raft_log_entry_bytes{stream=\"a\",shard=\"1\"} 2048"
+            )
+        );
     }
 
     #[test]

@@ -124,6 +124,12 @@ pub struct ShardStatus {
     /// Bytes of this member's record log files.
     #[serde(default)]
     pub record_log_bytes: u64,
+    /// Bytes of the entries this group keeps in the member's shared Raft log behind its
+    /// snapshot (kept in memory too): what its next compaction releases. Bounded by
+    /// FELIX_CLUSTER_RAFT_COMPACT_ENTRIES and 64 MiB; growing past that, the group cannot
+    /// compact.
+    #[serde(default)]
+    pub raft_log_entry_bytes: u64,
     /// Where this member's record log misses records it fetches from a peer (it fell
     /// behind a compaction), if it does.
     #[serde(default)]
@@ -961,6 +967,7 @@ impl<B: Backend> Groups<B> {
                     oldest_offset: group.records.oldest(),
                     recorded_offset: group.records.synced(),
                     record_log_bytes: group.records.disk_bytes(),
+                    raft_log_entry_bytes: group.node.store().live_bytes(),
                     snapshot_index: raft::Storage::first_index(group.node.store())
                         .map_or(0, |first| first - 1),
                     fetching_from: group.hole.as_ref().map(|h| h.from),

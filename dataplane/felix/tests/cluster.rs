@@ -2572,10 +2572,19 @@ fn a_member_down_while_its_stream_is_deleted_releases_its_copy_when_it_returns()
     );
     let held =
         |status: &ClusterStatus| -> usize { status.raft_logs.iter().map(|log| log.groups).sum() };
+    let before = cluster.status(3).expect("member 3's status");
     assert_eq!(
-        held(&cluster.status(3).expect("member 3's status")),
+        held(&before),
         shards as usize,
         "member 3's shared Raft log holds every group"
+    );
+    assert!(
+        before
+            .shards
+            .iter()
+            .all(|shard| shard.raft_log_entry_bytes > 0),
+        "every group keeps its entries (no compaction yet): {:?}",
+        before.shards
     );
 
     cluster.brokers.get_mut(&3).expect("member 3").kill();
