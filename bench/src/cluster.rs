@@ -456,6 +456,43 @@ pub fn table(results: &[ArmResult]) -> String {
     out
 }
 
+/// The comparisons the cluster is judged by (docs/cluster.md, "What it costs"), from one
+/// run's arms: the leader's CPU per record against the single broker's, a three-shard stream's
+/// (through the cluster client) against a one-shard stream's (through its leader), and the
+/// leader's ack p50 over the single broker's (the lone ack, with `--publishers 1 --batch 1`).
+/// An arm missing from `results` leaves its line out.
+#[must_use]
+pub fn comparisons(results: &[ArmResult]) -> String {
+    use std::fmt::Write as _;
+    let find = |name: &str| results.iter().find(|r| r.arm == name);
+    let cpu = |r: &ArmResult| r.cpu_seconds_per_million_records;
+    let mut out = String::new();
+    if let (Some(leader), Some(single)) = (find("cluster-leader"), find("single")) {
+        if cpu(single) > 0.0 {
+            let _ = writeln!(
+                out,
+                "- CPU per record, cluster-leader / single: {:.2}x",
+                cpu(leader) / cpu(single)
+            );
+        }
+        let _ = writeln!(
+            out,
+            "- ack p50, cluster-leader - single: {:+} us",
+            i128::from(leader.p50_us) - i128::from(single.p50_us)
+        );
+    }
+    if let (Some(spread), Some(leader)) = (find("spread-cluster-client"), find("cluster-leader"))
+        && cpu(leader) > 0.0
+    {
+        let _ = writeln!(
+            out,
+            "- CPU per record, three shards (spread-cluster-client) / one (cluster-leader): {:.2}x",
+            cpu(spread) / cpu(leader)
+        );
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -474,6 +511,27 @@ mod tests {
             cpu_seconds_per_gb: 1.0,
             cpu_seconds_per_million_records: 2.0,
         }
+    }
+
+    #[test]
+    fn the_comparisons_divide_the_right_arms() {
+        let with = |name: &str, cpu: f64, p50: u64| ArmResult {
+            cpu_seconds_per_million_records: cpu,
+            p50_us: p50,
+            ..arm(name, 1.0)
+        };
+        let text = comparisons(&[
+            with("single", 1.0, 60),
+            with("cluster-leader", 7.0, 150),
+            with("spread-cluster-client", 14.0, 160),
+        ]);
+        assert_eq!(
+            text,
+            "- CPU per record, cluster-leader / single: 7.00x\n\
+             - ack p50, cluster-leader - single: +90 us\n\
+             - CPU per record, three shards (spread-cluster-client) / one (cluster-leader): 2.00x\n"
+        );
+        assert_eq!(comparisons(&[with("single", 1.0, 60)]), "");
     }
 
     #[test]

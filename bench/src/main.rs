@@ -677,7 +677,11 @@ fn main() -> Result<()> {
                 server_cpus,
             };
             let results = felix_bench::cluster::run(&bench)?;
-            let table = felix_bench::cluster::table(&results);
+            let table = format!(
+                "{}\n{}",
+                felix_bench::cluster::table(&results),
+                felix_bench::cluster::comparisons(&results)
+            );
             print!("{table}");
             std::fs::write(out.join("cluster.md"), &table)?;
             std::fs::write(
