@@ -2543,9 +2543,10 @@ fn a_member_down_while_its_stream_is_deleted_releases_its_copy_when_it_returns()
     // Member 3 holds a copy of every shard of `doomed` (records in its record logs, entries in
     // its shared Raft log), is SIGKILLed, and the stream is deleted while it is down. When it
     // returns, it must give every byte of that copy back, and go on serving other streams.
-    // (It replays the creation and the deletion from the control plane's log. A control plane
-    // that compacted past both while it was down leaves its groups to the orphan sweep
-    // instead: `groups.rs`'s tests.)
+    // (It replays the creation from its own control-plane log, restarts the groups, and
+    // releases them when it learns of the deletion, from the log or a snapshot. The orphan
+    // sweep is for a member that also lost the creation's commit index, written lazily:
+    // `groups.rs`'s tests.)
     let mut cluster = Cluster::start(3);
     cluster.settled(&[1, 2, 3]);
     let shards = 3;
