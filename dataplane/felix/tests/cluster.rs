@@ -1171,9 +1171,7 @@ fn replicated_shards_elect_their_placed_leaders_and_fail_over() {
             let dir = broker.data_dir.path().join("cluster").join(logs);
             // The groups' Raft logs were released inside the member's shared Raft logs
             // (`shards/on_commit`, `shards/periodic`): no group has a directory of its own.
-            let left: Vec<_> = std::fs::read_dir(&dir)
-                .map(|dir| dir.flatten().map(|entry| entry.file_name()).collect())
-                .unwrap_or_default();
+            let left = entry_names(&dir);
             let shared = |name: &std::ffi::OsString| {
                 logs == "shards" && (name == "on_commit" || name == "periodic")
             };
@@ -2126,6 +2124,13 @@ fn a_stopped_leader_holds_up_no_other_shard_of_the_cluster_client() {
     cluster.brokers[&stopped].signal("CONT");
 }
 
+/// The names of the entries of directory `dir` (none when it does not exist).
+fn entry_names(dir: &Path) -> Vec<std::ffi::OsString> {
+    std::fs::read_dir(dir)
+        .map(|dir| dir.flatten().map(|entry| entry.file_name()).collect())
+        .unwrap_or_default()
+}
+
 /// Bytes queued unread in the IPv4 UDP sockets bound to `port` (`/proc/net/udp`).
 fn udp_queued(port: u16) -> u64 {
     let table = std::fs::read_to_string("/proc/net/udp").expect("/proc/net/udp");
@@ -2561,13 +2566,8 @@ fn a_member_down_while_its_stream_is_deleted_releases_its_copy_when_it_returns()
         .path()
         .join("cluster")
         .join("records");
-    let groups_in = |dir: &Path| -> Vec<std::ffi::OsString> {
-        std::fs::read_dir(dir)
-            .map(|dir| dir.flatten().map(|entry| entry.file_name()).collect())
-            .unwrap_or_default()
-    };
     assert_eq!(
-        groups_in(&records_dir).len(),
+        entry_names(&records_dir).len(),
         shards as usize,
         "member 3 keeps a record log per shard"
     );
@@ -2605,7 +2605,7 @@ fn a_member_down_while_its_stream_is_deleted_releases_its_copy_when_it_returns()
         },
     );
     // Still on member 3's disk while it is down.
-    assert_eq!(groups_in(&records_dir).len(), shards as usize);
+    assert_eq!(entry_names(&records_dir).len(), shards as usize);
 
     cluster.brokers.get_mut(&3).expect("member 3").restart();
     wait_for(&cluster, &[3], "member 3 gave its copy back", |statuses| {
@@ -2614,7 +2614,7 @@ fn a_member_down_while_its_stream_is_deleted_releases_its_copy_when_it_returns()
             && status.state.members.len() == 3
             && status.shards.is_empty()
             && held(status) == 0
-            && groups_in(&records_dir).is_empty()
+            && entry_names(&records_dir).is_empty()
     });
     // And it takes part as before: a new stream is placed on it and written everywhere.
     cluster.create(2, "after", shards).expect("created");
