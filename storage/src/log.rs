@@ -769,13 +769,15 @@ impl<B: Backend> Log<B> {
     /// creation); disk-full rejections arrive as [`LogEvent::Rejected`] instead.
     pub fn drive(&mut self, now: Instant) -> Result<(), StorageError> {
         self.check_failed()?;
-        for _ in 0..DRIVE_REAPS_MAX {
-            match self.backend.poll_completion() {
-                Ok(Some(c)) => self.complete(c, now)?,
-                Ok(None) => break,
-                Err(e) => return Err(self.fail(e)),
-            }
-        }
+        self.reap_all(now)?;
+        self.start_rounds(now)
+    }
+
+    /// The second half of [`Log::drive`]: starts the rounds that may start, without reaping
+    /// (a round finished but not reaped still counts in flight). For an owner that reaps only
+    /// when the wake fd says a round finished ([`Log::reap`]). Never blocks.
+    pub fn start_rounds(&mut self, now: Instant) -> Result<(), StorageError> {
+        self.check_failed()?;
         // Bounded: each pass submits a round or stops.
         for _ in 0..ROUNDS_IN_FLIGHT_MAX {
             let before = self.in_flight.len();
@@ -786,6 +788,35 @@ impl<B: Backend> Log<B> {
         }
         self.ask_ahead();
         Ok(())
+    }
+
+    /// Reaps finished rounds, if any, without starting new ones: for an owner that starts
+    /// rounds only for some of its appends (a shared Raft log, `felix_cluster::raft_log`,
+    /// leaves a commit index for the next write rather than paying a round for it). Never
+    /// blocks; errors as [`Log::drive`]. Returns how many rounds it reaped; with no round
+    /// in flight it asks the backend nothing (no system call).
+    pub fn reap(&mut self, now: Instant) -> Result<usize, StorageError> {
+        self.check_failed()?;
+        if self.in_flight.is_empty() {
+            return Ok(0);
+        }
+        self.reap_all(now)
+    }
+
+    /// Reaps what the backend has finished (rounds, and whatever else its completions carry).
+    fn reap_all(&mut self, now: Instant) -> Result<usize, StorageError> {
+        let mut reaped = 0;
+        for _ in 0..DRIVE_REAPS_MAX {
+            match self.backend.poll_completion() {
+                Ok(Some(c)) => {
+                    self.complete(c, now)?;
+                    reaped += 1;
+                }
+                Ok(None) => break,
+                Err(e) => return Err(self.fail(e)),
+            }
+        }
+        Ok(reaped)
     }
 
     /// Once the active segment is half full, asks for the next one's file to be made ahead
@@ -832,6 +863,7 @@ impl<B: Backend> Log<B> {
                 ));
             }
             if !self.in_flight.is_empty() {
+                self.backend.before_wait();
                 wait_readable(self.backend.wake_fd(), deadline - now)?;
             }
         }

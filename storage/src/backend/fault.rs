@@ -66,6 +66,8 @@ struct Held {
 #[derive(Debug, Default)]
 struct FaultState {
     auto_complete: bool,
+    /// Held rounds complete when the log blocks waiting for one ([`FaultHandle::hold_rounds`]).
+    complete_on_wait: bool,
     /// Report every write finished as soon as it is submitted (see
     /// [`FaultHandle::report_writes_early`]).
     writes_early: bool,
@@ -308,6 +310,21 @@ impl Backend for FaultBackend {
         "fault"
     }
 
+    fn before_wait(&mut self) {
+        let mut s = self.state.borrow_mut();
+        if !s.complete_on_wait || s.powered_off {
+            return;
+        }
+        let mut completed = false;
+        while s.complete_at(0) {
+            completed = true;
+        }
+        drop(s);
+        if completed {
+            self.wake.notify();
+        }
+    }
+
     fn ahead_mode(&self) -> AheadMode {
         // The model is single-threaded and deterministic: blanks are made when asked.
         AheadMode::Inline
@@ -328,6 +345,24 @@ pub(crate) fn next_random(state: &mut u64) -> u64 {
 }
 
 impl FaultHandle {
+    /// From now on, completes every round as soon as it is submitted (`true`, as
+    /// `FaultBackend::new(true)`) or holds it for the test (`false`). Rounds already held
+    /// stay held.
+    pub fn set_auto_complete(&self, on: bool) {
+        self.state.borrow_mut().auto_complete = on;
+    }
+
+    /// From now on, holds every round for the test ([`FaultHandle::complete_next`] and the
+    /// like), except when the log blocks its thread waiting for one (opening a group, a
+    /// generation switch, a clean close): then every held round completes first, as the disk
+    /// would while its caller waits. A simulation so keeps writes in flight across its steps
+    /// without deadlocking the log's blocking paths. `false`: completes each round at once.
+    pub fn hold_rounds(&self, on: bool) {
+        let mut s = self.state.borrow_mut();
+        s.auto_complete = !on;
+        s.complete_on_wait = on;
+    }
+
     /// Performs the oldest held round (its write, if not performed yet, then its
     /// fdatasync) and makes its completion visible. False if none held.
     pub fn complete_next(&self) -> bool {

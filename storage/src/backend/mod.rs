@@ -132,6 +132,12 @@ pub trait Backend {
     fn held_reads(&self) -> Option<crate::reader::HeldReads> {
         None
     }
+
+    /// The log is about to block its thread until a round completes ([`crate::Log::flush`]).
+    /// A real disk goes on by itself; the fault backend's held rounds complete here when the
+    /// test asked for it (`FaultHandle::hold_rounds`), as a disk would while its caller
+    /// waits. Default: nothing.
+    fn before_wait(&mut self) {}
 }
 
 /// A non-blocking eventfd.
