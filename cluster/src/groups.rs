@@ -57,8 +57,30 @@ fn shared_dir_name(fsync: Fsync) -> &'static str {
     }
 }
 
+/// Whether `dir` is one of a member's shared shard-group Raft logs
+/// (`<data_dir>/cluster/shards/{on_commit,periodic}`) rather than the control plane's or a
+/// record log: the simulations hold these logs' rounds, so writes stay in flight.
+#[must_use]
+pub fn is_shared_raft_log(dir: &Path) -> bool {
+    dir.parent()
+        .and_then(Path::file_name)
+        .is_some_and(|name| name == "shards")
+        && dir
+            .file_name()
+            .is_some_and(|name| name == SHARED_ON_COMMIT_DIR || name == SHARED_PERIODIC_DIR)
+}
+
 /// A replica this many entries or fewer behind the leader counts as in sync.
 pub const IN_SYNC_LAG_MAX: u64 = 1_000;
+
+/// Writes a group keeps in flight at most: while one is, what Raft makes ready (proposals,
+/// appends from the leader) waits and goes out as one write and one append message when it
+/// is stored, as when the member waited for each write, but the member serves the other
+/// groups, the callers and the network meanwhile.
+const WRITES_IN_FLIGHT: usize = 1;
+
+/// Rounds of taking stored writes and starting readies per group and [`Groups::pump`], at most.
+const STARTS_PER_PASS: usize = 8;
 
 /// Ticks between two checks whether a group should hand leadership to its placed leader.
 const TRANSFER_CHECK_TICKS: u64 = 10;
@@ -367,17 +389,6 @@ impl<B: Backend> Groups<B> {
         Ok(log)
     }
 
-    /// Writes what the groups' [`Node::begin`]s appended to the shared logs: one round each.
-    fn drive_shared(&self) -> Result<(), NodeError> {
-        let now = std::time::Instant::now();
-        for shared in [&self.on_commit, &self.periodic].into_iter().flatten() {
-            shared
-                .drive(now)
-                .map_err(|error| NodeError::Store(error.to_string()))?;
-        }
-        Ok(())
-    }
-
     /// Every group started from now on times elections out after exactly `ticks` ticks
     /// instead of a random draw by raft-rs's own generator: a simulation draws `ticks` per
     /// member from its seed, so its runs replay exactly.
@@ -597,50 +608,82 @@ impl<B: Backend> Groups<B> {
         }
     }
 
-    /// Starts a pass of driving the groups (`member.rs` runs up to
-    /// [`crate::node::ADVANCE_PASSES`], then [`Groups::end_advance`]), answering this member's
-    /// publishes that were applied and handing each message to `send` with its group id as
-    /// soon as it may leave (a snapshot's fate and an unreachable peer are reported to the
-    /// group by the member once the send is done). Every group with something
-    /// ready sends what may leave now (a leader's
-    /// appends go out before its own write is done, as Raft allows), applies what is
-    /// committed and starts its write ([`Node::begin`]), all before any write is waited for,
-    /// so the groups' logs write and fdatasync at the same time. Returns the groups begun;
-    /// [`Groups::finish_pass`] with them must follow. A caller on an async runtime yields in
-    /// between, so the messages reach the network while the disks work.
-    pub fn begin_pass(
+    /// Drives the groups without waiting for their writes (`member.rs` calls it after every
+    /// input and completion, then [`Groups::end_advance`]): the shared logs' finished rounds are
+    /// reaped, each group takes the writes found stored (its held messages, votes and append
+    /// responses, go to `send`; a leader counts its own entries), then every group with
+    /// something ready sends what may leave now (a leader's appends go out before its own
+    /// write is done, as Raft allows), applies what is committed and appends its write
+    /// ([`Node::start`]); last, each shared log starts one round and one fdatasync for all
+    /// the groups' writes ([`SharedLog::start_rounds`]; what completes later is announced by
+    /// the logs' eventfds). Returns whether work is left that no completion will announce
+    /// (the caller drives again at once). Each message goes to `send` with its group id as soon
+    /// as it may leave (a snapshot's fate and an unreachable peer are reported to the group
+    /// by the member once the send is done); this member's publishes that were applied are
+    /// answered.
+    pub fn pump(
         &mut self,
+        now: std::time::Instant,
         send: &mut dyn FnMut(u64, &Message),
-    ) -> Result<Vec<u64>, NodeError> {
-        let mut begun = Vec::new();
+    ) -> Result<bool, NodeError> {
+        self.poll_shared(now)?;
+        let mut again = false;
         for (id, group) in &mut self.groups {
             let mut output = Output::default();
-            if group.node.begin(&mut output)? {
-                begun.push(*id);
+            // A ready that writes nothing new (a follower's forward alone) is stored as soon
+            // as the writes before it are, and what Raft makes of a stored write may be ready
+            // at once: both go on here, not at the next input. Bounded.
+            let mut settled = false;
+            for _ in 0..STARTS_PER_PASS {
+                let stored = group.node.poll_persisted(&mut output)?;
+                let started = group.node.writes_in_flight() < WRITES_IN_FLIGHT
+                    && group.node.start(&mut output)?;
+                if !stored && !started {
+                    settled = true;
+                    break;
+                }
             }
+            again |= !settled;
             deliver(*id, group, output, send);
         }
-        self.drive_shared()?;
-        Ok(begun)
+        for shared in [&self.on_commit, &self.periodic].into_iter().flatten() {
+            shared
+                .start_rounds(now)
+                .map_err(|error| NodeError::Store(error.to_string()))?;
+        }
+        Ok(again)
     }
 
-    /// Completes the pass [`Groups::begin_pass`] started for `begun` ([`Node::finish`]):
-    /// waits for each write, sends what needed it (votes, append responses), applies what
-    /// became committed.
-    pub fn finish_pass(
-        &mut self,
-        begun: &[u64],
-        send: &mut dyn FnMut(u64, &Message),
-    ) -> Result<(), NodeError> {
-        for id in begun {
-            let Some(group) = self.groups.get_mut(id) else {
-                continue;
-            };
-            let mut output = Output::default();
-            group.node.finish(&mut output)?;
-            deliver(*id, group, output, send);
+    /// Reaps the shared logs' finished rounds and starts a round for what the groups appended
+    /// ([`SharedLog::poll`]); whether a round was reaped.
+    fn poll_shared(&self, now: std::time::Instant) -> Result<bool, NodeError> {
+        let mut reaped = false;
+        for shared in [&self.on_commit, &self.periodic].into_iter().flatten() {
+            reaped |= shared
+                .poll(now)
+                .map_err(|error| NodeError::Store(error.to_string()))?;
         }
-        Ok(())
+        Ok(reaped)
+    }
+
+    /// Copies of the shared logs' eventfds: readable when a round completes (drive the
+    /// groups then). The set grows when a group of the other fsync mode first starts
+    /// ([`Groups::shared_logs`]).
+    pub fn wake_fds(&self) -> std::io::Result<Vec<std::os::fd::OwnedFd>> {
+        [&self.on_commit, &self.periodic]
+            .into_iter()
+            .flatten()
+            .map(SharedLog::wake_fd)
+            .collect()
+    }
+
+    /// How many shared logs are open ([`Groups::wake_fds`] changes when this does).
+    #[must_use]
+    pub fn shared_logs(&self) -> usize {
+        [&self.on_commit, &self.periodic]
+            .into_iter()
+            .flatten()
+            .count()
     }
 
     /// After the passes: records what the groups applied in their record logs, compacts

@@ -160,20 +160,6 @@ impl std::fmt::Debug for Answered {
     }
 }
 
-/// What [`Member::advance`] asks of its owner next.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Progress {
-    /// Done until the next input.
-    Done,
-    /// A pass began writes, and the member waits for them when called again. Before that,
-    /// send what [`Member::poll_transmit`] has and answer what [`Member::poll_answer`] has
-    /// (a caller whose batch this pass applied does not wait for the next batches' write);
-    /// when `early`, one group wrote and has frames that may leave before its write ends (a
-    /// leader's appends: its followers write while it does), so also let the network take
-    /// them. Then call [`Member::advance`] again to finish.
-    Flush { early: bool },
-}
-
 /// A proposal a caller waits for.
 struct Waiting {
     command: Command,
@@ -182,13 +168,6 @@ struct Waiting {
     deadline: Instant,
     timeout: Duration,
     proposed_at: u64,
-}
-
-/// A pass of the shard groups that waits for [`Progress::Flush`]'s sends: the groups begun,
-/// and the passes done before it.
-struct Pass {
-    begun: Vec<u64>,
-    done: usize,
 }
 
 /// The member.
@@ -214,7 +193,9 @@ pub struct Member<B: Backend = SystemBackend> {
     connected: Vec<u64>,
     /// Control-plane entries applied this round, answered once the status shows them.
     applied: Vec<Applied>,
-    pass: Option<Pass>,
+    /// The last [`Member::advance`] left the groups with more to do at once (its passes
+    /// ran out while writes kept completing): when it ran.
+    again: Option<Instant>,
     transmits: VecDeque<Transmit>,
     /// Answers given by the member's parts, in order; shared with the wrappers
     /// [`Member::handle_request`] puts around each caller's answer.
@@ -282,7 +263,7 @@ impl<B: Backend> Member<B> {
             status_due: true,
             connected: Vec::new(),
             applied: Vec::new(),
-            pass: None,
+            again: None,
             transmits: VecDeque::new(),
             answered: Arc::new(Mutex::new(VecDeque::new())),
         };
@@ -304,12 +285,17 @@ impl<B: Backend> Member<B> {
     }
 
     /// When [`Member::handle_tick`] is due next: the next tick, or sooner a shard group's
-    /// leader whose followers wait for its commit index (`groups.rs`, `COMMIT_TELL_DELAY`).
+    /// leader whose followers wait for its commit index (`groups.rs`, `COMMIT_TELL_DELAY`),
+    /// or at once when the last [`Member::advance`] left work (call it again after the tick).
+    /// Besides timeouts and inputs, the shard groups' writes completing is a reason to
+    /// advance: [`Member::wake_fds`].
     #[must_use]
     pub fn poll_timeout(&self) -> Instant {
-        self.groups
+        let due = self
+            .groups
             .commit_due()
-            .map_or(self.next_tick, |due| due.min(self.next_tick))
+            .map_or(self.next_tick, |due| due.min(self.next_tick));
+        self.again.map_or(due, |again| again.min(due))
     }
 
     /// What is due at `now` ([`Member::poll_timeout`]), with the peers whose connections are
@@ -576,70 +562,38 @@ impl<B: Backend> Member<B> {
         }
     }
 
-    /// Drives the Raft nodes after inputs: the control plane advances (its messages queued,
-    /// what it applied answered at the end), the shard groups are started or stopped to match
-    /// it, and the groups run in passes: every group with something ready sends what may
-    /// leave at once, applies what is committed and starts its write before any write is
-    /// waited for, so their fdatasyncs overlap. When a pass began one group's write and that
-    /// group sent frames, [`Progress::Flush`] with `early`: the owner sends them now and
-    /// calls again (a lone publish through the leader acks ~18 % sooner: the followers write
-    /// while the leader does; with several groups writing the member is busy and the frames
-    /// wait for the pass, docs/performance.md "Cluster: writes in parallel"). When the pass
-    /// applied batches whose callers can be answered, [`Progress::Flush`] too, so they are
-    /// answered before the member waits for the next batches' write. Then the subscriptions
-    /// read what was applied, and the data frames are queued.
-    pub fn advance(&mut self, now: Instant) -> Result<Progress, ServiceError> {
-        let mut passes = match self.pass.take() {
-            Some(pass) => {
-                let transmits = &mut self.transmits;
-                self.groups
-                    .finish_pass(&pass.begun, &mut |group, message| {
-                        transmits.push_back(raft_transmit(group, message));
-                    })?;
-                pass.done + 1
+    /// Drives the Raft nodes after inputs and when the shard groups' writes complete
+    /// ([`Member::wake_fds`]), without waiting for a shard group's write: the control plane
+    /// advances (its messages queued, what it applied answered at the end; its own log's
+    /// writes are waited for, they are rare), the shard groups are started or stopped to
+    /// match it, and the groups are driven (`groups.rs`, [`Groups::pump`]): writes found
+    /// stored let out what they held (votes, append responses) and count for their leader,
+    /// every group with something ready sends what may leave at once (a leader's appends
+    /// before its own write, so its followers write while it does), applies what is committed
+    /// and begins its write, and each shared Raft log starts one round and one fdatasync for
+    /// all of them. Then the subscriptions read what was applied, the data frames are queued,
+    /// and callers whose batches were applied are answered (through
+    /// [`Member::poll_answer`]). A storage error is the member's failure.
+    pub fn advance(&mut self, now: Instant) -> Result<(), ServiceError> {
+        let output = self.node.advance()?;
+        self.queue_control(output.messages);
+        self.applied.extend(output.applied);
+        if self.node.state().applied != self.reconciled_at {
+            // A shard whose log cannot be opened here (a full disk) stays without this
+            // replica: its leader reports it under-replicated. Tried again at the next
+            // change.
+            if let Err(error) = self.groups.reconcile(self.node.state()) {
+                tracing::error!(%error, "cannot start a replicated shard on this member");
             }
-            None => {
-                let output = self.node.advance()?;
-                self.queue_control(output.messages);
-                self.applied.extend(output.applied);
-                if self.node.state().applied != self.reconciled_at {
-                    // A shard whose log cannot be opened here (a full disk) stays without this
-                    // replica: its leader reports it under-replicated. Tried again at the
-                    // next change.
-                    if let Err(error) = self.groups.reconcile(self.node.state()) {
-                        tracing::error!(%error, "cannot start a replicated shard on this member");
-                    }
-                    self.memory.reconcile(self.node.state());
-                    self.reconciled_at = self.node.state().applied;
-                    self.status_due = true;
-                }
-                0
-            }
-        };
-        while passes < crate::node::ADVANCE_PASSES {
-            let transmits = &mut self.transmits;
-            let mut sent = false;
-            let begun = self.groups.begin_pass(&mut |group, message| {
-                sent = true;
-                transmits.push_back(raft_transmit(group, message));
-            })?;
-            if begun.is_empty() {
-                break;
-            }
-            let early = sent && begun.len() == 1;
-            if early || self.answers_pending() {
-                self.pass = Some(Pass {
-                    begun,
-                    done: passes,
-                });
-                return Ok(Progress::Flush { early });
-            }
-            let transmits = &mut self.transmits;
-            self.groups.finish_pass(&begun, &mut |group, message| {
-                transmits.push_back(raft_transmit(group, message));
-            })?;
-            passes += 1;
+            self.memory.reconcile(self.node.state());
+            self.reconciled_at = self.node.state().applied;
+            self.status_due = true;
         }
+        let transmits = &mut self.transmits;
+        let again = self.groups.pump(now, &mut |group, message| {
+            transmits.push_back(raft_transmit(group, message));
+        })?;
+        self.again = again.then_some(now);
         self.groups.end_advance(now)?;
         // Subscribers read what this round applied (and what they have credit for).
         let reading = View {
@@ -676,7 +630,20 @@ impl<B: Backend> Member<B> {
                 tracing::info!(id = self.id, "registered with the cluster");
             }
         }
-        Ok(Progress::Done)
+        Ok(())
+    }
+
+    /// Copies of the eventfds that become readable when a shard group's write completes: the
+    /// owner waits on them with its other inputs and calls [`Member::advance`] when one is
+    /// readable. The set grows when [`Member::wake_fds_changed`] says so.
+    pub fn wake_fds(&self) -> std::io::Result<Vec<std::os::fd::OwnedFd>> {
+        self.groups.wake_fds()
+    }
+
+    /// Whether [`Member::wake_fds`] holds more than the `known` descriptors the owner took.
+    #[must_use]
+    pub fn wake_fds_changed(&self, known: usize) -> bool {
+        self.groups.shared_logs() != known
     }
 
     /// The next frame to send to a peer.
@@ -690,15 +657,6 @@ impl<B: Backend> Member<B> {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .pop_front()
-    }
-
-    /// Whether answers wait for [`Member::poll_answer`].
-    fn answers_pending(&self) -> bool {
-        !self
-            .answered
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .is_empty()
     }
 
     /// Whether the status changed since [`Member::update_status`] (a tick, a control-plane

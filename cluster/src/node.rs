@@ -11,7 +11,7 @@
 //! (`persisted_messages`: votes, append responses) leave; committed entries are applied in
 //! index order.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
 use raft::prelude::{ConfState, Entry, EntryType, HardState, Message, MessageType, Snapshot};
 use raft::{RawNode, StateRole, Storage};
@@ -85,17 +85,27 @@ pub trait LogStore: Storage {
         hard_state: Option<&HardState>,
     ) -> Result<(), NodeError>;
     /// Starts what [`LogStore::persist`] does without waiting for it: the write goes out (at
-    /// the same time as other groups' writes) and [`LogStore::persist_end`] waits for it. The
-    /// store is not used in between. By default it persists at once.
+    /// the same time as other groups' writes), and the entries and hard state are readable
+    /// through [`Storage`] at once (raft-rs's asynchronous persistence asks it). Further
+    /// writes may begin before it is stored. Returns the write's number, ascending:
+    /// [`LogStore::persisted`] tells when it is stored, [`LogStore::persist_end`] waits for
+    /// every write begun. By default it persists at once.
     fn persist_begin(
         &mut self,
         entries: &[Entry],
         hard_state: Option<&HardState>,
-    ) -> Result<(), NodeError> {
-        self.persist(entries, hard_state)
+    ) -> Result<u64, NodeError> {
+        self.persist(entries, hard_state)?;
+        Ok(0)
     }
-    /// Waits for the write [`LogStore::persist_begin`] started; then it is stored as
-    /// `persist` stores it.
+    /// The number of the newest write [`LogStore::persist_begin`] started that is stored, as
+    /// `persist` stores it, and every write before it; without waiting. By default every
+    /// write is stored once begun.
+    fn persisted(&mut self) -> Result<u64, NodeError> {
+        Ok(u64::MAX)
+    }
+    /// Waits for every write [`LogStore::persist_begin`] started; then they are stored as
+    /// `persist` stores them.
     fn persist_end(&mut self) -> Result<(), NodeError> {
         Ok(())
     }
@@ -271,8 +281,9 @@ pub struct NodeStatus {
 /// A Raft group member: the control plane's (`Node<S>`), or a replicated shard's.
 pub struct Node<S: LogStore, M: Machine = ControlState> {
     raw: RawNode<S>,
-    /// The `Ready` whose write [`Node::begin`] started and [`Node::finish`] completes.
-    in_progress: Option<raft::Ready>,
+    /// The readies whose writes [`Node::start`] began and that are not known stored yet,
+    /// oldest first, with the messages held until they are.
+    in_flight: VecDeque<Persisting>,
     state: M,
     boot: u64,
     next_sequence: u64,
@@ -281,6 +292,18 @@ pub struct Node<S: LogStore, M: Machine = ControlState> {
     /// The commit index each follower was last sent, when the leader tells it lazily
     /// ([`NodeConfig::lazy_commit`]).
     lazy: Option<LazyCommit>,
+}
+
+/// A ready whose write is in flight ([`Node::start`]).
+#[derive(Debug)]
+struct Persisting {
+    /// raft-rs's number of the ready ([`RawNode::on_persist_ready`]).
+    ready: u64,
+    /// The store's number of the write ([`LogStore::persist_begin`]).
+    write: u64,
+    /// The messages that may leave only once the write is stored: a follower's append
+    /// responses, votes.
+    held: Vec<Message>,
 }
 
 /// What a leader that tells commits lazily knows of what its followers were told.
@@ -389,7 +412,7 @@ impl<S: LogStore, M: Machine> Node<S, M> {
         let raw = RawNode::new(&raft_config, store, &logger)?;
         Ok(Node {
             raw,
-            in_progress: None,
+            in_flight: VecDeque::new(),
             state,
             boot: config.boot,
             next_sequence: 1,
@@ -546,27 +569,29 @@ impl<S: LogStore, M: Machine> Node<S, M> {
         self.raw.report_snapshot(id, status);
     }
 
-    /// Handles everything Raft has ready: persists, applies, and returns the messages to send
-    /// and the commands applied. Call after every tick, step and propose.
+    /// Handles everything Raft has ready: persists (waiting for the store), applies, and
+    /// returns the messages to send and the commands applied. Call after every tick, step and
+    /// propose. The control plane runs this way; the shard groups use [`Node::start`] and
+    /// [`Node::poll_persisted`], which do not wait (not to be mixed on one node).
     pub fn advance(&mut self) -> Result<Output<M::Applied>, NodeError> {
         let mut output = Output::default();
         for _ in 0..ADVANCE_PASSES {
-            if !self.begin(&mut output)? {
+            if !self.pass(&mut output)? {
                 break;
             }
-            self.finish(&mut output)?;
         }
         self.compact_if_due()?;
         Ok(output)
     }
 
-    /// The first half of [`Node::advance`]'s pass, for a caller driving several groups at
-    /// once: takes what Raft has ready, puts the messages that may leave now in `output`
-    /// (a leader's appends go out before its own write is done, as Raft allows), applies the
-    /// committed entries and starts the write ([`LogStore::persist_begin`]). False when
-    /// nothing was ready. [`Node::finish`] must follow before any other call on this node.
-    pub fn begin(&mut self, output: &mut Output<M::Applied>) -> Result<bool, NodeError> {
-        if self.in_progress.is_some() || !self.raw.has_ready() {
+    /// One pass of [`Node::advance`]: takes what Raft has ready, puts the messages that may
+    /// leave now in `output` (a leader's appends), applies the committed entries, persists
+    /// and waits, then lets out the messages that needed the write (votes, append
+    /// responses), advances Raft and applies what became committed. False when nothing was
+    /// ready.
+    fn pass(&mut self, output: &mut Output<M::Applied>) -> Result<bool, NodeError> {
+        debug_assert!(self.in_flight.is_empty(), "advance mixed with start");
+        if !self.raw.has_ready() {
             return Ok(false);
         }
         let mut ready = self.raw.ready();
@@ -574,32 +599,13 @@ impl<S: LogStore, M: Machine> Node<S, M> {
         output.messages.extend(ready.take_messages());
         self.note_told(&output.messages[sent..]);
         if !ready.snapshot().is_empty() {
-            let snapshot = ready.snapshot().clone();
-            let state =
-                M::restore(snapshot.get_data()).map_err(|error| NodeError::Undecodable {
-                    index: snapshot.get_metadata().index,
-                    error,
-                })?;
-            self.raw.mut_store().apply_snapshot(snapshot)?;
-            self.state = state;
+            self.install(ready.snapshot().clone())?;
         }
         let committed = ready.take_committed_entries();
         self.apply(committed, output)?;
-        self.raw
-            .mut_store()
-            .persist_begin(ready.entries(), ready.hs())?;
-        self.in_progress = Some(ready);
-        Ok(true)
-    }
-
-    /// The second half: waits for the write [`Node::begin`] started, then lets out the
-    /// messages that needed it (votes, append responses), advances Raft and applies what
-    /// became committed. Does nothing when no pass is in progress.
-    pub fn finish(&mut self, output: &mut Output<M::Applied>) -> Result<(), NodeError> {
-        let Some(mut ready) = self.in_progress.take() else {
-            return Ok(());
-        };
-        self.raw.mut_store().persist_end()?;
+        let store = self.raw.mut_store();
+        store.persist_begin(ready.entries(), ready.hs())?;
+        store.persist_end()?;
         let sent = output.messages.len();
         output.messages.extend(ready.take_persisted_messages());
         let mut light = self.raw.advance(ready);
@@ -610,6 +616,105 @@ impl<S: LogStore, M: Machine> Node<S, M> {
         self.note_told(&output.messages[sent..]);
         self.apply(light.take_committed_entries(), output)?;
         self.raw.advance_apply();
+        Ok(true)
+    }
+
+    /// One step of the node without waiting for its writes (raft-rs's asynchronous
+    /// persistence, `RawNode::advance_append_async`): takes what Raft has ready, puts the
+    /// messages that may leave now in `output` (a leader's appends), applies the committed
+    /// entries (raft-rs hands out only entries stored here) and starts the write, whose view
+    /// the store serves at once. The messages that need the write (votes, a follower's append
+    /// responses) are held until [`Node::poll_persisted`] finds it stored. It may run again
+    /// while earlier writes are in flight. False when nothing was ready. Not to be mixed
+    /// with [`Node::advance`] on one node.
+    pub fn start(&mut self, output: &mut Output<M::Applied>) -> Result<bool, NodeError> {
+        if !self.raw.has_ready() {
+            return Ok(false);
+        }
+        let mut ready = self.raw.ready();
+        let sent = output.messages.len();
+        output.messages.extend(ready.take_messages());
+        self.note_told(&output.messages[sent..]);
+        if !ready.snapshot().is_empty() {
+            self.install(ready.snapshot().clone())?;
+        }
+        let committed = ready.take_committed_entries();
+        self.apply(committed, output)?;
+        let write = self
+            .raw
+            .mut_store()
+            .persist_begin(ready.entries(), ready.hs())?;
+        let held = ready.take_persisted_messages();
+        let number = ready.number();
+        self.raw.advance_append_async(ready);
+        self.in_flight.push_back(Persisting {
+            ready: number,
+            write,
+            held,
+        });
+        self.tell_applied();
+        Ok(true)
+    }
+
+    /// Tells raft-rs what the machine applied, as far as it counts stored here: a snapshot
+    /// installed is applied at once but counts once its ready is persisted.
+    fn tell_applied(&mut self) {
+        let log = &self.raw.raft.raft_log;
+        let applied = self
+            .state
+            .applied_index()
+            .min(log.persisted)
+            .min(log.committed);
+        if applied > log.applied {
+            self.raw.advance_apply_to(applied);
+        }
+    }
+
+    /// Tells Raft which of [`Node::start`]'s writes the store has stored since the last call
+    /// (`RawNode::on_persist_ready`: a leader counts its own entries, a follower's commit may
+    /// move) and puts the messages they held in `output`, in order. True when a write was
+    /// found stored. Does not wait.
+    pub fn poll_persisted(&mut self, output: &mut Output<M::Applied>) -> Result<bool, NodeError> {
+        if self.in_flight.is_empty() {
+            return Ok(false);
+        }
+        let stored = self.raw.mut_store().persisted()?;
+        let mut newest = None;
+        while let Some(front) = self.in_flight.front() {
+            if front.write > stored {
+                break;
+            }
+            let Some(done) = self.in_flight.pop_front() else {
+                break;
+            };
+            let sent = output.messages.len();
+            output.messages.extend(done.held);
+            self.note_told(&output.messages[sent..]);
+            newest = Some(done.ready);
+        }
+        let Some(newest) = newest else {
+            return Ok(false);
+        };
+        self.raw.on_persist_ready(newest);
+        self.tell_applied();
+        Ok(true)
+    }
+
+    /// Writes of [`Node::start`] not yet known stored.
+    #[must_use]
+    pub fn writes_in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// Installs a snapshot Raft handed over: the store replaces its log with it (durably),
+    /// and the machine restarts from its data.
+    fn install(&mut self, snapshot: Snapshot) -> Result<(), NodeError> {
+        let state = M::restore(snapshot.get_data()).map_err(|error| NodeError::Undecodable {
+            index: snapshot.get_metadata().index,
+            error,
+        })?;
+        self.raw.mut_store().apply_snapshot(snapshot)?;
+        self.state = state;
         Ok(())
     }
 
@@ -641,7 +746,7 @@ impl<S: LogStore, M: Machine> Node<S, M> {
     }
 
     /// Compacts the log behind a snapshot once enough entries are applied (`advance` does it
-    /// after its passes; a caller of [`Node::begin`] and [`Node::finish`] after its own).
+    /// after its passes; a caller of [`Node::start`] after its own).
     pub fn compact_if_due(&mut self) -> Result<(), NodeError> {
         if self.compaction_due()? {
             let applied = self.state.applied_index();

@@ -51,8 +51,11 @@
 //! until it writes. Recovery ([`SharedLog::open`]) takes each group's newest sealed generation
 //! and releases the rest (a group's older generations, unsealed ones). A group's
 //! `persist_begin` only appends; the member starts one write for all groups of a pass
-//! ([`SharedLog::drive`]) and each `persist_end` waits for it, so a pass costs one round and
-//! one fdatasync whatever the number of groups. A switch releases only the group's previous
+//! ([`SharedLog::poll`]), so a pass costs one round and one fdatasync whatever the number of
+//! groups, and goes on without waiting for it: each group learns from
+//! [`RaftLog::persisted`] which of its writes are stored once the log's completions are
+//! reaped (the member polls the log when its eventfd, [`SharedLog::wake_fd`], is readable).
+//! A switch releases only the group's previous
 //! generation ([`RaftLog::release`] all of a deleted group's); a segment is given back once
 //! no group's live record is left in it, so a group whose generation lies
 //! [`RELOCATE_AFTER_BYTES`] behind the log's head asks for a compaction
@@ -95,17 +98,22 @@
 //!
 //! # Failure
 //!
-//! Any failure while writing (failed write or fdatasync, disk full, a timeout) leaves the
-//! in-memory view as it was, returns the error, and makes every later write return
+//! Any failure while writing (failed write or fdatasync, disk full, a timeout) returns the
+//! error and makes every later write and [`RaftLog::persisted`] return
 //! [`RaftLogError::Failed`]: what reached the disk is unknown until the directory is reopened
-//! (recovery then tells).
+//! (recovery then tells). The in-memory view may already hold what a failed write carried
+//! ([`RaftLog::persist_begin`] updates it at once), which is harmless: nothing counts it
+//! stored, and the group stops with the log.
 //!
-//! Threads: blocking, used from one thread (the broker's cluster thread; a shared log's
-//! groups hold it through an `Rc`); no threads of its own beyond those the Felix log's
-//! backend spawns.
+//! Threads: used from one thread (the broker's cluster thread; a shared log's groups hold it
+//! through an `Rc`); no threads of its own beyond those the Felix log's backend spawns.
+//! A shared log's group writes entries and hard states without blocking
+//! ([`RaftLog::persist_begin`], [`RaftLog::persisted`]); opening, [`RaftLog::persist_end`],
+//! a generation switch (compaction, a snapshot installed), a conf state and an append that
+//! finds the log's pending bound reached still wait for the disk.
 
 use std::cell::{RefCell, RefMut};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::path::Path;
 use std::rc::Rc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -204,10 +212,9 @@ struct Cell<B: Backend> {
     owners: BTreeMap<u64, u32>,
     /// [`RELOCATE_AFTER_BYTES`] unless a test set less ([`SharedLog::set_relocate_after`]).
     relocate_after: u64,
-    /// A group's [`RaftLog::persist_begin`] appended records since [`SharedLog::drive`] last
-    /// ran (it does nothing otherwise: a drive reaps completions with a system call, the
-    /// member drives after every pass, and a commit index noted alone must not start a
-    /// round of its own).
+    /// A group's [`RaftLog::persist_begin`] appended records no round took yet: the next
+    /// [`SharedLog::poll`] starts one (a commit index noted alone must not start a round of
+    /// its own).
     undriven: bool,
 }
 
@@ -257,8 +264,12 @@ pub struct RaftLog<B: Backend = SystemBackend> {
     is_new: bool,
     /// The log's fsync mode is periodic: entries are counted once written (module docs).
     periodic: bool,
-    /// What [`RaftLog::persist_begin`] appended and [`RaftLog::persist_end`] waits for.
-    begun: Option<Begun>,
+    /// The writes [`RaftLog::persist_begin`] started that are not known stored yet, oldest
+    /// first.
+    in_flight: VecDeque<InFlight>,
+    /// Writes [`RaftLog::persist_begin`] started since the log was opened: each write's
+    /// number ([`RaftLog::persisted`]).
+    writes: u64,
     /// What the Felix log's recovery found at open.
     recovery: RecoveryReport,
 }
@@ -367,7 +378,7 @@ fn open_log<B: Backend>(config: LogConfig, backend: B) -> Result<Opened<B>> {
 /// mode): each group's generations are triples of the log's shards like a log of its own
 /// ([`RaftLog::open_shared`]), every generation sealed with the group's id. A pass appends
 /// every group's records and writes them in one round with one fdatasync
-/// ([`SharedLog::drive`]), whatever the number of groups (module documentation, "Shared
+/// ([`SharedLog::poll`]), whatever the number of groups (module documentation, "Shared
 /// logs"). Used from one thread.
 pub struct SharedLog<B: Backend = SystemBackend> {
     cell: Rc<RefCell<Cell<B>>>,
@@ -469,18 +480,65 @@ impl<B: Backend> SharedLog<B> {
         Ok(true)
     }
 
-    /// Starts writing what the groups appended (their [`RaftLog::persist_begin`]s): one round,
-    /// one fdatasync for all of them. Their `persist_end`s wait for it. Nothing appended
-    /// since the last call: nothing to do (the groups' ticks reap completions).
-    pub fn drive(&self, now: Instant) -> Result<()> {
+    /// Moves the log on without blocking: reaps its finished rounds (its groups'
+    /// [`RaftLog::persisted`] then tell what is stored) and starts one round, one fdatasync,
+    /// for what the groups' [`RaftLog::persist_begin`]s appended since the last round began
+    /// (a commit index noted alone starts none: it waits for the next write or tick). A
+    /// rejected round (disk full) fails every group on the log. The member calls it around
+    /// each pass and whenever [`SharedLog::wake_fd`] is readable. Returns whether a round
+    /// was reaped.
+    pub fn poll(&self, now: Instant) -> Result<bool> {
         let mut cell = self.cell.borrow_mut();
         if let Some(why) = &cell.failed {
             return Err(RaftLogError::Failed(why.clone()));
         }
-        if !std::mem::take(&mut cell.undriven) {
-            return Ok(());
+        let mut reaped = false;
+        let mut moved = cell.log.reap(now).map(|rounds| reaped = rounds > 0);
+        if moved.is_ok() {
+            moved = Self::start(&mut cell, now);
         }
-        cell.log.drive(now).map_err(RaftLogError::from)
+        let mut failure = moved.err().map(RaftLogError::from);
+        while let Some(event) = cell.log.poll_event() {
+            if let LogEvent::Rejected { error, .. } = event {
+                failure.get_or_insert(RaftLogError::Rejected(error));
+            }
+        }
+        match failure {
+            Some(error) => {
+                tracing::error!(%error, dir = %cell.log.config().dir.display(), "shared raft log write failed; refusing further writes");
+                cell.failed.get_or_insert_with(|| error.to_string());
+                Err(error)
+            }
+            None => Ok(reaped),
+        }
+    }
+
+    /// Starts a round for what the groups' [`RaftLog::persist_begin`]s appended since the
+    /// last round began, without reaping ([`SharedLog::poll`] after a pass's writes: a round
+    /// that finished since is announced by the wake fd). A failure is [`SharedLog::poll`]'s
+    /// to report.
+    pub fn start_rounds(&self, now: Instant) -> Result<()> {
+        let mut cell = self.cell.borrow_mut();
+        if let Some(why) = &cell.failed {
+            return Err(RaftLogError::Failed(why.clone()));
+        }
+        Self::start(&mut cell, now).map_err(RaftLogError::from)
+    }
+
+    fn start(cell: &mut Cell<B>, now: Instant) -> std::result::Result<(), StorageError> {
+        if cell.undriven {
+            cell.log.start_rounds(now)?;
+            // Two rounds may be in flight: what neither took starts once one completes.
+            cell.undriven = cell.log.pending_bytes() > 0;
+        }
+        Ok(())
+    }
+
+    /// An eventfd that becomes readable when a round of the log completes: the owner then
+    /// calls [`SharedLog::poll`] (a copy of the log's own descriptor, for an event loop to
+    /// wait on).
+    pub fn wake_fd(&self) -> std::io::Result<std::os::fd::OwnedFd> {
+        self.cell.borrow().log.wake_fd().try_clone_to_owned()
     }
 
     /// Groups ask for a compaction once their generation lies `bytes` behind the log's head
@@ -587,7 +645,8 @@ impl<B: Backend> RaftLog<B> {
             entries,
             is_new,
             periodic,
-            begun: None,
+            in_flight: VecDeque::new(),
+            writes: 0,
             recovery: report,
         };
         if generations.iter().any(|g| *g != generation) {
@@ -615,7 +674,8 @@ impl<B: Backend> RaftLog<B> {
             entries_bytes: 0,
             is_new: true,
             periodic: shared.periodic,
-            begun: None,
+            in_flight: VecDeque::new(),
+            writes: 0,
             recovery: shared.recovery.clone(),
         };
         raft_log.check_failed()?;
@@ -804,35 +864,37 @@ impl<B: Backend> RaftLog<B> {
     /// raft-rs `MemStorage::append` does) and `hard_state` if given, and returns once both
     /// are stored (fdatasynced; in periodic mode written, unless the term or the vote
     /// changes: module documentation, "Durability"; a hard state alone that only moves the
-    /// commit index is [`RaftLog::note_commit`]'s, not waited for); then updates the view served through
-    /// [`raft::Storage`]. Entries must be consecutive, start no lower than the first index
-    /// and leave no gap after the last index (errors, not writes, where `MemStorage` panics).
+    /// commit index is [`RaftLog::note_commit`]'s, not waited for). Entries must be
+    /// consecutive, start no lower than the first index and leave no gap after the last index
+    /// (errors, not writes, where `MemStorage` panics).
     pub fn persist(&mut self, entries: &[Entry], hard_state: Option<&HardState>) -> Result<()> {
         self.persist_begin(entries, hard_state)?;
         self.persist_end()
     }
 
-    /// The first half of [`RaftLog::persist`]: checks, appends the records and starts their
-    /// write without waiting ([`RaftLog::persist_end`] waits and updates the view). Several
-    /// groups' logs can so write at the same time. Only `persist_end` may follow.
+    /// Starts what [`RaftLog::persist`] does without waiting: checks, appends the records,
+    /// starts their write (a log of its own; a [`SharedLog`]'s owner starts one write for all
+    /// its groups, [`SharedLog::poll`]), and updates the view served through
+    /// [`raft::Storage`] at once, as raft-rs's asynchronous persistence asks
+    /// (`RawNode::advance_append_async`: the entries must be readable before they are
+    /// stored). Further writes may begin before this one is stored. Returns the write's
+    /// number: [`RaftLog::persisted`] tells when it is stored, [`RaftLog::persist_end`] waits
+    /// for it. Nothing to write (a commit-only hard state, noted for the next write) returns
+    /// the number of the write before, so it counts as stored once that one is.
     pub fn persist_begin(
         &mut self,
         entries: &[Entry],
         hard_state: Option<&HardState>,
-    ) -> Result<()> {
+    ) -> Result<u64> {
         self.check_failed()?;
-        if self.begun.is_some() {
-            return Err(RaftLogError::Failed(
-                "persist_begin twice without persist_end".into(),
-            ));
-        }
         if entries.is_empty()
             && let Some(hs) = hard_state
             && hs.term == self.hard_state.term
             && hs.vote == self.hard_state.vote
         {
             // Only the commit index moved: written in the background (`note_commit`).
-            return self.note_commit(hs.commit);
+            self.note_commit(hs.commit)?;
+            return Ok(self.writes);
         }
         if let Some(first) = entries.first() {
             let first_index = self.first();
@@ -870,7 +932,7 @@ impl<B: Backend> RaftLog<B> {
             ));
         }
         if records.is_empty() {
-            return Ok(());
+            return Ok(self.writes);
         }
         let sync = !self.periodic
             || hard_state.is_some_and(|hs| {
@@ -885,7 +947,7 @@ impl<B: Backend> RaftLog<B> {
                 self.log().drive(Instant::now())?;
             } else {
                 // A log of its own starts the write now; a shared log's owner starts one
-                // write for every group's records once all have begun (`SharedLog::drive`).
+                // write for every group's records once all have begun (`SharedLog::poll`).
                 // Only these appends ask for it: a commit index noted alone waits for the
                 // next write or tick (`note_commit`), or it would cost a round of its own.
                 self.cell.borrow_mut().undriven = true;
@@ -893,40 +955,75 @@ impl<B: Backend> RaftLog<B> {
             Ok(shards)
         });
         let shards = started.map_err(|e| self.fail(e))?;
-        self.begun = Some(Begun {
-            entries: entries.to_vec(),
-            hard_state: hard_state.cloned(),
-            shards,
+        let targets = {
+            let log = self.log();
+            shards
+                .iter()
+                .map(|&shard| (shard, log.shard_offsets(shard).map_or(0, |o| o.next)))
+                .collect()
+        };
+        self.writes += 1;
+        self.in_flight.push_back(InFlight {
+            number: self.writes,
+            targets,
             sync,
         });
-        Ok(())
-    }
-
-    /// The second half of [`RaftLog::persist`]: waits until what `persist_begin` appended is
-    /// stored, then updates the view served through [`raft::Storage`]. Nothing to wait for
-    /// (a commit-only hard state, or nothing begun) returns at once.
-    pub fn persist_end(&mut self) -> Result<()> {
-        let Some(begun) = self.begun.take() else {
-            return Ok(());
-        };
-        self.check_failed()?;
-        let stored = self
-            .wait(begun.sync)
-            .and_then(|()| self.check_stored(&begun.shards, begun.sync));
-        stored.map_err(|e| self.fail(e))?;
-        if let Some(first) = begun.entries.first() {
+        if let Some(first) = entries.first() {
             let keep = usize::try_from(first.index - self.first()).unwrap_or(usize::MAX);
             if let Some(replaced) = self.entries.get(keep..) {
                 self.entries_bytes -= data_bytes(replaced);
             }
             self.entries.truncate(keep);
-            self.entries_bytes += data_bytes(&begun.entries);
-            self.entries.extend(begun.entries);
+            self.entries_bytes += data_bytes(entries);
+            self.entries.extend_from_slice(entries);
         }
-        if let Some(hs) = begun.hard_state {
-            self.hard_state = hs;
+        if let Some(hs) = hard_state {
+            self.hard_state = hs.clone();
         }
         self.is_new = false;
+        Ok(self.writes)
+    }
+
+    /// The number of the newest write [`RaftLog::persist_begin`] started that is stored, and
+    /// every write before it: what the Felix log's completions reaped so far tell
+    /// ([`SharedLog::poll`], [`RaftLog::tick`]), without waiting. Writes are stored in the
+    /// order they began.
+    pub fn persisted(&mut self) -> Result<u64> {
+        self.check_failed()?;
+        self.reap_stored();
+        Ok(self.in_flight.front().map_or(self.writes, |w| w.number - 1))
+    }
+
+    /// Drops the writes in flight that are stored, oldest first.
+    fn reap_stored(&mut self) {
+        while let Some(front) = self.in_flight.front() {
+            if !self.targets_stored(&front.targets, front.sync) {
+                break;
+            }
+            self.in_flight.pop_front();
+        }
+    }
+
+    /// Waits until every write [`RaftLog::persist_begin`] started is stored (nothing in
+    /// flight: returns at once).
+    pub fn persist_end(&mut self) -> Result<()> {
+        self.check_failed()?;
+        self.reap_stored();
+        if self.in_flight.is_empty() {
+            return Ok(());
+        }
+        let sync = self.in_flight.iter().any(|w| w.sync);
+        self.wait(sync).map_err(|e| self.fail(e))?;
+        self.reap_stored();
+        if let Some(left) = self.in_flight.front() {
+            let (shard, next) = left.targets.first().copied().unwrap_or_default();
+            let stored = self.log().shard_offsets(shard).map_or(0, |o| o.synced);
+            return Err(self.fail(RaftLogError::NotStored {
+                shard,
+                stored,
+                next,
+            }));
+        }
         Ok(())
     }
 
@@ -1199,6 +1296,23 @@ impl<B: Backend> RaftLog<B> {
         Ok(shards)
     }
 
+    /// Whether the records appended to each shard up to its target offset are stored:
+    /// fdatasynced when `sync` or the mode is on_commit, written otherwise. A shard the log
+    /// no longer has was released by a generation switch, which stored everything before it.
+    fn targets_stored(&self, targets: &[(u32, u64)], sync: bool) -> bool {
+        let log = self.log();
+        targets.iter().all(|&(shard, target)| {
+            log.shard_offsets(shard).is_none_or(|o| {
+                let stored = if sync || !self.periodic {
+                    o.synced
+                } else {
+                    o.written
+                };
+                stored >= target
+            })
+        })
+    }
+
     /// Checks that every record appended to `shards` is stored as [`RaftLog::write`] asked.
     fn check_stored(&self, shards: &[u32], sync: bool) -> Result<()> {
         for &shard in shards {
@@ -1254,14 +1368,15 @@ impl<B: Backend> RaftLog<B> {
     }
 }
 
-/// A write [`RaftLog::persist_begin`] started: what the view takes once it is stored.
+/// A write [`RaftLog::persist_begin`] started and not yet known stored.
 #[derive(Debug)]
-struct Begun {
-    entries: Vec<Entry>,
-    hard_state: Option<HardState>,
-    /// The log shards written to.
-    shards: Vec<u32>,
-    /// Whether the write must be fdatasynced (rather than written).
+struct InFlight {
+    /// Its number ([`RaftLog::persisted`]).
+    number: u64,
+    /// Each log shard it wrote to, with the shard's next offset after its records: stored
+    /// once the shard's stored offset reaches it.
+    targets: Vec<(u32, u64)>,
+    /// Whether it must be fdatasynced (rather than written).
     sync: bool,
 }
 
@@ -1504,8 +1619,12 @@ impl<B: Backend> crate::node::LogStore for RaftLog<B> {
         &mut self,
         entries: &[Entry],
         hard_state: Option<&HardState>,
-    ) -> std::result::Result<(), NodeError> {
+    ) -> std::result::Result<u64, NodeError> {
         RaftLog::persist_begin(self, entries, hard_state).map_err(node_error)
+    }
+
+    fn persisted(&mut self) -> std::result::Result<u64, NodeError> {
+        RaftLog::persisted(self).map_err(node_error)
     }
 
     fn persist_end(&mut self) -> std::result::Result<(), NodeError> {

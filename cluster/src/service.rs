@@ -20,7 +20,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::control::{Command, ControlState, Member as MemberEntry, Outcome, StreamKind};
 use crate::groups::{group_id, system_backends};
-use crate::member::{Member, MemberConfig, Progress, Request, SubscriptionControl};
+use crate::member::{Member, MemberConfig, Request, SubscriptionControl};
 use crate::memory::MemoryShards;
 use crate::node::{NodeError, NodeStatus, ProposeError};
 use crate::pki::NodeIdentity;
@@ -623,10 +623,13 @@ async fn serve(
         Arc::clone(&status),
         view_watched,
     )));
+    let mut wakes = Wakes::default();
+    wakes.update(&member)?;
     let outcome = async {
         loop {
             tokio::select! {
                 _ = &mut stopped => return Ok(()),
+                () = wakes.readable() => {}
                 () = tokio::time::sleep_until(member.poll_timeout().into()) => {
                     member.handle_tick(std::time::Instant::now(), &transport.connected_peers())?;
                 }
@@ -656,18 +659,12 @@ async fn serve(
                     }
                 }
             }
-            // Before the member waits for a pass's writes: callers whose batches it applied
-            // are answered, and the frames a lone group's pass may send early reach the
-            // network while its write runs (the peer tasks take them when this task yields).
-            while let Progress::Flush { early } = member.advance(std::time::Instant::now())? {
-                transmit(&mut member, &transport);
-                answer(&mut member, &status, &view);
-                if early {
-                    tokio::task::yield_now().await;
-                }
-            }
+            // The member never waits for its shard groups' writes: their completions wake
+            // this loop (`wakes`), and the peer tasks take the frames while the disk works.
+            member.advance(std::time::Instant::now())?;
             transmit(&mut member, &transport);
             answer(&mut member, &status, &view);
+            wakes.update(&member)?;
         }
     }
     .await;
@@ -676,6 +673,61 @@ async fn serve(
         answered.deliver();
     }
     outcome
+}
+
+/// The eventfds of the member's shard-group logs ([`Member::wake_fds`]), registered with
+/// the runtime: readable when a write completes.
+#[derive(Default)]
+struct Wakes {
+    fds: Vec<tokio::io::unix::AsyncFd<std::os::fd::OwnedFd>>,
+}
+
+impl Wakes {
+    /// Takes the member's eventfds again when the set changed (a shared log opened).
+    fn update<B: felix_storage::Backend>(
+        &mut self,
+        member: &Member<B>,
+    ) -> Result<(), ServiceError> {
+        if !member.wake_fds_changed(self.fds.len()) {
+            return Ok(());
+        }
+        let wake_error =
+            |error: std::io::Error| ServiceError::Start(format!("a shard log's eventfd: {error}"));
+        self.fds = member
+            .wake_fds()
+            .map_err(wake_error)?
+            .into_iter()
+            .map(|fd| {
+                // SAFETY: `fd` is an OwnedFd this AsyncFd takes by value: it stays open
+                // exactly as long as the registration and nothing else can close it.
+                unsafe { tokio::io::unix::AsyncFd::register(fd) }.map_err(std::io::Error::from)
+            })
+            .collect::<Result<_, _>>()
+            .map_err(wake_error)?;
+        Ok(())
+    }
+
+    /// Waits until one of the eventfds is readable and clears its readiness (the member's
+    /// advance reads it: `felix_storage::Log::reap`). Never returns without eventfds.
+    async fn readable(&self) {
+        match self.fds.as_slice() {
+            [] => std::future::pending().await,
+            [one] => clear(one).await,
+            [first, second, ..] => tokio::select! {
+                () = clear(first) => {}
+                () = clear(second) => {}
+            },
+        }
+    }
+}
+
+/// Waits for `fd` to be readable and clears the readiness.
+async fn clear(fd: &tokio::io::unix::AsyncFd<std::os::fd::OwnedFd>) {
+    match fd.readable().await {
+        Ok(mut guard) => guard.clear_ready(),
+        // Not expected of a registered eventfd; the ticks still drive the logs.
+        Err(_) => std::future::pending().await,
+    }
 }
 
 /// Publishes the member's status and view when they changed, then answers its callers

@@ -214,20 +214,21 @@ fn the_commit_index_is_written_in_the_background() {
 }
 
 #[test]
-fn a_begun_write_joins_the_view_once_it_is_stored() {
+fn a_begun_write_is_readable_at_once_and_waited_for_by_persist_end() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (mut log, handle) = open_fault(dir.path());
     log.persist(&entries(1..=5, 1), Some(&hard_state(1, 2, 5)))
         .expect("persist");
     let syncs = handle.syncs_completed();
-    log.persist_begin(&entries(6..=8, 1), Some(&hard_state(1, 2, 5)))
+    let first = log
+        .persist_begin(&entries(6..=8, 1), Some(&hard_state(1, 2, 5)))
         .expect("begin");
-    // Not in the view before `persist_end`; a second begin is refused.
-    assert_eq!(log.last_index().expect("last"), 5);
-    assert!(
-        log.persist_begin(&entries(9..=9, 1), None).is_err(),
-        "one write begun at a time"
-    );
+    // In the view at once (raft-rs reads it before it is stored); a second write may begin.
+    assert_eq!(log.last_index().expect("last"), 8);
+    let second = log
+        .persist_begin(&entries(9..=9, 1), None)
+        .expect("a second begin");
+    assert!(second > first, "writes are numbered in order");
     // Another group's log writes at the same time.
     let other_dir = tempfile::tempdir().expect("tempdir");
     let (mut other, _) = open_fault(other_dir.path());
@@ -235,16 +236,68 @@ fn a_begun_write_joins_the_view_once_it_is_stored() {
         .persist_begin(&entries(1..=2, 1), None)
         .expect("another log's begin");
     log.persist_end().expect("end");
+    assert_eq!(log.persisted().expect("persisted"), second);
     other.persist_end().expect("end");
     assert_eq!(all_entries(&other), entries(1..=2, 1));
-    assert_eq!(all_entries(&log), entries(1..=8, 1));
+    assert_eq!(all_entries(&log), entries(1..=9, 1));
     assert!(
         handle.syncs_completed() > syncs,
         "on_commit: fdatasynced before it returned"
     );
+}
+
+/// A shared log's writes go on without waiting: each is readable at once, a round starts for
+/// what the groups began, and `persisted` names the newest write stored only once its round
+/// completed, in order, whatever writes began since. A commit index noted alone counts as
+/// stored with the write before it.
+#[test]
+fn writes_in_flight_are_persisted_in_order_once_their_rounds_complete() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (shared, handle) = open_shared_fault(dir.path());
+    // Opening a group writes its seal and waits for it; from then on, rounds are held.
+    let mut log = RaftLog::open_shared(&shared, 1).expect("group 1");
+    handle.set_auto_complete(false);
+    assert_eq!(log.persisted().expect("persisted"), 0);
+    let now = Instant::now();
+    let first = log
+        .persist_begin(&entries(1..=3, 1), Some(&hard_state(1, 1, 0)))
+        .expect("begin");
+    shared.poll(now).expect("poll starts a round");
+    let second = log
+        .persist_begin(&entries(4..=5, 1), None)
+        .expect("a second write while the first is in flight");
+    shared.poll(now).expect("poll");
+    assert_eq!(log.last_index().expect("last"), 5, "readable at once");
+    assert_eq!(
+        log.persisted().expect("persisted"),
+        first - 1,
+        "nothing stored yet"
+    );
+    assert!(handle.complete_next(), "the first round was submitted");
+    shared
+        .poll(now)
+        .expect("poll reaps the first round, starts the second");
+    assert_eq!(log.persisted().expect("persisted"), first);
+    let noted = log
+        .persist_begin(&[], Some(&hard_state(1, 1, 3)))
+        .expect("a commit index alone");
+    assert_eq!(
+        noted, second,
+        "a commit alone waits for no write of its own"
+    );
+    assert!(handle.complete_next(), "the second round was submitted");
+    shared.poll(now).expect("poll");
+    assert_eq!(log.persisted().expect("persisted"), second);
+    assert_eq!(
+        handle.held_rounds(),
+        0,
+        "no round for the commit index alone"
+    );
     drop(log);
-    let (log, _) = open_fault(dir.path());
-    assert_eq!(all_entries(&log), entries(1..=8, 1));
+    drop(shared);
+    let (shared, _handle) = open_shared_fault(dir.path());
+    let log = RaftLog::open_shared(&shared, 1).expect("reopen");
+    assert_eq!(all_entries(&log), entries(1..=5, 1));
 }
 
 #[test]
@@ -676,9 +729,11 @@ fn failed_fsync_refuses_further_writes() {
         log.persist(&entries(6..=8, 1), Some(&hard_state(1, 1, 8)))
             .is_err()
     );
-    // The view did not move, and every later write is refused.
-    assert_eq!(log.last_index().expect("last"), 5);
+    // The view holds the write's entries (readable from its start, as raft-rs asks), but
+    // nothing counts them stored, and every later write is refused.
+    assert_eq!(log.last_index().expect("last"), 8);
     assert!(log.failure().is_some());
+    assert!(matches!(log.persisted(), Err(RaftLogError::Failed(_))));
     assert!(matches!(
         log.persist(&entries(6..=6, 1), None),
         Err(RaftLogError::Failed(_))
@@ -1056,7 +1111,7 @@ fn a_pass_over_many_groups_writes_and_fdatasyncs_once() {
             )
             .expect("begin");
         }
-        shared.drive(std::time::Instant::now()).expect("drive");
+        shared.poll(std::time::Instant::now()).expect("poll");
         for log in &mut logs {
             log.persist_end().expect("end");
         }
@@ -1072,7 +1127,7 @@ fn a_pass_over_many_groups_writes_and_fdatasyncs_once() {
     // A commit index noted alone is not a round of its own: it waits for the next write.
     let before = handle.syncs_completed();
     logs[0].note_commit(50).expect("noted");
-    shared.drive(std::time::Instant::now()).expect("drive");
+    shared.poll(std::time::Instant::now()).expect("poll");
     assert_eq!(
         handle.syncs_completed(),
         before,
@@ -1081,7 +1136,7 @@ fn a_pass_over_many_groups_writes_and_fdatasyncs_once() {
     logs[1]
         .persist_begin(&tagged(51..=51, 1, "group 1"), None)
         .expect("begin");
-    shared.drive(std::time::Instant::now()).expect("drive");
+    shared.poll(std::time::Instant::now()).expect("poll");
     logs[1].persist_end().expect("end");
     assert_eq!(
         handle.syncs_completed(),

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use felix_cluster::link::{self, EventSink, LinkEvent, Routed};
-use felix_cluster::member::{Member, MemberConfig, Progress, Request};
+use felix_cluster::member::{Member, MemberConfig, Request};
 use felix_cluster::records::RecordsConfig;
 use felix_cluster::service::{Answer, ClusterStatus, ServiceError};
 use felix_cluster::shard::ShardRecord;
@@ -318,8 +318,12 @@ impl ClusterWorld {
         node.runs += 1;
         node.member_faults.borrow_mut().clear();
         let faults = Rc::clone(&node.member_faults);
-        let open = Box::new(move |_: &Path| {
+        let open = Box::new(move |dir: &Path| {
             let (backend, fault) = FaultBackend::new(true)?;
+            if felix_cluster::groups::is_shared_raft_log(dir) {
+                // The shard groups' writes stay in flight across steps (`Sim::disks`).
+                fault.hold_rounds(true);
+            }
             faults.borrow_mut().push(fault);
             Ok(backend)
         });
@@ -475,6 +479,7 @@ impl ClusterWorld {
         if faults {
             self.maybe_fault();
         }
+        self.disks();
         let ids: Vec<u64> = self.nodes.keys().copied().collect();
         for &id in &ids {
             self.tick(id);
@@ -492,6 +497,26 @@ impl ClusterWorld {
         }
         for client in 0..self.clients.len() {
             self.client_io(client);
+        }
+    }
+
+    /// The members' shared shard-group logs finish some of their held rounds: each with a
+    /// chance, now and then the newest first (its completion seen before the older one's).
+    /// The members learn of it at their next advance, as from an eventfd.
+    fn disks(&mut self) {
+        for node in self.nodes.values() {
+            if node.member.is_none() {
+                continue;
+            }
+            for fault in node.member_faults.borrow().iter() {
+                while fault.held_rounds() > 0 && self.rng.below(100) < 60 {
+                    if self.rng.below(100) < 15 {
+                        fault.complete_newest();
+                    } else {
+                        fault.complete_next();
+                    }
+                }
+            }
         }
     }
 
@@ -608,14 +633,9 @@ impl ClusterWorld {
             let Some(member) = node.member.as_mut() else {
                 return;
             };
-            loop {
-                let progress = member.advance(now.at).expect("advance");
-                while let Some(out) = member.poll_transmit() {
-                    sends.push(out);
-                }
-                if progress == Progress::Done {
-                    break;
-                }
+            member.advance(now.at).expect("advance");
+            while let Some(out) = member.poll_transmit() {
+                sends.push(out);
             }
             if member.status_due() {
                 let mut shown = member.status();
