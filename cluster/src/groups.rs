@@ -73,11 +73,12 @@ pub fn is_shared_raft_log(dir: &Path) -> bool {
 /// A replica this many entries or fewer behind the leader counts as in sync.
 pub const IN_SYNC_LAG_MAX: u64 = 1_000;
 
-/// Writes a group keeps in flight at most: while one is, what Raft makes ready (proposals,
-/// appends from the leader) waits and goes out as one write and one append message when it
-/// is stored, as when the member waited for each write, but the member serves the other
-/// groups, the callers and the network meanwhile.
-const WRITES_IN_FLIGHT: usize = 1;
+/// Writes a group keeps in flight at most. A follower begins the write of the next appends
+/// while the previous one is in flight, so its answers follow each other by less than a
+/// write. With one (what Raft makes ready meanwhile waits and goes out as one write), the
+/// leader acked fewer records under load on a latency-bound machine (docs/performance.md,
+/// "Cluster: writes that do not block").
+const WRITES_IN_FLIGHT: usize = 4;
 
 /// Rounds of taking stored writes and starting readies per group and [`Groups::pump`], at most.
 const STARTS_PER_PASS: usize = 8;
