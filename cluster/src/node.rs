@@ -591,18 +591,9 @@ impl<S: LogStore, M: Machine> Node<S, M> {
     /// ready.
     fn pass(&mut self, output: &mut Output<M::Applied>) -> Result<bool, NodeError> {
         debug_assert!(self.in_flight.is_empty(), "advance mixed with start");
-        if !self.raw.has_ready() {
+        let Some(mut ready) = self.take_ready(output)? else {
             return Ok(false);
-        }
-        let mut ready = self.raw.ready();
-        let sent = output.messages.len();
-        output.messages.extend(ready.take_messages());
-        self.note_told(&output.messages[sent..]);
-        if !ready.snapshot().is_empty() {
-            self.install(ready.snapshot().clone())?;
-        }
-        let committed = ready.take_committed_entries();
-        self.apply(committed, output)?;
+        };
         let store = self.raw.mut_store();
         store.persist_begin(ready.entries(), ready.hs())?;
         store.persist_end()?;
@@ -628,18 +619,9 @@ impl<S: LogStore, M: Machine> Node<S, M> {
     /// while earlier writes are in flight. False when nothing was ready. Not to be mixed
     /// with [`Node::advance`] on one node.
     pub fn start(&mut self, output: &mut Output<M::Applied>) -> Result<bool, NodeError> {
-        if !self.raw.has_ready() {
+        let Some(mut ready) = self.take_ready(output)? else {
             return Ok(false);
-        }
-        let mut ready = self.raw.ready();
-        let sent = output.messages.len();
-        output.messages.extend(ready.take_messages());
-        self.note_told(&output.messages[sent..]);
-        if !ready.snapshot().is_empty() {
-            self.install(ready.snapshot().clone())?;
-        }
-        let committed = ready.take_committed_entries();
-        self.apply(committed, output)?;
+        };
         let write = self
             .raw
             .mut_store()
@@ -654,6 +636,28 @@ impl<S: LogStore, M: Machine> Node<S, M> {
         });
         self.tell_applied();
         Ok(true)
+    }
+
+    /// What both ways of handling a ready begin with: takes what Raft has ready (`None` when
+    /// nothing is), puts the messages that may leave before the write in `output` (a
+    /// leader's appends), installs a snapshot, applies the committed entries.
+    fn take_ready(
+        &mut self,
+        output: &mut Output<M::Applied>,
+    ) -> Result<Option<raft::Ready>, NodeError> {
+        if !self.raw.has_ready() {
+            return Ok(None);
+        }
+        let mut ready = self.raw.ready();
+        let sent = output.messages.len();
+        output.messages.extend(ready.take_messages());
+        self.note_told(&output.messages[sent..]);
+        if !ready.snapshot().is_empty() {
+            self.install(ready.snapshot().clone())?;
+        }
+        let committed = ready.take_committed_entries();
+        self.apply(committed, output)?;
+        Ok(Some(ready))
     }
 
     /// Tells raft-rs what the machine applied, as far as it counts stored here: a snapshot
