@@ -8,10 +8,12 @@
 //! Inputs: [`Member::handle_tick`] (every [`TICK`], with the peers connected now),
 //! [`Member::handle_peer_frame`], [`Member::handle_request`] (publishes, proposals, reads),
 //! [`Member::handle_subscription`], [`Member::handle_transmitted`] (how a send went).
-//! After inputs, [`Member::advance`] drives the Raft nodes (appends, fdatasyncs, applies).
-//! Outputs: [`Member::poll_transmit`] (frames for peers), [`Member::poll_answer`] (answers
-//! to the callers of requests, in the order they were given), [`Member::poll_timeout`]
-//! (when the next tick is due), [`Member::update_status`] (the status and the cores' view).
+//! After inputs, and when a shard group's write completes ([`Member::wake_fds`]),
+//! [`Member::advance`] drives the Raft nodes (appends, applies, writes begun; it never waits
+//! for a shard group's write). Outputs: [`Member::poll_transmit`] (frames for peers),
+//! [`Member::poll_answer`] (answers to the callers of requests, in the order they were
+//! given), [`Member::poll_timeout`] (when the next tick is due), [`Member::update_status`]
+//! (the status and the cores' view).
 //!
 //! The broker's `felix-cluster` thread (`service.rs`) is a thin loop around it: it waits for
 //! the next input, hands it in, and carries out the outputs on the peer transport.
@@ -193,8 +195,8 @@ pub struct Member<B: Backend = SystemBackend> {
     connected: Vec<u64>,
     /// Control-plane entries applied this round, answered once the status shows them.
     applied: Vec<Applied>,
-    /// The last [`Member::advance`] left the groups with more to do at once (its passes
-    /// ran out while writes kept completing): when it ran.
+    /// The last [`Member::advance`] left the groups with more to do at once (a group reached
+    /// its bound of readies per advance, `groups.rs`): when it ran.
     again: Option<Instant>,
     transmits: VecDeque<Transmit>,
     /// Answers given by the member's parts, in order; shared with the wrappers

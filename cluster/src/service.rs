@@ -1,8 +1,10 @@
 //! The cluster member as a running service: one `felix-cluster` thread per broker, a thin
 //! loop around the sans-IO [`Member`] (`member.rs`) on the system storage backend and the
-//! peer transport (`transport.rs`): it waits for the next tick, peer frame, request or
-//! subscription change, hands it to the member, advances it, sends its frames, publishes its
-//! status and view, and delivers its answers. The data-plane cores never wait for it.
+//! peer transport (`transport.rs`): it waits for the next tick, peer frame, request,
+//! subscription change or completed shard-group write (the shared Raft logs' eventfds), hands
+//! it to the member, advances it, sends its frames, publishes its status and view, and
+//! delivers its answers. The data-plane cores never wait for it, and it never waits for a
+//! shard group's write.
 //!
 //! Threads: the service's own thread runs a current-thread tokio runtime (the transport's
 //! tasks run there too). Other threads talk to it through [`Service`]'s methods, which queue a
