@@ -647,7 +647,7 @@ impl<B: Backend> Groups<B> {
             again |= !settled;
             deliver(*id, group, output, send);
         }
-        for shared in [&self.on_commit, &self.periodic].into_iter().flatten() {
+        for shared in self.open_shared() {
             shared
                 .start_rounds(now)
                 .map_err(|error| NodeError::Store(error.to_string()))?;
@@ -655,11 +655,16 @@ impl<B: Backend> Groups<B> {
         Ok(again)
     }
 
+    /// The shared Raft logs opened so far.
+    fn open_shared(&self) -> impl Iterator<Item = &SharedLog<B>> {
+        [&self.on_commit, &self.periodic].into_iter().flatten()
+    }
+
     /// Reaps the shared logs' finished rounds and starts a round for what the groups appended
     /// ([`SharedLog::poll`]); whether a round was reaped.
     fn poll_shared(&self, now: std::time::Instant) -> Result<bool, NodeError> {
         let mut reaped = false;
-        for shared in [&self.on_commit, &self.periodic].into_iter().flatten() {
+        for shared in self.open_shared() {
             reaped |= shared
                 .poll(now)
                 .map_err(|error| NodeError::Store(error.to_string()))?;
@@ -671,20 +676,13 @@ impl<B: Backend> Groups<B> {
     /// groups then). The set grows when a group of the other fsync mode first starts
     /// ([`Groups::shared_logs`]).
     pub fn wake_fds(&self) -> std::io::Result<Vec<std::os::fd::OwnedFd>> {
-        [&self.on_commit, &self.periodic]
-            .into_iter()
-            .flatten()
-            .map(SharedLog::wake_fd)
-            .collect()
+        self.open_shared().map(SharedLog::wake_fd).collect()
     }
 
     /// How many shared logs are open ([`Groups::wake_fds`] changes when this does).
     #[must_use]
     pub fn shared_logs(&self) -> usize {
-        [&self.on_commit, &self.periodic]
-            .into_iter()
-            .flatten()
-            .count()
+        self.open_shared().count()
     }
 
     /// After the passes: records what the groups applied in their record logs, compacts
