@@ -781,6 +781,12 @@ fn overlapped_rounds_read_back_after_recovery<B: Backend>(mk: &dyn Fn() -> Optio
     // O_DIRECT (the second round's tail block prefix comes from the first round's staged
     // bytes) and buffered. Every record is acked in offset order and reads back identical
     // after recovery, and the segments are zero after their data.
+    //
+    // Whether rounds overlap here depends on timing (a round's write must be seen finished
+    // while its fdatasync still runs), which a loaded machine may never show: the loop goes
+    // on until five rounds overlapped or 20,000 records were written, and asserts only what
+    // holds either way. Overlap itself is made deterministically, with the fault backend, in
+    // `tests/rounds.rs`.
     for direct_io in [true, false] {
         let Some(backend) = mk() else { return };
         let dir = tempfile::tempdir().expect("tempdir");
@@ -791,15 +797,11 @@ fn overlapped_rounds_read_back_after_recovery<B: Backend>(mk: &dyn Fn() -> Optio
         let mut model = Model::default();
         let mut rng = Rng(11);
         let mut synced = Vec::new();
-        let deadline = Instant::now() + DEADLINE;
-        // Bounded by the deadline; stops once enough rounds overlapped (a real disk's
+        // Bounded by the record count; stops once enough rounds overlapped (a real disk's
         // fdatasync outlasts the next write's submission most of the time).
-        while log.counters().overlapped_rounds < 5 || model.records() < 200 {
-            assert!(
-                Instant::now() < deadline,
-                "no {} overlapped rounds before the deadline",
-                5
-            );
+        while (log.counters().overlapped_rounds < 5 && model.records() < 20_000)
+            || model.records() < 200
+        {
             for _ in 0..(rng.below(12) + 1) {
                 let shard = rng.below(3) as u32;
                 model.append(&mut log, &mut rng, shard, 4, 900);
@@ -829,11 +831,9 @@ fn overlapped_rounds_read_back_after_recovery<B: Backend>(mk: &dyn Fn() -> Optio
         for (shard, recs) in &model.shards {
             assert_eq!(ends.get(shard).copied(), Some(recs.len() as u64));
         }
-        let c = log.counters().clone();
-        assert!(
-            c.overlapped_rounds >= 5,
-            "overlapped {}",
-            c.overlapped_rounds
+        eprintln!(
+            "{} rounds overlapped (direct_io {direct_io})",
+            log.counters().overlapped_rounds
         );
         drop(log);
         let (segs, placed) = parse_files(dir.path());
