@@ -73,16 +73,6 @@ pub fn is_shared_raft_log(dir: &Path) -> bool {
 /// A replica this many entries or fewer behind the leader counts as in sync.
 pub const IN_SYNC_LAG_MAX: u64 = 1_000;
 
-/// Writes a group keeps in flight at most. A follower begins the write of the next appends
-/// while the previous one is in flight, so its answers follow each other by less than a
-/// write. With one (what Raft makes ready meanwhile waits and goes out as one write), the
-/// leader acked fewer records under load on a latency-bound machine (docs/performance.md,
-/// "Cluster: writes that do not block").
-const WRITES_IN_FLIGHT: usize = 4;
-
-/// Rounds of taking stored writes and starting readies per group and [`Groups::pump`], at most.
-const STARTS_PER_PASS: usize = 8;
-
 /// Ticks between two checks whether a group should hand leadership to its placed leader.
 const TRANSFER_CHECK_TICKS: u64 = 10;
 
@@ -274,6 +264,11 @@ pub struct Groups<B: Backend = SystemBackend> {
     /// plane has applied its creation and still has no such stream ([`Groups::sweep_orphans`]).
     /// `None` until that first reconcile.
     unclaimed: Option<BTreeSet<u64>>,
+    /// Bumped whenever a group starts or stops: [`Groups::wake_fds`] changed.
+    wake_version: u64,
+    /// Peers' fetches of records whose read waits for the disk (`records.rs`, "Holes"):
+    /// answered once the record log's reader thread fetched the bytes.
+    fetches_waiting: Vec<(u64, Fetch)>,
 }
 
 impl<B: Backend> std::fmt::Debug for Groups<B> {
@@ -328,6 +323,8 @@ impl<B: Backend> Groups<B> {
             on_commit: None,
             periodic: None,
             unclaimed: None,
+            wake_version: 0,
+            fetches_waiting: Vec::new(),
         }
     }
 
@@ -423,6 +420,7 @@ impl<B: Backend> Groups<B> {
             .collect();
         for group in gone {
             if let Some(mut stopped) = self.groups.remove(&group) {
+                self.wake_version += 1;
                 stopped.producer.fail_all(&PublishError::NoSuchStream {
                     stream: stopped.stream.clone(),
                 });
@@ -461,6 +459,7 @@ impl<B: Backend> Groups<B> {
                 fsync = fsync.name(),
                 "replicated shard started"
             );
+            self.wake_version += 1;
             self.groups.insert(
                 group,
                 Group {
@@ -631,20 +630,7 @@ impl<B: Backend> Groups<B> {
         let mut again = false;
         for (id, group) in &mut self.groups {
             let mut output = Output::default();
-            // A ready that writes nothing new (a follower's forward alone) is stored as soon
-            // as the writes before it are, and what Raft makes of a stored write may be ready
-            // at once: both go on here, not at the next input. Bounded.
-            let mut settled = false;
-            for _ in 0..STARTS_PER_PASS {
-                let stored = group.node.poll_persisted(&mut output)?;
-                let started = group.node.writes_in_flight() < WRITES_IN_FLIGHT
-                    && group.node.start(&mut output)?;
-                if !stored && !started {
-                    settled = true;
-                    break;
-                }
-            }
-            again |= !settled;
+            again |= !group.node.pump(&mut output)?;
             deliver(*id, group, output, send);
         }
         for shared in self.open_shared() {
@@ -672,17 +658,38 @@ impl<B: Backend> Groups<B> {
         Ok(reaped)
     }
 
-    /// Copies of the shared logs' eventfds: readable when a round completes (drive the
-    /// groups then). The set grows when a group of the other fsync mode first starts
-    /// ([`Groups::shared_logs`]).
+    /// Copies of the shared logs' eventfds (readable when a round completes: drive the
+    /// groups then) and of the record logs' (readable when a read's bytes were fetched:
+    /// [`Groups::poll_reads`] then). The set changes when a group starts or stops
+    /// ([`Groups::wake_version`]).
     pub fn wake_fds(&self) -> std::io::Result<Vec<std::os::fd::OwnedFd>> {
-        self.open_shared().map(SharedLog::wake_fd).collect()
+        self.open_shared()
+            .map(SharedLog::wake_fd)
+            .chain(self.groups.values().map(|group| group.records.wake_fd()))
+            .collect()
     }
 
-    /// How many shared logs are open ([`Groups::wake_fds`] changes when this does).
+    /// Changes whenever [`Groups::wake_fds`] does.
     #[must_use]
-    pub fn shared_logs(&self) -> usize {
-        self.open_shared().count()
+    pub fn wake_version(&self) -> u64 {
+        self.wake_version
+    }
+
+    /// Takes in what the record logs' reader threads fetched, then answers the peers' fetches
+    /// that waited for it (their frames go out with [`Groups::take_fetches`]). Never blocks.
+    pub fn poll_reads(&mut self) {
+        let mut arrived = 0;
+        for group in self.groups.values() {
+            if group.records.reads_outstanding() > 0 {
+                arrived += group.records.poll_reads();
+            }
+        }
+        if arrived == 0 || self.fetches_waiting.is_empty() {
+            return;
+        }
+        for (peer, fetch) in std::mem::take(&mut self.fetches_waiting) {
+            self.answer_fetch(peer, fetch);
+        }
     }
 
     /// After the passes: records what the groups applied in their record logs, compacts
@@ -770,13 +777,15 @@ impl<B: Backend> Groups<B> {
     }
 
     /// Reads up to `max_records` committed records of shard group `group` from offset `from`
-    /// out of this member's copy: `(offset, record)` in offset order, empty at the end.
+    /// out of this member's copy: `(offset, record)` in offset order, empty at the end;
+    /// `None` while the bytes it needs first are fetched from the disk (ask again after
+    /// [`Groups::poll_reads`]). Never blocks.
     pub fn read(
         &self,
         group: u64,
         from: u64,
         max_records: usize,
-    ) -> Result<Vec<(u64, ShardRecord)>, String> {
+    ) -> Result<Option<Vec<(u64, ShardRecord)>>, String> {
         let found = self
             .groups
             .get(&group)
@@ -793,7 +802,7 @@ impl<B: Backend> Groups<B> {
         from: u64,
         max_records: usize,
         max_bytes: usize,
-    ) -> Result<Vec<(u64, ShardRecord)>, ReadError> {
+    ) -> Result<Option<Vec<(u64, ShardRecord)>>, ReadError> {
         let found = self.groups.get(&group).ok_or_else(|| {
             ReadError::Failed(format!("shard group {group} is not running on this member"))
         })?;
@@ -809,10 +818,11 @@ impl<B: Backend> Groups<B> {
         Some((group.records.oldest(), group.node.state().next_offset()))
     }
 
-    /// A peer asks for records its record log misses (`records.rs`, "Holes"): answered from
-    /// this member's copy, as a subscriber would read them.
-    #[must_use]
-    pub fn answer_fetch(&self, fetch: &Fetch) -> DataFrame {
+    /// Peer `peer` asks for records its record log misses (`records.rs`, "Holes"): answered
+    /// from this member's copy, as a subscriber would read them (the answer goes out with
+    /// [`Groups::take_fetches`]); a read that waits for the disk is answered once its bytes
+    /// are fetched ([`Groups::poll_reads`]).
+    pub fn answer_fetch(&mut self, peer: u64, fetch: Fetch) {
         let group = group_id(fetch.key.0, fetch.key.1);
         let result = match self.groups.get(&group) {
             None => Err(FetchRefusal::NotHere),
@@ -822,7 +832,14 @@ impl<B: Backend> Groups<B> {
                 fetch.max_records.min(HOLE_FETCH_RECORDS) as usize,
                 fetch.max_bytes.min(HOLE_FETCH_BYTES) as usize,
             ) {
-                Ok(records) => Ok(Fetched {
+                Ok(None) if self.fetches_waiting.len() < FETCHES_WAITING_MAX => {
+                    self.fetches_waiting.push((peer, fetch));
+                    return;
+                }
+                // Too many waiting already (the disk is slow): the peer asks again later, or
+                // asks another replica.
+                Ok(None) => Err(FetchRefusal::NotHere),
+                Ok(Some(records)) => Ok(Fetched {
                     oldest: found.records.oldest(),
                     next: found.node.state().next_offset(),
                     records,
@@ -834,10 +851,13 @@ impl<B: Backend> Groups<B> {
                 }
             },
         };
-        DataFrame::RecordsFetched {
-            request: fetch.request,
-            result,
-        }
+        self.fetches.push((
+            peer,
+            DataFrame::RecordsFetched {
+                request: fetch.request,
+                result,
+            },
+        ));
     }
 
     /// A peer's answer to a fetch of missing records: the records are appended to the
@@ -1044,26 +1064,31 @@ fn records_failed(group: u64, error: &dyn std::fmt::Display) -> NodeError {
     NodeError::Store(format!("shard group {group}: record log: {error}"))
 }
 
+/// Peers' hole fetches kept waiting for the disk at most (beyond, they are refused and asked
+/// again later).
+const FETCHES_WAITING_MAX: usize = 64;
+
 /// Reads `group`'s committed records from `from`: out of the record log up to what it has
-/// written, past it out of the Raft log's live entries. Offsets the record log still misses
-/// and the Raft log no longer holds (a hole being fetched) read as nothing yet.
+/// written (`None` while its bytes are fetched from the disk: never blocks), past it out of
+/// the Raft log's live entries. Offsets the record log still misses and the Raft log no
+/// longer holds (a hole being fetched) read as nothing yet.
 fn read_copy<B: Backend>(
     group: &Group<B>,
     from: u64,
     max_records: usize,
     max_bytes: usize,
-) -> Result<Vec<(u64, ShardRecord)>, ReadError> {
+) -> Result<Option<Vec<(u64, ShardRecord)>>, ReadError> {
     let records = &group.records;
     if from < records.written() || from < records.oldest() {
-        return records.read(from, max_records, max_bytes);
+        return records.try_read(from, max_records, max_bytes);
     }
     match group
         .node
         .state()
         .read(group.node.store(), from, max_records, max_bytes)
     {
-        Err(ReadError::Compacted { .. }) => Ok(Vec::new()),
-        other => other,
+        Err(ReadError::Compacted { .. }) => Ok(Some(Vec::new())),
+        other => other.map(Some),
     }
 }
 

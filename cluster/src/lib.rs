@@ -10,7 +10,8 @@
 //! - `control`: the control plane's replicated state machine and its commands.
 //! - `placement`: where each stream's shards and leaders go.
 //! - `node`: the sans-IO Raft node (raft-rs `RawNode`): ticks, messages and proposals in,
-//!   messages, persistence and applied commands out; driven by the broker's cluster thread and
+//!   messages, persistence and applied commands out; driven by the service's loop (on the
+//!   broker's core 0) and
 //!   by the seeded simulation alike.
 //! - `groups`, `shard`, `publish`, `subscribe`: the replicated shards a member holds, what
 //!   their Raft groups apply, publishing into them and subscribing to them.

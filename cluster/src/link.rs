@@ -3,7 +3,7 @@
 //! [`Member`](crate::member::Member) request ([`route`]), and what the member answers comes
 //! back as [`LinkEvent`]s that [`apply`] hands to the core. The member's view of the cluster
 //! becomes the core's ([`core_view`]). The broker (`dataplane/broker/src/cluster.rs`) carries
-//! the requests to the `felix-cluster` thread and the events back to each core's thread; a
+//! the requests to the service's loop (on core 0) and the events back to each core's thread; a
 //! simulation calls the same functions with no threads at all.
 
 use std::sync::Arc;

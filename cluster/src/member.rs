@@ -15,8 +15,9 @@
 //! given), [`Member::poll_timeout`] (when the next tick is due), [`Member::update_status`]
 //! (the status and the cores' view).
 //!
-//! The broker's `felix-cluster` thread (`service.rs`) is a thin loop around it: it waits for
-//! the next input, hands it in, and carries out the outputs on the peer transport.
+//! The service's loop (`service.rs`, on the broker's data-plane core 0) is a thin loop around
+//! it: it waits for the next input, hands it in, and carries out the outputs on the peer
+//! transport.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
@@ -30,7 +31,7 @@ use raft::prelude::{Message, MessageType};
 use crate::control::{Command, ControlState, Member as MemberEntry, Outcome, StreamKind};
 use crate::groups::{CONTROL_GROUP, Groups, OpenBackend, group_id};
 use crate::memory::{DATA_GROUP, DataFrame, Forwards, MemoryShards};
-use crate::node::{Applied, Node, NodeConfig};
+use crate::node::{Applied, Node, NodeConfig, Output};
 use crate::publish::{PublishAnswer, PublishError};
 use crate::raft_log::{RaftLog, raft_log_config};
 use crate::records::RecordsConfig;
@@ -202,6 +203,17 @@ pub struct Member<B: Backend = SystemBackend> {
     /// Answers given by the member's parts, in order; shared with the wrappers
     /// [`Member::handle_request`] puts around each caller's answer.
     answered: Arc<Mutex<VecDeque<Answered>>>,
+    /// Reads of a member's copy (`Request::Read`) waiting for their record log's bytes to
+    /// be fetched from the disk: asked again after each [`Groups::poll_reads`].
+    reads_waiting: Vec<WaitingRead>,
+}
+
+/// A `Request::Read` whose record log read waits for the disk.
+struct WaitingRead {
+    group: u64,
+    from: u64,
+    max_records: usize,
+    answer: Answer<Vec<(u64, ShardRecord)>>,
 }
 
 impl<B: Backend> std::fmt::Debug for Member<B> {
@@ -268,6 +280,7 @@ impl<B: Backend> Member<B> {
             again: None,
             transmits: VecDeque::new(),
             answered: Arc::new(Mutex::new(VecDeque::new())),
+            reads_waiting: Vec::new(),
         };
         let recovered = member.node.advance()?;
         member.queue_control(recovered.messages);
@@ -391,9 +404,7 @@ impl<B: Backend> Member<B> {
             Ok(DataFrame::Fetched { request, result }) => {
                 self.subscriptions.fetched(request, result);
             }
-            Ok(DataFrame::RecordsFetch(fetch)) => {
-                self.out.push((from, self.groups.answer_fetch(&fetch)));
-            }
+            Ok(DataFrame::RecordsFetch(fetch)) => self.groups.answer_fetch(from, fetch),
             Ok(DataFrame::RecordsFetched { request, result }) => {
                 // A failed record log fails the member at the end of this round.
                 if let Err(error) = self.groups.records_fetched(request, result, now) {
@@ -511,11 +522,25 @@ impl<B: Backend> Member<B> {
                 answer,
             } => {
                 let answer = self.defer(answer);
-                let read = shard_group(self.node.state(), &stream, shard)
-                    .map_err(|error| error.to_string())
-                    .and_then(|group| self.groups.read(group, from, max_records));
-                answer.answer(read.map_err(ServiceError::Read));
+                match shard_group(self.node.state(), &stream, shard) {
+                    Ok(group) => self.read(WaitingRead {
+                        group,
+                        from,
+                        max_records,
+                        answer,
+                    }),
+                    Err(error) => answer.answer(Err(ServiceError::Read(error.to_string()))),
+                }
             }
+        }
+    }
+
+    /// Answers `read` from this member's copy, or keeps it until its bytes are fetched.
+    fn read(&mut self, read: WaitingRead) {
+        match self.groups.read(read.group, read.from, read.max_records) {
+            Ok(Some(records)) => read.answer.answer(Ok(records)),
+            Ok(None) => self.reads_waiting.push(read),
+            Err(error) => read.answer.answer(Err(ServiceError::Read(error))),
         }
     }
 
@@ -564,11 +589,12 @@ impl<B: Backend> Member<B> {
         }
     }
 
-    /// Drives the Raft nodes after inputs and when the shard groups' writes complete
-    /// ([`Member::wake_fds`]), without waiting for a shard group's write: the control plane
-    /// advances (its messages queued, what it applied answered at the end; its own log's
-    /// writes are waited for, they are rare), the shard groups are started or stopped to
-    /// match it, and the groups are driven (`groups.rs`, [`Groups::pump`]): writes found
+    /// Drives the Raft nodes after inputs and when their writes complete
+    /// ([`Member::wake_fds`]), without waiting for a write: the control plane takes its
+    /// stored writes and starts what is ready the way a shard group does ([`Node::pump`]:
+    /// its messages queued, what it applied answered at the end, its votes and append
+    /// responses held until their write is stored), the shard groups are started or stopped
+    /// to match it, and the groups are driven (`groups.rs`, [`Groups::pump`]): writes found
     /// stored let out what they held (votes, append responses) and count for their leader,
     /// every group with something ready sends what may leave at once (a leader's appends
     /// before its own write, so its followers write while it does), applies what is committed
@@ -577,7 +603,19 @@ impl<B: Backend> Member<B> {
     /// and callers whose batches were applied are answered (through
     /// [`Member::poll_answer`]). A storage error is the member's failure.
     pub fn advance(&mut self, now: Instant) -> Result<(), ServiceError> {
-        let output = self.node.advance()?;
+        let mut output = Output::default();
+        // Reads that waited for the disk go on with what the record logs fetched.
+        self.groups.poll_reads();
+        for read in std::mem::take(&mut self.reads_waiting) {
+            self.read(read);
+        }
+        if self.node.writes_in_flight() > 0 {
+            // Reaps the control log's finished rounds (its eventfd woke the owner, or a
+            // later input came first); a round for what was appended since starts with it.
+            self.node.drive_store(now)?;
+        }
+        let control_settled = self.node.pump(&mut output)?;
+        self.node.compact_if_due()?;
         self.queue_control(output.messages);
         self.applied.extend(output.applied);
         if self.node.state().applied != self.reconciled_at {
@@ -595,7 +633,7 @@ impl<B: Backend> Member<B> {
         let again = self.groups.pump(now, &mut |group, message| {
             transmits.push_back(raft_transmit(group, message));
         })?;
-        self.again = again.then_some(now);
+        self.again = (again || !control_settled).then_some(now);
         self.groups.end_advance(now)?;
         // Subscribers read what this round applied (and what they have credit for).
         let reading = View {
@@ -635,17 +673,21 @@ impl<B: Backend> Member<B> {
         Ok(())
     }
 
-    /// Copies of the eventfds that become readable when a shard group's write completes: the
-    /// owner waits on them with its other inputs and calls [`Member::advance`] when one is
-    /// readable. The set grows when [`Member::wake_fds_changed`] says so.
+    /// Copies of the eventfds that become readable when a write completes or a read's bytes
+    /// were fetched (the control plane's log first, then the shard groups' shared logs and
+    /// their record logs): the owner waits on them with its other inputs and calls
+    /// [`Member::advance`] when one is readable. The set changes when
+    /// [`Member::wake_version`] does.
     pub fn wake_fds(&self) -> std::io::Result<Vec<std::os::fd::OwnedFd>> {
-        self.groups.wake_fds()
+        let mut fds = vec![self.node.store().wake_fd()?];
+        fds.extend(self.groups.wake_fds()?);
+        Ok(fds)
     }
 
-    /// Whether [`Member::wake_fds`] holds more than the `known` descriptors the owner took.
+    /// Changes whenever [`Member::wake_fds`] does (a shard group started or stopped here).
     #[must_use]
-    pub fn wake_fds_changed(&self, known: usize) -> bool {
-        self.groups.shared_logs() != known
+    pub fn wake_version(&self) -> u64 {
+        self.groups.wake_version()
     }
 
     /// The next frame to send to a peer.

@@ -2,7 +2,7 @@
 //! proposals go in; messages to send and applied commands come out of [`Node::advance`]. It
 //! owns raft-rs's `RawNode` (TiKV's Raft engine: elections, log matching, commit), its log
 //! store and the applied [`ControlState`]. It never does network IO and never reads a clock:
-//! the broker's cluster thread (`service.rs`) feeds it real time and real QUIC frames, and the
+//! the service's loop (`service.rs`) feeds it real time and real QUIC frames, and the
 //! seeded simulation (`tests/control_sim.rs`) feeds it a simulated network and clock.
 //!
 //! The `Ready` handling follows raft-rs's contract: messages of a leader go out before its
@@ -158,6 +158,16 @@ pub enum ProposeError {
 
 /// The default [`NodeConfig::compact_after_bytes`]: 64 MiB of entries per group.
 pub const COMPACT_AFTER_BYTES: u64 = 64 << 20;
+
+/// Writes a node keeps in flight at most ([`Node::pump`]). A follower begins the write of
+/// the next appends while the previous one is in flight, so its answers follow each other by
+/// less than a write. With one (what Raft makes ready meanwhile waits and goes out as one write), the
+/// leader acked fewer records under load on a latency-bound machine (docs/performance.md,
+/// "Cluster: writes that do not block").
+const WRITES_IN_FLIGHT: usize = 4;
+
+/// Rounds of taking stored writes and starting readies per node and [`Node::pump`], at most.
+const STARTS_PER_PASS: usize = 8;
 
 /// Most `Ready`s one [`Node::advance`] handles: raft-rs produces a new one only after more
 /// input or a persisted append, which a few passes exhaust.
@@ -439,6 +449,12 @@ impl<S: LogStore, M: Machine> Node<S, M> {
         self.raw.store()
     }
 
+    /// The node's log store, to change under it (a simulation completes a
+    /// [`MemLog::delayed`] store's writes).
+    pub fn store_mut(&mut self) -> &mut S {
+        self.raw.mut_store()
+    }
+
     /// The node's end: its log store, to close or release.
     pub fn into_store(self) -> S {
         self.raw.raft.r.raft_log.store
@@ -571,8 +587,10 @@ impl<S: LogStore, M: Machine> Node<S, M> {
 
     /// Handles everything Raft has ready: persists (waiting for the store), applies, and
     /// returns the messages to send and the commands applied. Call after every tick, step and
-    /// propose. The control plane runs this way; the shard groups use [`Node::start`] and
-    /// [`Node::poll_persisted`], which do not wait (not to be mixed on one node).
+    /// propose. The member runs its nodes with [`Node::pump`] ([`Node::start`] and
+    /// [`Node::poll_persisted`], which do not wait) and this only with no write in flight
+    /// (the control plane's recovery at open); the simulations' seeds that store each write
+    /// at once run this way.
     pub fn advance(&mut self) -> Result<Output<M::Applied>, NodeError> {
         let mut output = Output::default();
         for _ in 0..ADVANCE_PASSES {
@@ -616,8 +634,8 @@ impl<S: LogStore, M: Machine> Node<S, M> {
     /// entries (raft-rs hands out only entries stored here) and starts the write, whose view
     /// the store serves at once. The messages that need the write (votes, a follower's append
     /// responses) are held until [`Node::poll_persisted`] finds it stored. It may run again
-    /// while earlier writes are in flight. False when nothing was ready. Not to be mixed
-    /// with [`Node::advance`] on one node.
+    /// while earlier writes are in flight. False when nothing was ready. [`Node::advance`]
+    /// may run only while no write is in flight.
     pub fn start(&mut self, output: &mut Output<M::Applied>) -> Result<bool, NodeError> {
         let Some(mut ready) = self.take_ready(output)? else {
             return Ok(false);
@@ -702,6 +720,24 @@ impl<S: LogStore, M: Machine> Node<S, M> {
         self.raw.on_persist_ready(newest);
         self.tell_applied();
         Ok(true)
+    }
+
+    /// [`Node::poll_persisted`] then [`Node::start`], again while either did something, with
+    /// at most [`WRITES_IN_FLIGHT`] writes in flight and for at most [`STARTS_PER_PASS`]
+    /// rounds: a ready that
+    /// writes nothing new (a follower's forward alone) is stored as soon as the writes before
+    /// it are, and what Raft makes of a stored write may be ready at once, so both go on
+    /// here rather than at the next input. False when the bound cut it short (work is left
+    /// that no completion will announce: the owner drives again at once).
+    pub fn pump(&mut self, output: &mut Output<M::Applied>) -> Result<bool, NodeError> {
+        for _ in 0..STARTS_PER_PASS {
+            let stored = self.poll_persisted(output)?;
+            let started = self.writes_in_flight() < WRITES_IN_FLIGHT && self.start(output)?;
+            if !stored && !started {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// Writes of [`Node::start`] not yet known stored.
@@ -836,8 +872,13 @@ pub fn decode_message(bytes: &[u8]) -> Result<Message, protobuf::ProtobufError> 
     protobuf::Message::parse_from_bytes(bytes)
 }
 
-/// An in-memory log store, for the simulation and unit tests: `persist` is immediate, and the
-/// store is the "disk" a simulated crash keeps (the node restarts on it).
+/// An in-memory log store, for the simulations and unit tests. By default `persist` and
+/// `persist_begin` are immediate and the store is the "disk" a simulated crash keeps (the
+/// node restarts on it). A [`MemLog::delayed`] one keeps [`LogStore::persist_begin`]'s
+/// writes in flight until the simulation completes them ([`MemLog::complete_next`]), as a
+/// Felix log's rounds are: they are readable at once, and a crash keeps only the stored ones
+/// ([`MemLog::crash_copy`]). What waits in `raft_log.rs` (a snapshot installed, a
+/// compaction, `persist`, `persist_end`) stores every write in flight first, as there.
 #[derive(Debug, Clone, Default)]
 pub struct MemLog {
     hard_state: HardState,
@@ -845,12 +886,100 @@ pub struct MemLog {
     /// The snapshot the entries follow (index 0: none), its data the state at its index.
     snapshot: Snapshot,
     entries: Vec<Entry>,
+    /// A delayed store's writes in flight and its stored state.
+    delay: Option<Box<Delay>>,
+}
+
+/// The writes a [`MemLog::delayed`] store has in flight, and what is stored.
+#[derive(Debug, Clone, Default)]
+struct Delay {
+    /// Writes begun and not stored yet, oldest first.
+    in_flight: VecDeque<(Vec<Entry>, Option<HardState>)>,
+    /// Writes begun since the store was made.
+    writes: u64,
+    /// The store as the stored writes made it (never delayed itself).
+    stored: MemLog,
 }
 
 impl MemLog {
+    /// A store whose writes stay in flight until [`MemLog::complete_next`].
+    #[must_use]
+    pub fn delayed() -> MemLog {
+        MemLog {
+            delay: Some(Box::default()),
+            ..MemLog::default()
+        }
+    }
+
+    /// Writes in flight ([`MemLog::delayed`]; 0 otherwise).
+    #[must_use]
+    pub fn writes_in_flight(&self) -> usize {
+        self.delay.as_ref().map_or(0, |delay| delay.in_flight.len())
+    }
+
+    /// Stores the oldest write in flight (in order: `raft_log.rs` counts a write stored only
+    /// once every write before it is). False when none was in flight.
+    pub fn complete_next(&mut self) -> bool {
+        let Some(delay) = &mut self.delay else {
+            return false;
+        };
+        let Some((entries, hard_state)) = delay.in_flight.pop_front() else {
+            return false;
+        };
+        delay.stored.write(&entries, hard_state.as_ref());
+        true
+    }
+
+    /// What a crash leaves of the store: only its stored writes, as a delayed store again.
+    #[must_use]
+    pub fn crash_copy(&self) -> MemLog {
+        match &self.delay {
+            None => self.clone(),
+            Some(delay) => MemLog {
+                delay: Some(Box::new(Delay {
+                    stored: delay.stored.clone(),
+                    ..Delay::default()
+                })),
+                ..delay.stored.clone()
+            },
+        }
+    }
+
+    /// Stores every write in flight, then applies `change` to what is stored too (a change
+    /// that waits for the disk).
+    fn stored_too(
+        &mut self,
+        change: impl Fn(&mut MemLog) -> Result<(), NodeError>,
+    ) -> Result<(), NodeError> {
+        while self.complete_next() {}
+        if let Some(delay) = &mut self.delay {
+            change(&mut delay.stored)?;
+        }
+        change(self)
+    }
+
     /// Index of the snapshot the entries follow.
     fn snapshot_index(&self) -> u64 {
         self.snapshot.get_metadata().index
+    }
+
+    /// Appends `entries` (an entry at index `i` replaces `i` and everything after it) and
+    /// takes `hard_state`.
+    fn write(&mut self, entries: &[Entry], hard_state: Option<&HardState>) {
+        if let Some(first) = entries.first() {
+            let snapshot_index = self.snapshot_index();
+            assert!(
+                first.index > snapshot_index,
+                "append below the snapshot: raft-rs never asks for it"
+            );
+            let keep = usize::try_from(first.index - snapshot_index - 1).expect("in memory");
+            assert!(keep <= self.entries.len(), "append leaves no gap");
+            self.entries.truncate(keep);
+            self.entries.extend_from_slice(entries);
+        }
+        if let Some(hard_state) = hard_state {
+            self.hard_state = hard_state.clone();
+        }
     }
 }
 
@@ -927,8 +1056,10 @@ impl Storage for MemLog {
 
 impl LogStore for MemLog {
     fn bootstrap(&mut self, conf_state: ConfState) -> Result<(), NodeError> {
-        self.conf_state = conf_state;
-        Ok(())
+        self.stored_too(|log| {
+            log.conf_state = conf_state.clone();
+            Ok(())
+        })
     }
 
     fn persist(
@@ -936,29 +1067,59 @@ impl LogStore for MemLog {
         entries: &[Entry],
         hard_state: Option<&HardState>,
     ) -> Result<(), NodeError> {
-        if let Some(first) = entries.first() {
-            let snapshot_index = self.snapshot_index();
-            assert!(
-                first.index > snapshot_index,
-                "append below the snapshot: raft-rs never asks for it"
-            );
-            let keep = usize::try_from(first.index - snapshot_index - 1).expect("in memory");
-            assert!(keep <= self.entries.len(), "append leaves no gap");
-            self.entries.truncate(keep);
-            self.entries.extend_from_slice(entries);
-        }
-        if let Some(hard_state) = hard_state {
-            self.hard_state = hard_state.clone();
-        }
+        self.stored_too(|log| {
+            log.write(entries, hard_state);
+            Ok(())
+        })
+    }
+
+    fn persist_begin(
+        &mut self,
+        entries: &[Entry],
+        hard_state: Option<&HardState>,
+    ) -> Result<u64, NodeError> {
+        let Some(delay) = &mut self.delay else {
+            self.persist(entries, hard_state)?;
+            return Ok(0);
+        };
+        delay
+            .in_flight
+            .push_back((entries.to_vec(), hard_state.cloned()));
+        delay.writes += 1;
+        let number = delay.writes;
+        self.write(entries, hard_state);
+        Ok(number)
+    }
+
+    fn persisted(&mut self) -> Result<u64, NodeError> {
+        Ok(self.delay.as_ref().map_or(u64::MAX, |delay| {
+            delay.writes - delay.in_flight.len() as u64
+        }))
+    }
+
+    fn persist_end(&mut self) -> Result<(), NodeError> {
+        while self.complete_next() {}
         Ok(())
     }
 
     fn persist_commit(&mut self, commit: u64) -> Result<(), NodeError> {
-        self.hard_state.commit = commit;
-        Ok(())
+        self.stored_too(|log| {
+            log.hard_state.commit = commit;
+            Ok(())
+        })
     }
 
-    fn apply_snapshot(&mut self, mut snapshot: Snapshot) -> Result<(), NodeError> {
+    fn apply_snapshot(&mut self, snapshot: Snapshot) -> Result<(), NodeError> {
+        self.stored_too(|log| log.install(snapshot.clone()))
+    }
+
+    fn compact(&mut self, upto: u64, data: Vec<u8>) -> Result<(), NodeError> {
+        self.stored_too(|log| log.compact_to(upto, data.clone()))
+    }
+}
+
+impl MemLog {
+    fn install(&mut self, mut snapshot: Snapshot) -> Result<(), NodeError> {
         let metadata = snapshot.get_metadata().clone();
         if metadata.index <= self.snapshot_index() {
             return Ok(());
@@ -979,7 +1140,7 @@ impl LogStore for MemLog {
         Ok(())
     }
 
-    fn compact(&mut self, upto: u64, data: Vec<u8>) -> Result<(), NodeError> {
+    fn compact_to(&mut self, upto: u64, data: Vec<u8>) -> Result<(), NodeError> {
         if upto <= self.snapshot_index() {
             return Ok(());
         }

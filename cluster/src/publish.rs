@@ -80,7 +80,7 @@ pub enum PublishError {
     OffsetsUnknown,
 }
 
-/// Called exactly once with a publish's outcome, on the cluster thread (it must not block).
+/// Called exactly once with a publish's outcome, on the service loop's thread (it must not block).
 /// An answer dropped without being called (a request still queued when the service stops)
 /// answers [`PublishError::Stopped`], so no caller waits forever.
 pub struct PublishAnswer(Option<AnswerFn>);

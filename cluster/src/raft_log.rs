@@ -105,8 +105,9 @@
 //! ([`RaftLog::persist_begin`] updates it at once), which is harmless: nothing counts it
 //! stored, and the group stops with the log.
 //!
-//! Threads: used from one thread (the broker's cluster thread; a shared log's groups hold it
-//! through an `Rc`); no threads of its own beyond those the Felix log's backend spawns.
+//! Threads: used from one thread (the service's loop, on the broker's core 0; a shared log's
+//! groups hold it through an `Rc`); no threads of its own beyond those the Felix log's
+//! backend spawns.
 //! A shared log's group writes entries and hard states without blocking
 //! ([`RaftLog::persist_begin`], [`RaftLog::persisted`]); opening, [`RaftLog::persist_end`],
 //! a generation switch (compaction, a snapshot installed), a conf state and an append that
@@ -992,6 +993,14 @@ impl<B: Backend> RaftLog<B> {
         self.check_failed()?;
         self.reap_stored();
         Ok(self.in_flight.front().map_or(self.writes, |w| w.number - 1))
+    }
+
+    /// An eventfd that becomes readable when a round of the Felix log under this Raft log
+    /// completes (a copy of the log's own descriptor, for an event loop to wait on): the
+    /// owner of a log of its own then reaps it ([`RaftLog::tick`]) and asks
+    /// [`RaftLog::persisted`]; a shared log's owner uses [`SharedLog::wake_fd`].
+    pub fn wake_fd(&self) -> std::io::Result<std::os::fd::OwnedFd> {
+        self.log().wake_fd().try_clone_to_owned()
     }
 
     /// Drops the writes in flight that are stored, oldest first.

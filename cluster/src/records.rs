@@ -30,14 +30,16 @@
 //!
 //! Generation `g` is storage shard `g`; the current one is the highest the log holds.
 //!
-//! Threads: blocking reads (pread) and non-blocking writes on the caller's thread (the
-//! broker's `felix-cluster` thread), plus the threads the Felix log's backend spawns.
+//! Threads: non-blocking reads ([`ShardRecords::try_read`]) and writes on the caller's
+//! thread (the service's loop, on the broker's core 0), plus the threads the Felix log's
+//! backend spawns and its reader thread (the bytes of a read not in memory).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use felix_storage::{
-    Backend, BackendChoice, FsyncMode, Log, LogConfig, LogEvent, StorageError, SystemBackend,
+    Backend, BackendChoice, FsyncMode, Log, LogConfig, LogEvent, ReadOutcome, StorageError,
+    SystemBackend,
 };
 
 use crate::raft_log::now_unix_us;
@@ -297,39 +299,75 @@ impl<B: Backend> ShardRecords<B> {
         Ok(())
     }
 
-    /// Reads committed records from `from` out of this log: `(offset, record)` in offset
-    /// order, at most `max_records` and about `max_bytes` of keys and payloads (at least one
-    /// record). Empty from [`Self::written`] on. Blocks (preads).
+    /// Whether a read from `from` finds records here: `false` from [`Self::written`] on,
+    /// [`ReadError::Compacted`] below [`Self::oldest`].
+    fn holds(&self, from: u64) -> Result<bool, ReadError> {
+        let oldest = self.oldest();
+        if from < oldest {
+            return Err(ReadError::Compacted { oldest });
+        }
+        Ok(from < self.written())
+    }
+
+    /// [`Self::try_read`], waiting for the disk (preads on the calling thread): for tools
+    /// and tests; the member never calls it.
     pub fn read(
         &self,
         from: u64,
         max_records: usize,
         max_bytes: usize,
     ) -> Result<Vec<(u64, ShardRecord)>, ReadError> {
-        let oldest = self.oldest();
-        if from < oldest {
-            return Err(ReadError::Compacted { oldest });
-        }
-        if from >= self.written() {
+        if !self.holds(from)? {
             return Ok(Vec::new());
         }
         let records = self
             .log
             .read(self.generation, from, max_records, max_bytes)
             .map_err(|error| ReadError::Failed(format!("record log: {error}")))?;
-        Ok(records
-            .into_iter()
-            .map(|r| {
-                (
-                    r.offset,
-                    ShardRecord {
-                        timestamp_us: r.timestamp_us,
-                        key: r.key,
-                        payload: r.payload,
-                    },
-                )
-            })
-            .collect())
+        Ok(records.into_iter().map(shard_record).collect())
+    }
+
+    /// Reads committed records from `from` out of this log: `(offset, record)` in offset
+    /// order, at most `max_records` and about `max_bytes` of keys and payloads (at least one
+    /// record), empty from [`Self::written`] on. Never blocks on the disk (`Log::try_read`):
+    /// `Ok(None)` when the bytes it needs first are being fetched by the log's reader thread;
+    /// ask again once [`Self::poll_reads`] took them in (the log's [`Self::wake_fd`] wakes the
+    /// owner). A read that gathered some records before such bytes returns those.
+    pub fn try_read(
+        &self,
+        from: u64,
+        max_records: usize,
+        max_bytes: usize,
+    ) -> Result<Option<Vec<(u64, ShardRecord)>>, ReadError> {
+        if !self.holds(from)? {
+            return Ok(Some(Vec::new()));
+        }
+        let outcome = self
+            .log
+            .try_read(self.generation, from, max_records, max_bytes, None)
+            .map_err(|error| ReadError::Failed(format!("record log: {error}")))?;
+        Ok(match outcome {
+            ReadOutcome::Records(records) => Some(records.into_iter().map(shard_record).collect()),
+            ReadOutcome::Pending(_) => None,
+        })
+    }
+
+    /// Takes in the chunks the reader thread fetched; how many arrived (reads that answered
+    /// `None` may complete now). Never blocks.
+    pub fn poll_reads(&self) -> usize {
+        self.log.poll_reads()
+    }
+
+    /// Fetches on their way for [`Self::try_read`].
+    #[must_use]
+    pub fn reads_outstanding(&self) -> usize {
+        self.log.reads_outstanding()
+    }
+
+    /// A copy of the eventfd the log's reader thread (and its write completions) make
+    /// readable.
+    pub fn wake_fd(&self) -> std::io::Result<std::os::fd::OwnedFd> {
+        self.log.wake_fd().try_clone_to_owned()
     }
 
     /// Asks for an fdatasync as soon as possible (a compaction waits for it).
@@ -387,8 +425,67 @@ impl<B: Backend> ShardRecords<B> {
     }
 }
 
+fn shard_record(r: felix_storage::Record) -> (u64, ShardRecord) {
+    (
+        r.offset,
+        ShardRecord {
+            timestamp_us: r.timestamp_us,
+            key: r.key,
+            payload: r.payload,
+        },
+    )
+}
+
 /// The directory of shard group `group`'s record log under the member's `records` directory.
 #[must_use]
 pub fn records_dir(records: &Path, group: u64) -> PathBuf {
     records.join(group.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(n: u64) -> ShardRecord {
+        ShardRecord {
+            timestamp_us: n,
+            key: bytes::Bytes::from(format!("k{n}")),
+            payload: bytes::Bytes::from(format!("record {n}")),
+        }
+    }
+
+    /// A read whose bytes are not in memory answers `None` at once (the member's thread never
+    /// waits for the disk), and the records once the reader thread fetched them.
+    #[test]
+    fn a_read_that_misses_the_page_cache_waits_for_its_fetch_without_blocking() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut log =
+            ShardRecords::open(&dir.path().join("7"), &RecordsConfig::default()).expect("opens");
+        let records: Vec<(u64, ShardRecord)> = (0..100).map(|n| (n, record(n))).collect();
+        assert_eq!(log.fill(&records).expect("appended"), 100);
+        log.flush(Duration::from_secs(30)).expect("written");
+        assert_eq!(log.written(), 100);
+
+        log.log.force_read_misses(true);
+        assert!(
+            log.try_read(10, 50, usize::MAX).expect("a read").is_none(),
+            "a miss waits for its fetch"
+        );
+        assert_eq!(log.reads_outstanding(), 1);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while log.poll_reads() == 0 {
+            assert!(Instant::now() < deadline, "the fetch never arrived");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let read = log
+            .try_read(10, 50, usize::MAX)
+            .expect("a read")
+            .expect("the fetched bytes answer it");
+        assert_eq!(read, records[10..60].to_vec());
+        // Past what is written: nothing, at once; below the oldest: compacted.
+        assert_eq!(
+            log.try_read(100, 10, usize::MAX).expect("a read"),
+            Some(Vec::new())
+        );
+    }
 }

@@ -1,19 +1,22 @@
-//! The cluster member as a running service: one `felix-cluster` thread per broker, a thin
-//! loop around the sans-IO [`Member`] (`member.rs`) on the system storage backend and the
-//! peer transport (`transport.rs`): it waits for the next tick, peer frame, request,
-//! subscription change or completed shard-group write (the shared Raft logs' eventfds), hands
-//! it to the member, advances it, sends its frames, publishes its status and view, and
-//! delivers its answers. The data-plane cores never wait for it, and it never waits for a
+//! The cluster member as a running service: a thin loop around the sans-IO [`Member`]
+//! (`member.rs`) on the system storage backend and the peer transport (`transport.rs`): it
+//! waits for the next tick, peer frame, request, subscription change or completed shard-group
+//! write (the shared Raft logs' eventfds), hands it to the member, advances it, sends its
+//! frames, publishes its status and view, and delivers its answers. It never waits for a
 //! shard group's write.
 //!
-//! Threads: the service's own thread runs a current-thread tokio runtime (the transport's
-//! tasks run there too). Other threads talk to it through [`Service`]'s methods, which queue a
-//! request on a channel; blocking variants for tools wait for the answer with a deadline.
+//! Threads: the loop runs on one current-thread tokio runtime with the transport's tasks:
+//! in a broker, data-plane core 0's ([`Service::hosted`]; `dataplane/broker/src/cluster.rs`),
+//! for tools and tests a `felix-cluster` thread of its own ([`Service::start`]). Other
+//! threads (and core 0's other tasks) talk to it through [`Service`]'s methods, which queue a
+//! request on a channel; blocking variants for tools wait for the answer with a deadline and
+//! must never be called on the loop's own thread.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -53,6 +56,8 @@ pub struct ServiceConfig {
     pub identity: NodeIdentity,
     /// The cluster CA (PEM) that every peer's certificate must chain to.
     pub ca_pem: String,
+    /// The largest QUIC datagram the peer endpoints probe for (FELIX_MTU_UPPER_BOUND).
+    pub peer_max_mtu: u16,
     /// The control plane's Raft log directory.
     pub dir: PathBuf,
     /// How the replicated shards' record logs are kept (`records.rs`): their fdatasync
@@ -97,7 +102,31 @@ pub struct ClusterStatus {
     pub raft_logs: Vec<crate::groups::RaftLogStatus>,
 }
 
-/// Called exactly once with a request's outcome, on the cluster thread (it must not block):
+impl ClusterStatus {
+    /// A member whose service has not opened it yet: a follower that knows no leader.
+    #[must_use]
+    pub fn not_started(id: u64) -> Self {
+        ClusterStatus {
+            node: NodeStatus {
+                id,
+                role: crate::node::Role::Follower,
+                leader: None,
+                term: 0,
+                commit: 0,
+                applied: 0,
+                last_index: 0,
+                peers: Vec::new(),
+            },
+            state: ControlState::default(),
+            connected: Vec::new(),
+            shards: Vec::new(),
+            subscriptions: 0,
+            raft_logs: Vec::new(),
+        }
+    }
+}
+
+/// Called exactly once with a request's outcome, on the service loop's thread (it must not block):
 /// the answer to a proposal ([`Service::propose_then`]) or a read ([`Service::read_then`]).
 /// An answer dropped without being called (a request still queued when the service stops)
 /// answers [`ServiceError::Stopped`], so no caller waits forever.
@@ -236,60 +265,185 @@ impl ClusterView {
     }
 }
 
-/// A running control-plane service. Dropping it stops the thread.
+/// A running control-plane service. Dropping it stops the service's loop and waits for it
+/// (unless dropped on the thread that runs the loop, which then stops at its next turn).
+///
+/// The loop runs either on a thread of its own ([`Service::start`]: tools and tests) or on a
+/// runtime the caller owns ([`Service::hosted`]: a broker's core 0, `dataplane/broker`).
 pub struct Service {
     requests: mpsc::Sender<Request>,
     subscription_control: mpsc::UnboundedSender<SubscriptionControl>,
     view: tokio::sync::watch::Receiver<Arc<ClusterView>>,
     status: Arc<Mutex<ClusterStatus>>,
-    peer_addr: SocketAddr,
+    peer_addr: Arc<OnceLock<SocketAddr>>,
     stop: Option<oneshot::Sender<()>>,
-    thread: Option<JoinHandle<Result<(), ServiceError>>>,
+    /// The loop's outcome, sent when it ends; its sender dropped if the loop was dropped.
+    ended: Mutex<std::sync::mpsc::Receiver<Result<(), ServiceError>>>,
+    lifecycle: Arc<Lifecycle>,
+    /// The service's own thread ([`Service::start`]).
+    thread: Option<JoinHandle<()>>,
+}
+
+/// What the service and its loop both know of the loop's life.
+#[derive(Debug, Default)]
+struct Lifecycle {
+    /// The loop ended (its member stopped or failed), or never opened.
+    finished: AtomicBool,
+    /// The thread the loop runs on, once it runs.
+    thread: OnceLock<std::thread::ThreadId>,
 }
 
 impl std::fmt::Debug for Service {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Service")
-            .field("peer_addr", &self.peer_addr)
+            .field("peer_addr", &self.peer_addr.get())
             .finish_non_exhaustive()
     }
 }
 
+/// A [`Service`]'s loop before it runs ([`Service::hosted`]): [`ServiceTask::open`] opens the
+/// member on the caller's runtime, then [`OpenedService::run`] serves.
+pub struct ServiceTask {
+    config: ServiceConfig,
+    inbox: Inboxes,
+    stopped: oneshot::Receiver<()>,
+    shared: Shared,
+}
+
+impl std::fmt::Debug for ServiceTask {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServiceTask")
+            .field("member", &self.config.member.id)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What the loop publishes to its [`Service`].
+struct Shared {
+    status: Arc<Mutex<ClusterStatus>>,
+    view: tokio::sync::watch::Sender<Arc<ClusterView>>,
+    peer_addr: Arc<OnceLock<SocketAddr>>,
+    ended: std::sync::mpsc::Sender<Result<(), ServiceError>>,
+    lifecycle: Arc<Lifecycle>,
+}
+
+/// A [`Service`]'s member, opened, and its peer endpoint, started: [`OpenedService::run`]
+/// serves until the service is stopped (or `also_stop` resolves).
+pub struct OpenedService {
+    member: Member<felix_storage::SystemBackend>,
+    transport: PeerTransport,
+    frames: mpsc::Receiver<crate::transport::Inbound>,
+    inbox: Inboxes,
+    stopped: oneshot::Receiver<()>,
+    shared: Shared,
+}
+
+impl std::fmt::Debug for OpenedService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpenedService")
+            .field("member", &self.member.id())
+            .finish_non_exhaustive()
+    }
+}
+
+/// How long a stop waits for the loop to close its logs.
+const STOP_WAIT: Duration = Duration::from_secs(30);
+
 impl Service {
-    /// Opens (or recovers) the Raft log, binds the peer endpoint and starts the thread.
+    /// Opens (or recovers) the Raft logs, binds the peer endpoint and serves on a thread of
+    /// its own (`felix-cluster`); returns once the member is open.
     pub fn start(config: ServiceConfig) -> Result<Service, ServiceError> {
-        let (requests, inbox) = mpsc::channel(REQUESTS_MAX);
-        let (subscription_control, control_inbox) = mpsc::unbounded_channel();
-        let (stop, stopped) = oneshot::channel();
-        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let id = config.member.id;
+        let (mut service, task) = Service::hosted(config);
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("felix-cluster".to_owned())
-            .spawn(move || run(config, (inbox, control_inbox), stopped, ready_tx))
+            .spawn(move || {
+                let runtime = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(runtime) => runtime,
+                    Err(error) => {
+                        let _ = ready_tx.send(Err(ServiceError::Start(format!(
+                            "the cluster runtime: {error}"
+                        ))));
+                        return;
+                    }
+                };
+                runtime.block_on(async move {
+                    match task.open().await {
+                        Ok(opened) => {
+                            let _ = ready_tx.send(Ok(()));
+                            opened.run(std::future::pending()).await;
+                        }
+                        Err(error) => {
+                            let _ = ready_tx.send(Err(error));
+                        }
+                    }
+                });
+            })
             .map_err(|error| ServiceError::Start(format!("spawn the cluster thread: {error}")))?;
-        let started = ready_rx.recv_timeout(Duration::from_secs(60));
-        let (peer_addr, status, view) = match started {
-            Ok(Ok(started)) => started,
+        let opened = ready_rx.recv_timeout(Duration::from_secs(60));
+        match opened {
+            Ok(Ok(())) => {
+                service.thread = Some(thread);
+                Ok(service)
+            }
             Ok(Err(error)) => {
                 let _ = thread.join();
-                return Err(error);
+                Err(error)
             }
             Err(_) => {
                 let outcome = thread.join();
-                return Err(ServiceError::Start(format!(
+                Err(ServiceError::Start(format!(
                     "member {id}: the cluster thread stopped before it was ready: {outcome:?}"
-                )));
+                )))
             }
-        };
-        Ok(Service {
+        }
+    }
+
+    /// The service and its loop, not yet running: the caller opens the member with
+    /// [`ServiceTask::open`] on a tokio runtime of its own (a current-thread runtime, the
+    /// member's state is not `Send`), then runs [`OpenedService::run`] there. Until it opened,
+    /// requests queue and [`Service::status`] shows the member as not started.
+    #[must_use]
+    pub fn hosted(config: ServiceConfig) -> (Service, ServiceTask) {
+        let (requests, inbox) = mpsc::channel(REQUESTS_MAX);
+        let (subscription_control, control_inbox) = mpsc::unbounded_channel();
+        let (stop, stopped) = oneshot::channel();
+        let (ended_tx, ended) = std::sync::mpsc::channel();
+        let status = Arc::new(Mutex::new(ClusterStatus::not_started(config.member.id)));
+        let (view_tx, view) = tokio::sync::watch::channel(Arc::new(ClusterView {
+            member: config.member.id,
+            ..ClusterView::default()
+        }));
+        let peer_addr = Arc::new(OnceLock::new());
+        let lifecycle = Arc::new(Lifecycle::default());
+        let service = Service {
             requests,
             subscription_control,
             view,
-            status,
-            peer_addr,
+            status: Arc::clone(&status),
+            peer_addr: Arc::clone(&peer_addr),
             stop: Some(stop),
-            thread: Some(thread),
-        })
+            ended: Mutex::new(ended),
+            lifecycle: Arc::clone(&lifecycle),
+            thread: None,
+        };
+        let task = ServiceTask {
+            config,
+            inbox: (inbox, control_inbox),
+            stopped,
+            shared: Shared {
+                status,
+                view: view_tx,
+                peer_addr,
+                ended: ended_tx,
+                lifecycle,
+            },
+        };
+        (service, task)
     }
 
     /// The cluster as this member sees it, updated whenever it changes (checked at every
@@ -300,17 +454,18 @@ impl Service {
         self.view.clone()
     }
 
-    /// Where the peer endpoint listens.
+    /// Where the peer endpoint listens (once the member opened; before, the configured
+    /// address's port 0 is not known and this is `None`).
     #[must_use]
-    pub fn peer_addr(&self) -> SocketAddr {
-        self.peer_addr
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        self.peer_addr.get().copied()
     }
 
-    /// Whether the service's thread ended on its own (a fatal error, logged: a failed fsync
-    /// of a Raft log stops this member's part rather than letting it vote or ack falsely).
+    /// Whether the service's loop ended on its own (a fatal error, logged: a failed fsync of a
+    /// Raft log stops this member's part rather than letting it vote or ack falsely).
     #[must_use]
     pub fn failed(&self) -> bool {
-        self.thread.as_ref().is_some_and(JoinHandle::is_finished)
+        self.lifecycle.finished.load(Ordering::Acquire)
     }
 
     /// The control plane as this broker last saw it (updated after every event).
@@ -322,8 +477,8 @@ impl Service {
             .clone()
     }
 
-    /// Proposes `command`; `answer` is called once, on the cluster thread, when it is applied
-    /// on this broker (any broker may propose: a follower forwards to the leader), or with
+    /// Proposes `command`; `answer` is called once, on the service loop's thread, when it is
+    /// applied on this broker (any broker may propose: a follower forwards to the leader), or with
     /// [`ServiceError::Timeout`] once `timeout` passed (the proposal may still commit). Never
     /// blocks: a data-plane core's admin request comes this way.
     pub fn propose_then(&self, command: Command, timeout: Duration, answer: Answer<Outcome>) {
@@ -391,8 +546,8 @@ impl Service {
 
     /// Publishes `records` into shard `shard` of the replicated (durable) stream `stream`
     /// through this member's producer on the shard (`publish.rs`). Never blocks: `answer` is
-    /// called once, on the cluster thread, with the records' offsets once the batch is
-    /// committed (a majority including the leader has it fsynced) and applied here, or with
+    /// called once, on the service loop's thread, with the records' offsets once the batch
+    /// is committed (a majority including the leader has it fsynced) and applied here, or with
     /// why not, at the latest after `timeout`. Any replica may take a publish: a follower's
     /// proposal goes to the shard's leader.
     pub fn publish(
@@ -487,8 +642,8 @@ impl Service {
     }
 
     /// Subscribes to shards of a replicated stream on this member's copy (`subscribe.rs`).
-    /// Never blocks: `sink` hears, on the cluster thread, `Started` or `Refused`, then a batch
-    /// of committed records per credit (at most `subscribe::CREDITS` in flight; give one back
+    /// Never blocks: `sink` hears, on the service loop's thread, `Started` or `Refused`, then a
+    /// batch of committed records per credit (at most `subscribe::CREDITS` in flight; give one back
     /// with [`Service::credit`] for each batch written), until `Ended`.
     pub fn subscribe(&self, request: SubscribeRequest, sink: SubscriptionSink) {
         // A service that stopped drops the sink, which then hears `Ended(Stopped)`.
@@ -511,18 +666,39 @@ impl Service {
             .send(SubscriptionControl::Unsubscribe(id));
     }
 
-    /// Stops the thread and waits for it; returns its error, if it failed.
+    /// Stops the loop and waits for it; returns its error, if it failed.
     pub fn shutdown(mut self) -> Result<(), ServiceError> {
         self.stop_and_join()
     }
 
     fn stop_and_join(&mut self) -> Result<(), ServiceError> {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
+        let Some(stop) = self.stop.take() else {
+            return Ok(());
+        };
+        let _ = stop.send(());
+        // On the loop's own thread the loop cannot end while this waits: it stops when the
+        // thread gets back to it (or ends with its runtime).
+        if self.lifecycle.thread.get() == Some(&std::thread::current().id()) {
+            return Ok(());
         }
-        match self.thread.take() {
-            Some(thread) => thread.join().map_err(|_| ServiceError::Stopped)?,
-            None => Ok(()),
+        let ended = self
+            .ended
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .recv_timeout(STOP_WAIT);
+        // A loop that did not end in time keeps its thread (joining it could wait forever).
+        if !matches!(ended, Err(std::sync::mpsc::RecvTimeoutError::Timeout))
+            && let Some(thread) = self.thread.take()
+        {
+            let _ = thread.join();
+        }
+        match ended {
+            Ok(outcome) => outcome,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                Err(ServiceError::Timeout(STOP_WAIT))
+            }
+            // The loop was dropped before it ended (its runtime went first), or never opened.
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(ServiceError::Stopped),
         }
     }
 }
@@ -533,57 +709,29 @@ impl Drop for Service {
     }
 }
 
-type Started = Result<
-    (
-        SocketAddr,
-        Arc<Mutex<ClusterStatus>>,
-        tokio::sync::watch::Receiver<Arc<ClusterView>>,
-    ),
-    ServiceError,
->;
-
 type Inboxes = (
     mpsc::Receiver<Request>,
     mpsc::UnboundedReceiver<SubscriptionControl>,
 );
 
-fn run(
-    config: ServiceConfig,
-    inbox: Inboxes,
-    stopped: oneshot::Receiver<()>,
-    ready: std::sync::mpsc::Sender<Started>,
-) -> Result<(), ServiceError> {
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(runtime) => runtime,
-        Err(error) => {
-            let error = ServiceError::Start(format!("the cluster runtime: {error}"));
-            let _ = ready.send(Err(ServiceError::Start(error.to_string())));
-            return Err(error);
-        }
-    };
-    let outcome = runtime.block_on(serve(config, inbox, stopped, ready));
-    if let Err(error) = &outcome {
-        tracing::error!(%error, "the cluster service stopped: this member no longer takes part");
-    }
-    outcome
-}
-
-async fn serve(
-    config: ServiceConfig,
-    (mut inbox, mut control_inbox): Inboxes,
-    mut stopped: oneshot::Receiver<()>,
-    ready: std::sync::mpsc::Sender<Started>,
-) -> Result<(), ServiceError> {
-    let boot = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |since| {
-            u64::try_from(since.as_nanos()).unwrap_or(u64::MAX)
-        });
-    let setup = async {
-        let member = Member::open(
+impl ServiceTask {
+    /// Opens (or recovers) the member's Raft logs (blocking while recovery reads them) and
+    /// starts the peer endpoint on the current tokio runtime; the service's status and view
+    /// show the member from then on. A failure ends the service ([`Service::failed`]).
+    pub async fn open(self) -> Result<OpenedService, ServiceError> {
+        let ServiceTask {
+            config,
+            inbox,
+            stopped,
+            shared,
+        } = self;
+        let _ = shared.lifecycle.thread.set(std::thread::current().id());
+        let boot = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |since| {
+                u64::try_from(since.as_nanos()).unwrap_or(u64::MAX)
+            });
+        let opened = Member::open(
             MemberConfig {
                 member: config.member.clone(),
                 peers: config.peers.keys().copied().collect(),
@@ -594,107 +742,149 @@ async fn serve(
             },
             std::time::Instant::now(),
             system_backends(),
-        )?;
-        let (transport, frames) = PeerTransport::start(TransportConfig {
-            node_id: config.member.id,
-            bind: config.peer_bind,
-            peers: config.peers.clone(),
-            identity: config.identity.clone(),
-            ca_pem: config.ca_pem.clone(),
-        })
-        .map_err(|error| ServiceError::Start(format!("the peer endpoint: {error}")))?;
-        Ok::<_, ServiceError>((member, transport, frames))
-    };
-    let (mut member, transport, mut frames) = match setup.await {
-        Ok(parts) => parts,
-        Err(error) => {
-            let _ = ready.send(Err(ServiceError::Start(error.to_string())));
-            return Err(error);
-        }
-    };
-    transmit(&mut member, &transport);
-    let status = Arc::new(Mutex::new(member.status()));
-    let (view, view_watched) = tokio::sync::watch::channel(Arc::new(ClusterView::new(
-        member.id(),
-        member.state(),
-        &[],
-        &MemoryShards::new(member.id()),
-    )));
-    let _ = ready.send(Ok((
-        transport.local_addr(),
-        Arc::clone(&status),
-        view_watched,
-    )));
-    let mut wakes = Wakes::default();
-    wakes.update(&member)?;
-    let outcome = async {
-        loop {
-            tokio::select! {
-                _ = &mut stopped => return Ok(()),
-                () = wakes.readable() => {}
-                () = tokio::time::sleep_until(member.poll_timeout().into()) => {
-                    member.handle_tick(std::time::Instant::now(), &transport.connected_peers())?;
-                }
-                Some(inbound) = frames.recv() => {
-                    let now = std::time::Instant::now();
-                    member.handle_peer_frame(now, inbound.from, &inbound.frame);
-                    // Everything else already queued goes in before the nodes advance, so one
-                    // Ready (one append and one fdatasync per group) covers it all: group
-                    // commit under load.
-                    for _ in 0..BATCH_MAX {
-                        let Ok(inbound) = frames.try_recv() else { break };
-                        member.handle_peer_frame(now, inbound.from, &inbound.frame);
-                    }
-                }
-                Some(request) = inbox.recv() => {
-                    let now = std::time::Instant::now();
-                    member.handle_request(now, request);
-                    for _ in 0..BATCH_MAX {
-                        let Ok(request) = inbox.try_recv() else { break };
-                        member.handle_request(now, request);
-                    }
-                }
-                Some(control) = control_inbox.recv() => {
-                    member.handle_subscription(control);
-                    while let Ok(control) = control_inbox.try_recv() {
-                        member.handle_subscription(control);
-                    }
-                }
+        )
+        .and_then(|member| {
+            let (transport, frames) = PeerTransport::start(TransportConfig {
+                node_id: config.member.id,
+                bind: config.peer_bind,
+                peers: config.peers.clone(),
+                identity: config.identity.clone(),
+                ca_pem: config.ca_pem.clone(),
+                max_mtu: config.peer_max_mtu,
+            })
+            .map_err(|error| ServiceError::Start(format!("the peer endpoint: {error}")))?;
+            Ok((member, transport, frames))
+        });
+        let (mut member, transport, frames) = match opened {
+            Ok(parts) => parts,
+            Err(error) => {
+                tracing::error!(%error, "the cluster member did not open");
+                shared.lifecycle.finished.store(true, Ordering::Release);
+                return Err(error);
             }
-            // The member never waits for its shard groups' writes: their completions wake
-            // this loop (`wakes`), and the peer tasks take the frames while the disk works.
-            member.advance(std::time::Instant::now())?;
-            transmit(&mut member, &transport);
-            answer(&mut member, &status, &view);
-            wakes.update(&member)?;
-        }
+        };
+        let _ = shared.peer_addr.set(transport.local_addr());
+        transmit(&mut member, &transport);
+        answer(&mut member, &shared.status, &shared.view);
+        Ok(OpenedService {
+            member,
+            transport,
+            frames,
+            inbox,
+            stopped,
+            shared,
+        })
     }
-    .await;
-    member.stop();
-    while let Some(answered) = member.poll_answer() {
-        answered.deliver();
-    }
-    outcome
 }
 
-/// The eventfds of the member's shard-group logs ([`Member::wake_fds`]), registered with
-/// the runtime: readable when a write completes.
+impl OpenedService {
+    /// This member's id.
+    #[must_use]
+    pub fn member_id(&self) -> u64 {
+        self.member.id()
+    }
+
+    /// Where the peer endpoint listens.
+    #[must_use]
+    pub fn peer_addr(&self) -> SocketAddr {
+        self.transport.local_addr()
+    }
+
+    /// Serves until the [`Service`] is stopped or dropped, `also_stop` resolves (a broker's
+    /// shutdown), or the member fails; then stops the member (its logs closed cleanly) and
+    /// answers what is still waiting. Never blocks on a shard group's write.
+    pub async fn run(self, also_stop: impl std::future::Future<Output = ()>) {
+        let OpenedService {
+            mut member,
+            transport,
+            mut frames,
+            inbox: (mut inbox, mut control_inbox),
+            mut stopped,
+            shared,
+        } = self;
+        let mut also_stop = std::pin::pin!(also_stop);
+        let mut wakes = Wakes::default();
+        let outcome = async {
+            wakes.update(&member)?;
+            loop {
+                tokio::select! {
+                    _ = &mut stopped => return Ok(()),
+                    () = &mut also_stop => return Ok(()),
+                    () = wakes.readable() => {}
+                    () = tokio::time::sleep_until(member.poll_timeout().into()) => {
+                        member.handle_tick(std::time::Instant::now(), &transport.connected_peers())?;
+                    }
+                    Some(inbound) = frames.recv() => {
+                        let now = std::time::Instant::now();
+                        member.handle_peer_frame(now, inbound.from, &inbound.frame);
+                        // Everything else already queued goes in before the nodes advance, so
+                        // one Ready (one append and one fdatasync per group) covers it all:
+                        // group commit under load.
+                        for _ in 0..BATCH_MAX {
+                            let Ok(inbound) = frames.try_recv() else { break };
+                            member.handle_peer_frame(now, inbound.from, &inbound.frame);
+                        }
+                    }
+                    Some(request) = inbox.recv() => {
+                        let now = std::time::Instant::now();
+                        member.handle_request(now, request);
+                        for _ in 0..BATCH_MAX {
+                            let Ok(request) = inbox.try_recv() else { break };
+                            member.handle_request(now, request);
+                        }
+                    }
+                    Some(control) = control_inbox.recv() => {
+                        member.handle_subscription(control);
+                        while let Ok(control) = control_inbox.try_recv() {
+                            member.handle_subscription(control);
+                        }
+                    }
+                }
+                // The member never waits for its shard groups' writes: their completions wake
+                // this loop (`wakes`), and the peer tasks take the frames while the disk works.
+                member.advance(std::time::Instant::now())?;
+                transmit(&mut member, &transport);
+                answer(&mut member, &shared.status, &shared.view);
+                wakes.update(&member)?;
+            }
+        }
+        .await;
+        if let Err(error) = &outcome {
+            tracing::error!(%error, "the cluster service stopped: this member no longer takes part");
+        }
+        member.stop();
+        while let Some(answered) = member.poll_answer() {
+            answered.deliver();
+        }
+        shared.lifecycle.finished.store(true, Ordering::Release);
+        let _ = shared.ended.send(outcome);
+    }
+}
+
+/// The eventfds of the member's logs ([`Member::wake_fds`]: the control plane's, the shard
+/// groups' shared logs and their record logs), registered with the runtime: readable when a
+/// write completes or a read's bytes were fetched.
 #[derive(Default)]
 struct Wakes {
     fds: Vec<tokio::io::unix::AsyncFd<std::os::fd::OwnedFd>>,
+    /// The [`Member::wake_version`] `fds` were taken at.
+    version: Option<u64>,
 }
 
 impl Wakes {
-    /// Takes the member's eventfds again when the set changed (a shared log opened).
+    /// Takes the member's eventfds again when the set changed (a shard group started or
+    /// stopped).
     fn update<B: felix_storage::Backend>(
         &mut self,
         member: &Member<B>,
     ) -> Result<(), ServiceError> {
-        if !member.wake_fds_changed(self.fds.len()) {
+        let version = member.wake_version();
+        if self.version == Some(version) {
             return Ok(());
         }
-        let wake_error =
-            |error: std::io::Error| ServiceError::Start(format!("a shard log's eventfd: {error}"));
+        let wake_error = |error: std::io::Error| {
+            ServiceError::Start(format!("a cluster log's eventfd: {error}"))
+        };
         self.fds = member
             .wake_fds()
             .map_err(wake_error)?
@@ -706,29 +896,25 @@ impl Wakes {
             })
             .collect::<Result<_, _>>()
             .map_err(wake_error)?;
+        self.version = Some(version);
         Ok(())
     }
 
     /// Waits until one of the eventfds is readable and clears its readiness (the member's
     /// advance reads it: `felix_storage::Log::reap`). Never returns without eventfds.
     async fn readable(&self) {
-        match self.fds.as_slice() {
-            [] => std::future::pending().await,
-            [one] => clear(one).await,
-            [first, second, ..] => tokio::select! {
-                () = clear(first) => {}
-                () = clear(second) => {}
-            },
-        }
-    }
-}
-
-/// Waits for `fd` to be readable and clears the readiness.
-async fn clear(fd: &tokio::io::unix::AsyncFd<std::os::fd::OwnedFd>) {
-    match fd.readable().await {
-        Ok(mut guard) => guard.clear_ready(),
-        // Not expected of a registered eventfd; the ticks still drive the logs.
-        Err(_) => std::future::pending().await,
+        std::future::poll_fn(|cx| {
+            for fd in &self.fds {
+                // An error is not expected of a registered eventfd; the ticks still drive
+                // the logs.
+                if let std::task::Poll::Ready(Ok(mut guard)) = fd.poll_read_ready(cx) {
+                    guard.clear_ready();
+                    return std::task::Poll::Ready(());
+                }
+            }
+            std::task::Poll::Pending
+        })
+        .await;
     }
 }
 

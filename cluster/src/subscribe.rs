@@ -113,8 +113,8 @@ pub enum SubscriptionEvent {
 
 type SinkFn = Box<dyn FnMut(SubscriptionEvent) + Send>;
 
-/// Where a subscription's events go: called on the cluster thread (it must not block). A sink
-/// dropped before its subscription was refused or ended (the service stopped) hears
+/// Where a subscription's events go: called on the service loop's thread (it must not block).
+/// A sink dropped before its subscription was refused or ended (the service stopped) hears
 /// `Ended(Stopped)`, so no subscriber waits forever.
 pub struct SubscriptionSink {
     send: Option<SinkFn>,
@@ -222,7 +222,7 @@ struct Subscription {
 /// Ticks a subscription waits for remote owners to tell where it starts.
 pub const RESOLVE_TICKS_MAX: u64 = 50;
 
-/// The subscriptions served by this member's cluster thread.
+/// The subscriptions this member serves.
 #[derive(Debug, Default)]
 pub struct Subscriptions {
     open: BTreeMap<u64, Subscription>,
@@ -599,8 +599,11 @@ impl Cursor {
                 if from >= next {
                     return Ok(Vec::new());
                 }
+                // A read waiting for the disk reads nothing yet: the member's next pass, once
+                // the record log fetched the bytes (its eventfd wakes the owner), asks again.
                 view.groups
                     .read_bytes(*group, from, max_records, max_bytes)
+                    .map(Option::unwrap_or_default)
                     .map_err(|error| match error {
                         ReadError::Compacted { oldest } => SubscribeError::TooOld {
                             shard,

@@ -21,7 +21,8 @@
 //!   (Raft retransmits what is lost; a forward's sender is told). Inbound frames go to one
 //!   bounded channel.
 //!
-//! Threads: everything runs as tasks on the caller's tokio runtime (the cluster thread's).
+//! Threads: everything runs as tasks on the caller's tokio runtime (the service loop's: the
+//! broker's core 0).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -88,6 +89,11 @@ pub struct TransportConfig {
     pub identity: NodeIdentity,
     /// The cluster CA (PEM).
     pub ca_pem: String,
+    /// The largest QUIC datagram the peer endpoints probe for (path MTU discovery's upper
+    /// bound; the broker's FELIX_MTU_UPPER_BOUND, as its client endpoints'). s2n-quic's own
+    /// default is 1,500: an append of a few kilobytes then takes several packets, each
+    /// encrypted and sent on its own.
+    pub max_mtu: u16,
 }
 
 /// A frame from a peer.
@@ -219,7 +225,7 @@ fn server(config: &TransportConfig) -> Result<s2n_quic::Server, TransportError> 
     s2n_quic::Server::builder()
         .with_tls(tls)
         .map_err(tls_error)?
-        .with_io(config.bind)
+        .with_io(io(config.bind, config.max_mtu).map_err(&endpoint_error)?)
         .map_err(|error| endpoint_error(error.to_string()))?
         .with_limits(limits()?)
         .map_err(|error| endpoint_error(error.to_string()))?
@@ -227,6 +233,16 @@ fn server(config: &TransportConfig) -> Result<s2n_quic::Server, TransportError> 
         .map_err(|error| endpoint_error(error.to_string()))?
         .start()
         .map_err(|error| endpoint_error(error.to_string()))
+}
+
+/// A peer endpoint's UDP IO on `bind`, probing datagrams up to `max_mtu`; a failure as the
+/// reason the endpoint cannot start.
+fn io(bind: SocketAddr, max_mtu: u16) -> Result<s2n_quic::provider::io::tokio::Provider, String> {
+    s2n_quic::provider::io::tokio::Builder::default()
+        .with_receive_address(bind)
+        .and_then(|builder| builder.with_max_mtu(max_mtu))
+        .and_then(|builder| builder.build())
+        .map_err(|error| error.to_string())
 }
 
 fn client(config: &TransportConfig) -> Result<s2n_quic::Client, TransportError> {
@@ -247,7 +263,7 @@ fn client(config: &TransportConfig) -> Result<s2n_quic::Client, TransportError> 
     s2n_quic::Client::builder()
         .with_tls(tls)
         .map_err(tls_error)?
-        .with_io(bind)
+        .with_io(io(bind, config.max_mtu).map_err(&endpoint_error)?)
         .map_err(|error| endpoint_error(error.to_string()))?
         .with_limits(limits()?)
         .map_err(|error| endpoint_error(error.to_string()))?

@@ -8,12 +8,13 @@
 //! `FELIX_CLUSTER_SIM_SEEDS` (default 60) and `FELIX_CLUSTER_SIM_FIRST` choose the seeds.
 
 mod group;
+mod seeds;
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use felix_cluster::control::{Command, ControlState, Member, Outcome, StreamKind};
 use felix_cluster::node::Applied;
-use group::{Group, Identity, for_seeds};
+use group::{Group, Identity};
 use rand::Rng;
 
 impl Identity for Applied {
@@ -198,5 +199,5 @@ fn run(seed: u64) {
 
 #[test]
 fn control_plane_keeps_raft_safety_under_faults() {
-    for_seeds("control-plane", 60, run);
+    seeds::for_seeds("control-plane", "FELIX_CLUSTER_SIM", 0, 60, run);
 }

@@ -45,6 +45,8 @@ fn identity_config(
             .collect(),
         identity,
         ca_pem: ca.cert_pem.clone(),
+        // The broker's default FELIX_MTU_UPPER_BOUND.
+        max_mtu: 4096,
     }
 }
 

@@ -411,8 +411,8 @@ settings! {
         kind: Kind::Count { min: MTU_UPPER_BOUND_MIN, max: MTU_UPPER_BOUND_MAX },
         default: Fixed("4096"),
         restart: Restart::Broker,
-        doc: "Largest QUIC datagram the broker probes for (path MTU discovery upper bound). \
-              Values above 16384 are clamped to 16384 with a warning: s2n-quic corrupts \
+        doc: "Largest QUIC datagram the broker probes for (path MTU discovery upper bound), \
+              on its client endpoints and, in a cluster, its peer endpoints. Values above 16384 are clamped to 16384 with a warning: s2n-quic corrupts \
               memory with GSO above 32768.",
     }
     broker_pub_conn_recv_window {

@@ -63,6 +63,8 @@ impl Cluster {
                 peers: peers.clone(),
                 identity: self.ca.issue_node(id, &[]).expect("cert"),
                 ca_pem: self.ca.cert_pem.clone(),
+                // The broker's default FELIX_MTU_UPPER_BOUND.
+                peer_max_mtu: 4096,
                 dir: dir.clone(),
                 records: felix_cluster::records::RecordsConfig::default(),
             }) {

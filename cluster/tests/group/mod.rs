@@ -9,7 +9,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use felix_cluster::node::{Machine, MemLog, Node, NodeConfig, Role};
+use felix_cluster::node::{Machine, MemLog, Node, NodeConfig, Output, Role};
 use raft::prelude::{Message, MessageType};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -32,6 +32,11 @@ pub struct Shape {
     /// Leaders tell followers new commits lazily (`NodeConfig::lazy_commit`, as the shard
     /// groups do): on the next append or heartbeat, or when told to at a random later step.
     pub lazy_commit: bool,
+    /// Writes stay in flight across steps (`MemLog::delayed`) and the nodes run as the
+    /// member runs them (`Node::pump`: votes and append responses held until their write is
+    /// stored; a crash keeps only the stored writes); otherwise each write is stored at once
+    /// (`Node::advance`).
+    pub delayed: bool,
 }
 
 impl Shape {
@@ -46,6 +51,7 @@ impl Shape {
             // Equal timeouts in some runs: split votes and vote-crash races.
             same_timeouts: rng.random_ratio(1, 3),
             lazy_commit: rng.random_ratio(1, 2),
+            delayed: rng.random_ratio(2, 3),
         }
     }
 }
@@ -104,7 +110,12 @@ where
             config.lazy_commit = shape.lazy_commit;
             config.boot = rng.random();
             phase.insert(id, rng.random_range(0..TICK_MS / STEP_MS));
-            let node = Node::with_machine(&config, MemLog::default(), fresh.clone()).expect("node");
+            let store = if shape.delayed {
+                MemLog::delayed()
+            } else {
+                MemLog::default()
+            };
+            let node = Node::with_machine(&config, store, fresh.clone()).expect("node");
             members.insert(id, Some(node));
             configs.insert(id, config);
         }
@@ -215,13 +226,24 @@ where
         let mut applied = Vec::new();
         for id in self.ids() {
             let tell = self.rng.random_ratio(1, 2);
-            let Some(node) = self.member(id) else {
+            let Some(node) = self.members.get_mut(&id).and_then(Option::as_mut) else {
                 continue;
             };
             if tell && node.commit_untold() {
                 node.tell_commit();
             }
-            let output = node.advance().expect("advance");
+            let output = if self.shape.delayed {
+                // The disk completes some of the writes in flight, in order.
+                while node.store().writes_in_flight() > 0 && self.rng.random_ratio(3, 5) {
+                    node.store_mut().complete_next();
+                }
+                let mut output = Output::default();
+                node.pump(&mut output).expect("pump");
+                node.compact_if_due().expect("compact");
+                output
+            } else {
+                node.advance().expect("advance")
+            };
             self.send(output.messages, faults);
             for entry in output.applied {
                 let identity = entry.identity();
@@ -251,8 +273,8 @@ where
             if let Some(slot) = self.members.get_mut(&id)
                 && let Some(node) = slot.take()
             {
-                // What `persist` returned for is what survives.
-                let store = node.store().clone();
+                // What the disk stored is what survives.
+                let store = node.store().crash_copy();
                 let down_ms = self.rng.random_range(10..3_000);
                 self.crashed.insert(id, (store, self.now_ms + down_ms));
                 crashed.push(id);
@@ -315,27 +337,5 @@ where
     pub fn describe(&self) -> String {
         let statuses: Vec<_> = self.live().map(Node::status).collect();
         format!("{statuses:#?}")
-    }
-}
-
-/// Runs `run` for the seeds `FELIX_CLUSTER_SIM_FIRST..+FELIX_CLUSTER_SIM_SEEDS` (default
-/// `default_seeds` from 0), naming the seed of a failure.
-pub fn for_seeds(what: &str, default_seeds: u64, run: impl Fn(u64) + std::panic::RefUnwindSafe) {
-    let seeds: u64 = std::env::var("FELIX_CLUSTER_SIM_SEEDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default_seeds);
-    let first: u64 = std::env::var("FELIX_CLUSTER_SIM_FIRST")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
-    for seed in first..first + seeds {
-        if let Err(panic) = std::panic::catch_unwind(|| run(seed)) {
-            eprintln!(
-                "{what} simulation failed at seed {seed} \
-                 (FELIX_CLUSTER_SIM_FIRST={seed} FELIX_CLUSTER_SIM_SEEDS=1 reproduces it)"
-            );
-            std::panic::resume_unwind(panic);
-        }
     }
 }

@@ -1,14 +1,16 @@
 //! The broker's place in a cluster (docs/cluster.md): with FELIX_CLUSTER_NODE_ID set, the
-//! broker checks the cluster settings, loads its peer certificate and starts the control
-//! plane's service (`felix_cluster::service`) on its own `felix-cluster` thread, which the
-//! data-plane cores never wait for. The metrics endpoint answers `GET /v1/cluster/status`
-//! from it (`metrics.rs`).
+//! broker checks the cluster settings, loads its peer certificate and prepares the control
+//! plane's service (`felix_cluster::service`), whose loop core 0 runs as one of its tasks
+//! ([`host`], from `runtime.rs`): the member and its peer endpoint share core 0's thread and
+//! runtime, and the member never waits for a shard group's write. The metrics endpoint
+//! answers `GET /v1/cluster/status` from it (`metrics.rs`).
 //!
 //! Each core has a [`CoreLink`] to the service: what the core's state machine asks of the
 //! cluster (publish parts, admin, subscriptions: `felix_core`'s `cluster.rs`) is routed by
-//! `felix_cluster::link` (IO-free, shared with the simulation) to the service, and the answers
-//! come back to the core on its own thread ([`core_task`]), at most
-//! `felix_cluster::subscribe::CREDITS` batches in flight per subscription.
+//! `felix_cluster::link` (IO-free, shared with the simulation) to the service's queue, and
+//! the answers come back to the core on its own thread ([`core_task`]), at most
+//! `felix_cluster::subscribe::CREDITS` batches in flight per subscription. On core 0 neither
+//! crosses a thread.
 
 use std::path::Path;
 use std::rc::Rc;
@@ -17,7 +19,7 @@ use std::sync::Arc;
 use felix_cluster::control::Member;
 use felix_cluster::link::{self, EventSink, LinkEvent};
 use felix_cluster::pki::NodeIdentity;
-use felix_cluster::service::{ClusterView, Service, ServiceConfig, parse_members};
+use felix_cluster::service::{ClusterView, Service, ServiceConfig, ServiceTask, parse_members};
 use felix_core::ClusterRequest;
 use felix_tuning::Config;
 
@@ -50,14 +52,17 @@ fn read_pem(env: &'static str, path: Option<&Path>) -> Result<String, BrokerErro
     })
 }
 
-/// Starts the cluster service when FELIX_CLUSTER_NODE_ID is set; `client_addr` is where
-/// clients reach this broker, `cores` its data-plane cores. A bad cluster setting stops
-/// start-up naming the variable.
-pub(crate) fn start(
+/// Prepares the cluster service when FELIX_CLUSTER_NODE_ID is set; `client_addr` is where
+/// clients reach this broker, `cores` its data-plane cores, `mtu` the largest datagram its
+/// endpoints probe for (FELIX_MTU_UPPER_BOUND, clamped), the peer endpoints' too. Core 0
+/// opens and runs the returned loop ([`host`]). A bad cluster setting stops start-up naming
+/// the variable.
+pub(crate) fn prepare(
     config: &Config,
     client_addr: std::net::SocketAddr,
     cores: u16,
-) -> Result<Option<Arc<Service>>, BrokerError> {
+    mtu: u16,
+) -> Result<Option<(Arc<Service>, ServiceTask)>, BrokerError> {
     let id = u64::from(config.cluster_node_id);
     if id == 0 {
         return Ok(None);
@@ -86,7 +91,7 @@ pub(crate) fn start(
         cert_pem,
         key_pem,
     };
-    let service = Service::start(ServiceConfig {
+    let (service, task) = Service::hosted(ServiceConfig {
         member: Member {
             id,
             client_addr: client_addr.to_string(),
@@ -97,6 +102,7 @@ pub(crate) fn start(
         peers: members,
         identity,
         ca_pem,
+        peer_max_mtu: mtu,
         dir: config.data_dir.join("cluster").join("raft"),
         records: felix_cluster::records::RecordsConfig {
             fsync_interval: std::time::Duration::from_millis(config.durable_fsync_interval_ms),
@@ -110,14 +116,32 @@ pub(crate) fn start(
             segment_bytes: felix_cluster::records::RECORD_LOG_SEGMENT_BYTES
                 .min(config.durable_segment_bytes),
         },
-    })
-    .map_err(|error| BrokerError::Cluster(error.to_string()))?;
+    });
+    Ok(Some((Arc::new(service), task)))
+}
+
+/// Opens the cluster member on core 0's thread (recovery reads its Raft logs: the core
+/// serves once it is open, as it does after its own log's recovery) and starts its loop as a
+/// task of the core's runtime; the task ends when `shutdown` fires (the broker's shutdown),
+/// the service is stopped, or the member fails. The core awaits the returned handle before
+/// it closes its own log, so the member's logs close cleanly first.
+pub(crate) async fn host(
+    task: ServiceTask,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) -> Result<tokio::task::JoinHandle<()>, BrokerError> {
+    let opened = task
+        .open()
+        .await
+        .map_err(|error| BrokerError::Cluster(error.to_string()))?;
     tracing::info!(
-        id,
-        peer_addr = %service.peer_addr(),
-        "cluster member started (control plane on the felix-cluster thread)"
+        member = opened.member_id(),
+        peer_addr = ?opened.peer_addr(),
+        "cluster member started (its loop on core 0)"
     );
-    Ok(Some(Arc::new(service)))
+    Ok(tokio::task::spawn_local(opened.run(async move {
+        // A dropped trigger stops the broker too.
+        let _ = shutdown.wait_for(|stop| *stop).await;
+    })))
 }
 
 /// One core's link to the cluster service: requests go to the service (which never blocks)

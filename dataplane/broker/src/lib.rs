@@ -169,12 +169,13 @@ impl Broker {
             own_sockets.push(socket);
         }
         let core_ports: Vec<u16> = own_sockets.iter().map(|s| s.local_addr.port()).collect();
-        // The control plane, when this broker is a cluster member: started once the client
-        // address is known, before the cores serve.
-        let cluster = cluster::start(config, shared_addr, core_count)?;
-        if let Some(service) = &cluster {
-            let _ = cluster_slot.set(Arc::clone(service));
-        }
+        // The control plane, when this broker is a cluster member: prepared once the client
+        // address is known; core 0 opens the member before it serves, and runs its loop.
+        let (cluster, mut cluster_task) =
+            match cluster::prepare(config, shared_addr, core_count, mtu)? {
+                Some((service, task)) => (Some(service), Some(task)),
+                None => (None, None),
+            };
         let mesh =
             Arc::new(mesh::Mesh::new(core_count).map_err(|error| {
                 BrokerError::Core(format!("cannot build the core mesh: {error}"))
@@ -231,6 +232,11 @@ impl Broker {
                 client_ca: client_ca.clone(),
                 tokens: token_receiver.clone(),
                 cluster: cluster.clone(),
+                cluster_task: if core.index == 0 {
+                    cluster_task.take()
+                } else {
+                    None
+                },
             };
             match CoreRuntime::spawn(
                 settings,
@@ -248,6 +254,10 @@ impl Broker {
                     return Err(error);
                 }
             }
+        }
+        // Core 0 reported ready, so the member is open: its status is real from here.
+        if let Some(service) = &cluster {
+            let _ = cluster_slot.set(Arc::clone(service));
         }
         Ok(Broker {
             quic_addr: shared_addr,

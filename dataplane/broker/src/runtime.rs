@@ -36,6 +36,8 @@ const CLOSE_PACKET_LINGER: Duration = Duration::from_millis(100);
 /// How often the timer task applies retention (when FELIX_DURABLE_RETENTION_* is set):
 /// deleting whole segments is coarse, so checking every few seconds is plenty.
 const RETENTION_CHECK_INTERVAL: Duration = Duration::from_secs(5);
+/// How long a clean shutdown waits for the cluster member (on core 0) to close its logs.
+const CLUSTER_SHUTDOWN: Duration = Duration::from_secs(10);
 /// How long a clean shutdown waits for the log to write and fdatasync what it holds.
 const DURABLE_SHUTDOWN_FLUSH: Duration = Duration::from_secs(10);
 
@@ -69,6 +71,8 @@ pub(crate) struct CoreSettings {
     pub tokens: watch::Receiver<Arc<TokenStore>>,
     /// The cluster service, when this broker is a cluster member.
     pub cluster: Option<Arc<felix_cluster::service::Service>>,
+    /// The cluster service's loop: core 0 opens the member and runs it (`cluster::host`).
+    pub cluster_task: Option<felix_cluster::service::ServiceTask>,
 }
 
 /// What a core reports once it is pinned and its endpoints listen.
@@ -237,6 +241,11 @@ fn run_thread(
                     reason: format!("cannot restore stream {name:?}: {}", ErrorChain(&error)),
                 })
             })?;
+        // The cluster member opens here, before the core serves: its recovery, like the log's.
+        let hosted = match settings.cluster_task {
+            Some(task) => Some(crate::cluster::host(task, shutdown.clone()).await?),
+            None => None,
+        };
         let (cluster_link, cluster_parts) = match settings.cluster {
             Some(service) => {
                 let streams = service.view();
@@ -276,6 +285,18 @@ fn run_thread(
         tokens.abort();
         if let Some(cluster) = cluster {
             cluster.abort();
+        }
+        if let Some(hosted) = hosted {
+            // The member saw the shutdown too: it closes its logs and answers what waits.
+            if tokio::time::timeout(CLUSTER_SHUTDOWN, hosted)
+                .await
+                .is_err()
+            {
+                tracing::warn!(
+                    core = index,
+                    "the cluster member did not stop within {CLUSTER_SHUTDOWN:?}"
+                );
+            }
         }
         shell.shutdown_log(DURABLE_SHUTDOWN_FLUSH);
         Ok(())

@@ -687,6 +687,34 @@ fn three_brokers_elect_register_and_spread_each_streams_leaders() {
         }
         assert_eq!(received, acked, "every record where its ack said, once");
     });
+    drop(runtime);
+
+    // The member runs on data-plane core 0 (its loop is one of the core's tasks): a member's
+    // process has no thread of its own for the cluster.
+    for broker in cluster.brokers.values() {
+        let threads = broker.thread_names();
+        assert!(threads.iter().any(|t| t == "felix-core-0"), "{threads:?}");
+        assert!(
+            !threads.iter().any(|t| t.contains("cluster")),
+            "{threads:?}"
+        );
+    }
+    // A clean stop (SIGTERM) stops the member with core 0: its logs closed, the broker exits 0,
+    // and it comes back with its copy.
+    let mut cluster = cluster;
+    let stopped = cluster.brokers.get_mut(&follower).expect("follower");
+    assert!(stopped.terminate().success());
+    let said = stopped.stderr_text();
+    assert!(!said.contains("did not stop"), "{said}");
+    assert!(!said.contains("no longer takes part"), "{said}");
+    stopped.restart();
+    cluster.settled(&[1, 2, 3]);
+    wait_for(
+        &cluster,
+        &[follower],
+        "the restarted member's twelve groups",
+        |statuses| statuses.iter().all(|s| s.shards.len() == 12),
+    );
 }
 
 #[test]

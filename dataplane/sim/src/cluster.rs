@@ -65,6 +65,11 @@ pub struct ClusterShape {
     pub fault_rate: u64,
     /// Raft entries a shard group keeps before it compacts (small: members behind fetch).
     pub compact_after: u64,
+    /// Per mille of the record logs' looks at the page cache that miss: a miss holds the
+    /// read (a member's copy read, a peer's fetch, a subscriber's) until `disks` completes
+    /// its fetch. From the seed itself (0, 300 or 1,000), not drawn, so the other draws of a
+    /// seed stay as they were.
+    pub read_misses: u64,
 }
 
 impl ClusterShape {
@@ -76,6 +81,7 @@ impl ClusterShape {
             loss: [0, 10, 50][rng.index(3)],
             fault_rate: [0, 4, 10][rng.index(3)],
             compact_after: [16, 64, 10_000][rng.index(3)],
+            read_misses: 0,
         }
     }
 }
@@ -91,6 +97,8 @@ pub struct ClusterStats {
     pub kills: u64,
     pub partitions: u64,
     pub records: u64,
+    /// Record-log reads that missed the page cache and waited for their fetch.
+    pub fetches: u64,
 }
 
 impl ClusterStats {
@@ -102,6 +110,7 @@ impl ClusterStats {
         self.kills += other.kills;
         self.partitions += other.partitions;
         self.records += other.records;
+        self.fetches += other.fetches;
     }
 }
 
@@ -255,12 +264,16 @@ pub struct ClusterWorld {
     created: bool,
     pub trace: Trace,
     pub stats: ClusterStats,
+    /// Draws the completions of the record logs' held fetches (apart from `rng`, so a seed
+    /// without read misses runs as it did before they existed).
+    fetch_rng: Rng,
 }
 
 impl ClusterWorld {
     pub fn new(seed: u64, steps: u64, trace: Trace) -> ClusterWorld {
         let mut rng = Rng::new(seed);
-        let shape = ClusterShape::draw(&mut rng, steps);
+        let mut shape = ClusterShape::draw(&mut rng, steps);
+        shape.read_misses = [0, 300, 1_000][usize::try_from(seed % 3).expect("small")];
         let root = tempfile::tempdir().expect("a temporary directory");
         let mut world = ClusterWorld {
             rng,
@@ -277,6 +290,7 @@ impl ClusterWorld {
             created: false,
             trace,
             stats: ClusterStats::default(),
+            fetch_rng: Rng::new(seed ^ 0x5EED_F37C),
             _root: root,
         };
         world.trace.line(format!("cluster shape {:?}", world.shape));
@@ -318,11 +332,20 @@ impl ClusterWorld {
         node.runs += 1;
         node.member_faults.borrow_mut().clear();
         let faults = Rc::clone(&node.member_faults);
+        let control_dir = node.dir.join("cluster").join("raft");
+        let held_dir = control_dir.clone();
+        let read_misses = self.shape.read_misses;
+        let runs = node.runs;
         let open = Box::new(move |dir: &Path| {
             let (backend, fault) = FaultBackend::new(true)?;
-            if felix_cluster::groups::is_shared_raft_log(dir) {
-                // The shard groups' writes stay in flight across steps (`Sim::disks`).
+            if felix_cluster::groups::is_shared_raft_log(dir) || dir == held_dir {
+                // The Raft logs' writes (the shard groups' and the control plane's) stay in
+                // flight across steps (`Sim::disks`).
                 fault.hold_rounds(true);
+            } else {
+                // A record log: its reads miss the page cache as the seed says, and wait.
+                let opened = faults.borrow().len() as u64;
+                fault.set_read_misses(read_misses, (id << 40) ^ (runs << 20) ^ opened);
             }
             faults.borrow_mut().push(fault);
             Ok(backend)
@@ -335,7 +358,7 @@ impl ClusterWorld {
                 cores,
             },
             peers: (1..=BROKERS).filter(|peer| *peer != id).collect(),
-            dir: node.dir.join("cluster").join("raft"),
+            dir: control_dir,
             records: RecordsConfig {
                 compact_after,
                 ..RecordsConfig::default()
@@ -515,6 +538,10 @@ impl ClusterWorld {
                     } else {
                         fault.complete_next();
                     }
+                }
+                while fault.held_fetches() > 0 && self.fetch_rng.below(100) < 60 {
+                    fault.complete_next_fetch();
+                    self.stats.fetches += 1;
                 }
             }
         }
@@ -1085,11 +1112,33 @@ impl ClusterWorld {
             while let Some(answered) = member.poll_answer() {
                 answered.deliver();
             }
+            // A read whose record-log bytes missed the page cache is answered once they were
+            // fetched: the fetches complete, the member goes on with them.
+            let faults = Rc::clone(&self.nodes[&id].member_faults);
+            for _ in 0..1_000 {
+                if answer.lock().expect("lock").is_some() {
+                    break;
+                }
+                for fault in faults.borrow().iter() {
+                    while fault.complete_next_fetch() {
+                        self.stats.fetches += 1;
+                    }
+                }
+                let member = self
+                    .nodes
+                    .get_mut(&id)
+                    .and_then(|n| n.member.as_mut())
+                    .expect("alive");
+                member.advance(now.at).expect("advance");
+                while let Some(answered) = member.poll_answer() {
+                    answered.deliver();
+                }
+            }
             let read = answer
                 .lock()
                 .expect("lock")
                 .take()
-                .expect("a read is answered at once")
+                .expect("a read is answered once its fetches completed")
                 .expect("the read");
             if read.is_empty() {
                 return all;

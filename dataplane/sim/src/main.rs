@@ -188,14 +188,16 @@ fn cluster_main(options: &Options, started: Instant) -> ExitCode {
     );
     println!(
         "felix-sim --cluster: exercised {} publishes ({} acked, {} refused, {} idempotent retries), \
-         {} records audited, {} broker kills with power cuts, {} partitions",
+         {} records audited, {} broker kills with power cuts, {} partitions, {} record-log \
+         reads that waited for their fetch",
         total.publishes,
         total.acked,
         total.refused,
         total.retries,
         total.records,
         total.kills,
-        total.partitions
+        total.partitions,
+        total.fetches
     );
     if failures.is_empty() {
         ExitCode::SUCCESS

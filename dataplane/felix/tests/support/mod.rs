@@ -310,6 +310,18 @@ impl BrokerProcess {
             .expect("VmRSS in kB")
     }
 
+    /// The names of the broker's threads (`/proc/<pid>/task/*/comm`).
+    pub fn thread_names(&self) -> Vec<String> {
+        let tasks = format!("/proc/{}/task", self.child.0.id());
+        let mut names: Vec<String> = std::fs::read_dir(&tasks)
+            .expect("the broker's /proc tasks")
+            .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("comm")).ok())
+            .map(|name| name.trim_end().to_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
     /// Sends SIGTERM and waits (within the deadline) for the broker to exit.
     pub fn terminate(&mut self) -> std::process::ExitStatus {
         self.stop_with("TERM")
